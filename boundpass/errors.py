@@ -1,0 +1,27 @@
+"""Errors boundpass raises for people: each says what is wrong and what to change."""
+from __future__ import annotations
+
+
+class BoundpassError(Exception):
+    """Base class of every error boundpass raises on purpose."""
+
+
+class BoundpassInputError(BoundpassError, ValueError):
+    """Bad input (units, shapes, degrees) found before any large allocation."""
+
+
+class InfeasibleBudgetError(BoundpassError):
+    """A memory term (or their sum) cannot fit the per-rank budget.
+
+    Attributes name the binding term so programs can react: ``term`` (name), ``formula`` (sympy text),
+    ``value_bytes`` (at these shapes), ``budget_bytes`` and ``knob`` (what would fix it).
+    """
+
+    def __init__(self, message: str, *, term: str, formula: str, value_bytes: int,
+                 budget_bytes: int, knob: str):
+        super().__init__(message)
+        self.term = term
+        self.formula = formula
+        self.value_bytes = value_bytes
+        self.budget_bytes = budget_bytes
+        self.knob = knob

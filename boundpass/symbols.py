@@ -1,0 +1,37 @@
+"""The shared sympy vocabulary every bound is written in (SPEC.md notation)."""
+from __future__ import annotations
+
+import sympy
+
+_pos = dict(integer=True, positive=True)
+
+N = sympy.Symbol("N", **_pos)          # tokens on this rank (per-rank token ceiling)
+N_max = sympy.Symbol("N_max", **_pos)  # largest per-rank token count in a ring / EP group
+H = sympy.Symbol("H", **_pos)          # hidden size
+V = sympy.Symbol("V", **_pos)          # vocabulary size
+P = sympy.Symbol("P", **_pos)          # ring (data-parallel) degree of Ring-DTP
+C = sympy.Symbol("C", **_pos)          # vocab sub-block (strip width) of Ring-DTP
+E = sympy.Symbol("E", **_pos)          # experts
+E_p = sympy.Symbol("E_p", **_pos)      # expert-parallel degree
+k = sympy.Symbol("k", **_pos)          # router top-k
+c = sympy.Symbol("c", **_pos)          # PipelinedLLEP per-source token cap per chunk
+I = sympy.Symbol("I", **_pos)          # expert intermediate size
+L = sympy.Symbol("L", **_pos)          # layers
+W = sympy.Symbol("W", **_pos)          # ranks
+beta = sympy.Symbol("beta", **_pos)    # OffloadStreamAdamW bucket size (parameters)
+S = sympy.Symbol("S", **_pos)          # OffloadStreamAdamW staging slots
+Theta = sympy.Symbol("Theta", **_pos)  # parameters
+b = sympy.Symbol("b", **_pos)          # bytes per element of activations / weights (input dtype)
+b_acc = sympy.Symbol("b_acc", **_pos)  # bytes per element of the accumulation dtype (fp32 = 4)
+b_idx = sympy.Symbol("b_idx", **_pos)  # bytes per label / index element (int64 = 8)
+
+ALL = {s.name: s for s in (N, N_max, H, V, P, C, E, E_p, k, c, I, L, W, beta, S, Theta, b, b_acc, b_idx)}
+
+
+def evaluate(expr: sympy.Expr, values: dict) -> int:
+    """Evaluate a bound at concrete values (symbols or their names as keys) to an int number of bytes."""
+    subs = {ALL[key] if isinstance(key, str) else key: val for key, val in values.items()}
+    out = sympy.sympify(expr).subs(subs)
+    if out.free_symbols:
+        raise ValueError(f"bound {expr} still has free symbols {sorted(map(str, out.free_symbols))}")
+    return int(sympy.ceiling(out))

@@ -1,0 +1,1 @@
+"""torchtitan integration: CPU shims and ready model builders (import boundpass.recipes)."""

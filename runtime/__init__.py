@@ -1,0 +1,9 @@
+"""The bounded operators, usable without the compiler (import boundpass.runtime)."""
+from boundpass.runtime.ring_dtp import (  # noqa: F401
+    choose_branch,
+    reference_loss,
+    ring_dtp_bound,
+    ring_dtp_loss,
+    vocab_shard_range,
+    vocab_shard_sizes,
+)

@@ -1,0 +1,441 @@
+"""Ring-DTP: fused output projection + cross-entropy over the P ranks of a ring, never forming [N, V] logits.
+
+Each rank r holds its own batch h_r [N_r, H] with labels [N_r] and its own vocab shard W_r [V_r, H]
+(rows ``vocab_shard_range(V, P, r)``; V need not divide by P). Over P ring rounds every batch meets every
+shard once; each round makes logit strips [N, C] (C <= V_r), folds them into a per-token online
+log-sum-exp state (running max, running sum of exponentials, target logit) and frees them.
+
+Two branches (SPEC.md §2): **move activations** circulates each batch (and its state, or in backward its
+dh accumulator) when N_max < V_max; **move weights** circulates the shards (and in backward their dW
+accumulators) otherwise. Backward recomputes strips from the saved log-sum-exp, so both dh and dW are exact.
+
+The op returns this rank's *sum* of token losses (ignore_index tokens excluded) and the per-token
+log-sum-exp. Dividing by the global number of valid tokens (torchtitan's normalisation) is the caller's.
+dW_r holds the contributions of *every* rank's batch to shard r: the gradient of sum_r loss_r.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from boundpass import symbols as sym
+from boundpass.errors import BoundpassInputError
+
+BRANCHES = ("auto", "activations", "weights")
+
+
+# ----------------------------------------------------------------------------------------------- shards
+def vocab_shard_sizes(vocab_size: int, ring_size: int) -> list[int]:
+    """Rows of the vocab held by each rank: the first V % P ranks hold one more row (tokens are rows)."""
+    if ring_size < 1 or vocab_size < ring_size:
+        raise BoundpassInputError(
+            f"Ring-DTP needs 1 <= P <= V, got P={ring_size}, V={vocab_size}: use a smaller ring group")
+    base, extra = divmod(vocab_size, ring_size)
+    return [base + (1 if r < extra else 0) for r in range(ring_size)]
+
+
+def vocab_shard_range(vocab_size: int, ring_size: int, rank: int) -> tuple[int, int]:
+    """[start, stop) vocab rows of ``rank``'s shard."""
+    sizes = vocab_shard_sizes(vocab_size, ring_size)
+    start = sum(sizes[:rank])
+    return start, start + sizes[rank]
+
+
+def choose_branch(max_tokens: int, vocab_size: int, ring_size: int) -> str:
+    """'activations' when a batch is smaller than a shard (it is the cheaper payload), else 'weights'."""
+    return "activations" if max_tokens < -(-vocab_size // ring_size) else "weights"
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    # fp32 accumulation for bf16/fp16/fp32 inputs, fp64 stays fp64 (gradcheck needs it).
+    return torch.promote_types(dtype, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------ strip math
+def _fold_strip(h, w_block, v0, labels, run_max, run_sum, target, acc):
+    """Fold one logit strip h @ w_block.T into the online log-sum-exp state (in place)."""
+    logits = torch.mm(h, w_block.t())
+    if logits.dtype != acc:
+        logits = logits.to(acc)  # the bf16 strip is freed here: the model upcasts its logits the same way
+    width = logits.shape[1]
+    local = labels - v0
+    hit = (local >= 0) & (local < width)
+    picked = logits.gather(1, local.clamp(0, width - 1).unsqueeze(1)).squeeze(1)
+    target.add_(torch.where(hit, picked, torch.zeros_like(picked)))
+    new_max = torch.maximum(run_max, logits.amax(dim=1))
+    logits.sub_(new_max.unsqueeze(1)).exp_()
+    run_sum.mul_(torch.exp(run_max - new_max)).add_(logits.sum(dim=1))
+    run_max.copy_(new_max)
+
+
+def _grad_strip(h, w_block, v0, labels, lse, token_scale, dh_acc, dw_acc_block, acc):
+    """Accumulate one strip's contribution to dh (all its rows) and to dW (its vocab rows), in place."""
+    probs = torch.mm(h, w_block.t())
+    if probs.dtype != acc:
+        probs = probs.to(acc)
+    width = probs.shape[1]
+    probs.sub_(lse.unsqueeze(1)).exp_()
+    local = labels - v0
+    hit = (local >= 0) & (local < width)
+    probs.scatter_add_(1, local.clamp(0, width - 1).unsqueeze(1), -hit.to(acc).unsqueeze(1))
+    probs.mul_(token_scale.unsqueeze(1))  # d(loss_sum)/d(logit); zero rows for ignore_index tokens
+    if h.dtype == acc:
+        dh_acc.addmm_(probs, w_block)
+        dw_acc_block.addmm_(probs.t(), h)
+    else:  # the model's logits grad is cast back to the input dtype before its matmuls: do the same
+        probs = probs.to(h.dtype)
+        dh_acc.add_(torch.mm(probs, w_block))
+        dw_acc_block.add_(torch.mm(probs.t(), h))
+
+
+def _blocks(rows: int, block: int):
+    for v in range(0, rows, block):
+        yield v, min(v + block, rows)
+
+
+# ------------------------------------------------------------------------------------------------- ring
+class _Ring:
+    """Ring neighbours of a process group (P = 1: no group, nothing moves)."""
+
+    def __init__(self, group_name: str):
+        self.group = dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
+        self.size = dist.get_world_size(self.group) if self.group is not None else 1
+        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+
+    def owner(self, step: int) -> int:
+        """Group rank whose batch/shard this rank holds after ``step`` shifts."""
+        return (self.rank - step) % self.size
+
+    def gather_counts(self, n: int, device) -> list[int]:
+        if self.size == 1:
+            return [n]
+        mine = torch.tensor([n], dtype=torch.int64, device=device)
+        out = torch.empty(self.size, dtype=torch.int64, device=device)
+        dist.all_gather_single(out, mine, group=self.group)
+        return out.tolist()
+
+    def start_shift(self, sends: list[Tensor], recvs: list[Tensor]):
+        """Post send(to next) / recv(from prev) for matching tensor lists; returns the requests."""
+        nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=nxt) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=prv) for t in recvs]
+        return dist.batch_isend_irecv(ops)
+
+    def shift(self, sends: list[Tensor], recvs: list[Tensor]) -> None:
+        for req in self.start_shift(sends, recvs):
+            req.wait()
+
+
+def _plan(h: Tensor, w: Tensor, labels: Tensor, vocab_size: int, group_name: str, block: int,
+          branch: str, token_counts: list[int]):
+    ring = _Ring(group_name)
+    counts = list(token_counts) if token_counts else ring.gather_counts(h.shape[0], h.device)
+    if len(counts) != ring.size or counts[ring.rank] != h.shape[0]:
+        raise BoundpassInputError(f"Ring-DTP token_counts {counts} do not match ring of {ring.size} "
+                                  f"(rank {ring.rank} holds {h.shape[0]} tokens)")
+    shard_sizes = vocab_shard_sizes(vocab_size, ring.size)
+    if w.shape[0] != shard_sizes[ring.rank]:
+        raise BoundpassInputError(
+            f"Ring-DTP rank {ring.rank} of {ring.size} must hold vocab rows {vocab_shard_range(vocab_size, ring.size, ring.rank)} "
+            f"({shard_sizes[ring.rank]} rows) of V={vocab_size}, got a shard of {w.shape[0]} rows")
+    if branch not in BRANCHES:
+        raise BoundpassInputError(f"Ring-DTP branch must be one of {BRANCHES}, got {branch!r}")
+    if branch == "auto":
+        branch = choose_branch(max(counts), vocab_size, ring.size)
+    starts = [sum(shard_sizes[:r]) for r in range(ring.size)]
+    return ring, counts, shard_sizes, starts, branch, (block if block > 0 else max(shard_sizes))
+
+
+def _check_inputs(h: Tensor, w: Tensor, labels: Tensor, vocab_size: int, ignore_index: int) -> None:
+    if h.dim() != 2 or w.dim() != 2 or labels.dim() != 1:
+        raise BoundpassInputError(f"Ring-DTP expects h [N, H], w [V_r, H], labels [N]; got {tuple(h.shape)}, "
+                                  f"{tuple(w.shape)}, {tuple(labels.shape)}")
+    if h.shape[1] != w.shape[1] or h.shape[0] != labels.shape[0] or h.dtype != w.dtype:
+        raise BoundpassInputError(f"Ring-DTP shape/dtype mismatch: h {tuple(h.shape)} {h.dtype}, "
+                                  f"w {tuple(w.shape)} {w.dtype}, labels {tuple(labels.shape)}")
+    if not h.is_floating_point() or labels.dtype not in (torch.int64, torch.int32):
+        raise BoundpassInputError(f"Ring-DTP needs floating h/w and integer labels, got {h.dtype}, {labels.dtype}")
+    if not isinstance(labels, torch._subclasses.FakeTensor) and labels.numel():
+        bad = ((labels < 0) | (labels >= vocab_size)) & (labels != ignore_index)
+        if bool(bad.any()):
+            raise BoundpassInputError(f"Ring-DTP label out of range [0, {vocab_size}) (ignore_index={ignore_index})")
+
+
+# ------------------------------------------------------------------------------------------ forward
+def ring_dtp_forward(h: Tensor, w: Tensor, labels: Tensor, vocab_size: int, group_name: str = "",
+                     block: int = 0, ignore_index: int = -100, branch: str = "auto",
+                     token_counts: tuple[int, ...] = ()) -> tuple[Tensor, Tensor]:
+    """Eager forward: (sum of this rank's token losses [], per-token log-sum-exp [N]) in fp32 (fp64 for fp64)."""
+    _check_inputs(h, w, labels, vocab_size, ignore_index)
+    ring, counts, shard_sizes, starts, branch, block = _plan(h, w, labels, vocab_size, group_name, block,
+                                                             branch, token_counts)
+    acc = _acc_dtype(h.dtype)
+    labels = labels.long()
+
+    def fresh_state(n):
+        return (torch.full((n,), float("-inf"), dtype=acc, device=h.device),
+                torch.zeros(n, dtype=acc, device=h.device), torch.zeros(n, dtype=acc, device=h.device))
+
+    def fold_shard(hh, yy, state, w_shard, v_start):
+        for b0, b1 in _blocks(w_shard.shape[0], block):
+            _fold_strip(hh, w_shard[b0:b1], v_start + b0, yy, *state, acc)
+
+    if branch == "weights":
+        state, w_cur = fresh_state(h.shape[0]), w
+        for step in range(ring.size):
+            owner = ring.owner(step)
+            last = step == ring.size - 1
+            if not last:  # the next shard travels while this one is folded
+                w_next = w.new_empty((shard_sizes[ring.owner(step + 1)], w.shape[1]))
+                reqs = ring.start_shift([w_cur], [w_next])
+            fold_shard(h, labels, state, w_cur, starts[owner])
+            if not last:
+                for req in reqs:
+                    req.wait()
+                w_cur = w_next
+        del w_cur
+    else:  # activations: batches travel with their state; the state returns to its owner at the end
+        h_cur, y_cur, state = h, labels, fresh_state(h.shape[0])
+        for step in range(ring.size):
+            last = step == ring.size - 1
+            if not last:
+                n_next = counts[ring.owner(step + 1)]
+                h_next, y_next = h.new_empty((n_next, h.shape[1])), labels.new_empty((n_next,))
+                reqs = ring.start_shift([h_cur, y_cur], [h_next, y_next])
+            fold_shard(h_cur, y_cur, state, w, starts[ring.rank])
+            if not last:
+                for req in reqs:
+                    req.wait()
+                incoming = fresh_state(n_next)
+                ring.shift(list(state), list(incoming))
+                h_cur, y_cur, state = h_next, y_next, incoming
+        if ring.size > 1:  # after P rounds this rank holds batch (rank+1)'s finished state: send it home
+            home = fresh_state(h.shape[0])
+            ring.shift(list(state), list(home))
+            state = home
+        del h_cur, y_cur
+    run_max, run_sum, target = state
+    lse = run_max + torch.log(run_sum)
+    valid = labels != ignore_index
+    loss_sum = torch.where(valid, lse - target, torch.zeros_like(lse)).sum()
+    return loss_sum, lse
+
+
+# ----------------------------------------------------------------------------------------- backward
+def ring_dtp_backward(grad_loss: Tensor, h: Tensor, w: Tensor, labels: Tensor, lse: Tensor, vocab_size: int,
+                      group_name: str = "", block: int = 0, ignore_index: int = -100, branch: str = "auto",
+                      token_counts: tuple[int, ...] = ()) -> tuple[Tensor, Tensor]:
+    """Eager backward: (dh [N, H], dW_r [V_r, H]) for d(sum_r grad_loss_r * loss_r), recomputing strips."""
+    ring, counts, shard_sizes, starts, branch, block = _plan(h, w, labels, vocab_size, group_name, block,
+                                                             branch, token_counts)
+    acc = _acc_dtype(h.dtype)
+    labels = labels.long()
+    token_scale = (labels != ignore_index).to(acc) * grad_loss.to(acc)
+
+    def grad_shard(hh, yy, ll, scale, dh_acc, w_shard, dw_acc, v_start):
+        for b0, b1 in _blocks(w_shard.shape[0], block):
+            _grad_strip(hh, w_shard[b0:b1], v_start + b0, yy, ll, scale, dh_acc, dw_acc[b0:b1], acc)
+
+    if branch == "weights":
+        dh = torch.zeros(h.shape, dtype=acc, device=h.device)
+        w_cur, dw_cur = w, torch.zeros(w.shape, dtype=acc, device=w.device)
+        for step in range(ring.size):
+            owner = ring.owner(step)
+            last = step == ring.size - 1
+            if not last:
+                rows = shard_sizes[ring.owner(step + 1)]
+                w_next = w.new_empty((rows, w.shape[1]))
+                reqs = ring.start_shift([w_cur], [w_next])
+            grad_shard(h, labels, lse, token_scale, dh, w_cur, dw_cur, starts[owner])
+            if not last:
+                for req in reqs:
+                    req.wait()
+                dw_next = dw_cur.new_empty((rows, w.shape[1]))
+                ring.shift([dw_cur], [dw_next])
+                w_cur, dw_cur = w_next, dw_next
+        if ring.size > 1:  # this rank holds shard (rank+1)'s finished gradient: send it home
+            dw_home = dw_cur.new_empty(w.shape)
+            ring.shift([dw_cur], [dw_home])
+            dw_cur = dw_home
+        dw = dw_cur
+        del w_cur
+    else:
+        dw = torch.zeros(w.shape, dtype=acc, device=w.device)
+        cur = [h, labels, lse, token_scale]
+        dh_cur = torch.zeros(h.shape, dtype=acc, device=h.device)
+        for step in range(ring.size):
+            last = step == ring.size - 1
+            if not last:
+                n_next = counts[ring.owner(step + 1)]
+                nxt = [h.new_empty((n_next, h.shape[1])), labels.new_empty((n_next,)),
+                       lse.new_empty((n_next,)), token_scale.new_empty((n_next,))]
+                reqs = ring.start_shift(cur, nxt)
+            grad_shard(*cur, dh_cur, w, dw, starts[ring.rank])
+            if not last:
+                for req in reqs:
+                    req.wait()
+                dh_next = dh_cur.new_empty((n_next, h.shape[1]))
+                ring.shift([dh_cur], [dh_next])
+                cur, dh_cur = nxt, dh_next
+        if ring.size > 1:
+            dh_home = dh_cur.new_empty(h.shape)
+            ring.shift([dh_cur], [dh_home])
+            dh_cur = dh_home
+        dh = dh_cur
+        del cur
+    return dh.to(h.dtype), dw.to(w.dtype)
+
+
+# ------------------------------------------------------------------------------------- custom ops
+# Opaque torch.library ops: Inductor cannot fuse across strips (which would re-form [N, V]), and
+# AOTAutograd takes the backward from register_autograd instead of unrolling the ring into the graph.
+@torch.library.custom_op("boundpass::ring_dtp_fwd", mutates_args=())
+def ring_dtp_fwd(h: Tensor, w: Tensor, labels: Tensor, vocab_size: int, group_name: str, block: int,
+                 ignore_index: int, branch: str, token_counts: list[int]) -> tuple[Tensor, Tensor]:
+    return ring_dtp_forward(h, w, labels, vocab_size, group_name, block, ignore_index, branch, tuple(token_counts))
+
+
+@ring_dtp_fwd.register_fake
+def _(h, w, labels, vocab_size, group_name, block, ignore_index, branch, token_counts):
+    acc = _acc_dtype(h.dtype)
+    return h.new_empty((), dtype=acc), h.new_empty((h.shape[0],), dtype=acc)
+
+
+@torch.library.custom_op("boundpass::ring_dtp_bwd", mutates_args=())
+def ring_dtp_bwd(grad_loss: Tensor, h: Tensor, w: Tensor, labels: Tensor, lse: Tensor, vocab_size: int,
+                 group_name: str, block: int, ignore_index: int, branch: str,
+                 token_counts: list[int]) -> tuple[Tensor, Tensor]:
+    return ring_dtp_backward(grad_loss, h, w, labels, lse, vocab_size, group_name, block, ignore_index, branch,
+                             tuple(token_counts))
+
+
+@ring_dtp_bwd.register_fake
+def _(grad_loss, h, w, labels, lse, vocab_size, group_name, block, ignore_index, branch, token_counts):
+    return torch.empty_like(h), torch.empty_like(w)
+
+
+def _setup_context(ctx, inputs, output):
+    h, w, labels, vocab_size, group_name, block, ignore_index, branch, token_counts = inputs
+    ctx.save_for_backward(h, w, labels, output[1])
+    ctx.args = (vocab_size, group_name, block, ignore_index, branch, token_counts)
+
+
+def _backward(ctx, grad_loss, grad_lse):
+    # lse is an internal saved value; a graph that differentiates through it is not a CE region.
+    h, w, labels, lse = ctx.saved_tensors
+    dh, dw = torch.ops.boundpass.ring_dtp_bwd(grad_loss, h, w, labels, lse, *ctx.args)
+    return dh, dw, None, None, None, None, None, None, None
+
+
+ring_dtp_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def group_name_of(group) -> str:
+    """The name custom ops use to find a process group ('' = no ring, P = 1)."""
+    if group is None:
+        return ""
+    return group.group_name
+
+
+def ring_dtp_loss(h: Tensor, w_shard: Tensor, labels: Tensor, *, vocab_size: int, group=None, block: int = 0,
+                  ignore_index: int = -100, branch: str = "auto", token_counts=()) -> Tensor:
+    """Differentiable sum of this rank's token cross-entropies (fp32 scalar) through the Ring-DTP op."""
+    loss_sum, _ = torch.ops.boundpass.ring_dtp_fwd(h, w_shard, labels, vocab_size, group_name_of(group), block,
+                                                   ignore_index, branch, list(token_counts))
+    return loss_sum
+
+
+# --------------------------------------------------------------------------------------- reference
+def reference_loss(h: Tensor, w_shard: Tensor, labels: Tensor, *, vocab_size: int, group=None,
+                   ignore_index: int = -100) -> Tensor:
+    """The standard schedule Ring-DTP replaces: gather the whole weight, form [N, V] logits, F.cross_entropy."""
+    if group is not None and dist.get_world_size(group) > 1:
+        from torch.distributed.nn.functional import all_gather  # differentiable: grads of W sum over ranks
+        size = dist.get_world_size(group)
+        rows = vocab_shard_sizes(vocab_size, size)
+        padded = F.pad(w_shard, (0, 0, 0, max(rows) - w_shard.shape[0]))
+        w_full = torch.cat([part[:r] for part, r in zip(all_gather(padded, group=group), rows)])
+    else:
+        w_full = w_shard
+    logits = h @ w_full.t()
+    return F.cross_entropy(logits.float() if h.dtype != torch.float64 else logits, labels,
+                           reduction="sum", ignore_index=ignore_index)
+
+
+# ------------------------------------------------------------------------------------------- bounds
+def _indicator_ring(P):
+    return sympy.Min(1, P - 1)  # 1 when something travels (P >= 2), 0 on a single device
+
+
+def ring_dtp_bound(branch: str, *, mixed_precision: bool) -> sympy.Expr:
+    """Peak device bytes of one Ring-DTP forward+backward on a rank (inputs, outputs and workspace).
+
+    Symbols: N (this rank's tokens), N_max (largest batch on the ring), H, V, P, C (strip width),
+    b (input bytes/elem), b_acc (accumulation bytes/elem), b_idx (label bytes/elem). ``mixed_precision``
+    is True when the input dtype is narrower than the fp32 accumulation (bf16/fp16): strips are cast.
+    """
+    N, N_max, H, V, P, C = sym.N, sym.N_max, sym.H, sym.V, sym.P, sym.C
+    b, b_acc, b_idx = sym.b, sym.b_acc, sym.b_idx
+    cast = 1 if mixed_precision else 0
+    V_max = sympy.ceiling(V / P)
+    width = sympy.Min(C, V_max)
+    ring = _indicator_ring(P)
+    extra_payloads = sympy.Min(2, P - 1)  # the travelling copy being read + the one being received
+    resident = N * H * b + V_max * H * b + N * b_idx          # h, W_r, labels (owned by the caller)
+    if branch == "weights":
+        n = N
+        shard_in_flight = extra_payloads * V_max * H * b
+        fwd = resident + shard_in_flight + 3 * N * b_acc + _strip_fwd(n, width, b, b_acc, b_idx, cast)
+        grad_in_flight = V_max * H * b_acc + sympy.Max(_strip_bwd(n, width, H, b, b_acc, b_idx, cast),
+                                                       ring * V_max * H * b_acc)
+        bwd = (resident + shard_in_flight + 2 * N * b_acc + N * H * b_acc + grad_in_flight
+               + cast * (N * H * b + V_max * H * b))
+    elif branch == "activations":
+        n = N_max
+        batch_in_flight = extra_payloads * N_max * (H * b + b_idx)
+        fwd = resident + batch_in_flight + 3 * N * b_acc + ring * 6 * N_max * b_acc \
+            + _strip_fwd(n, width, b, b_acc, b_idx, cast)
+        bwd_batches = extra_payloads * N_max * (H * b + b_idx + 2 * b_acc)
+        grad_in_flight = N_max * H * b_acc + sympy.Max(_strip_bwd(n, width, H, b, b_acc, b_idx, cast),
+                                                       ring * N_max * H * b_acc)
+        bwd = (resident + bwd_batches + 2 * N * b_acc + V_max * H * b_acc + grad_in_flight
+               + cast * (N * H * b + V_max * H * b))
+    else:
+        raise BoundpassInputError(f"ring_dtp_bound: branch must be 'weights' or 'activations', got {branch!r}")
+    return sympy.Max(fwd, bwd)
+
+
+def _strip_fwd(n, width, b, b_acc, b_idx, cast):
+    # the strip (plus its narrow copy when cast) and the per-token temporaries of one fold
+    return n * width * (b_acc + cast * b) + n * (2 * b_idx + 1 + 8 * b_acc)
+
+
+def _strip_bwd(n, width, H, b, b_acc, b_idx, cast):
+    # the probability strip, its narrow copy and one narrow matmul product when cast, per-token temporaries
+    return n * width * (b_acc + cast * b) + cast * sympy.Max(n, width) * H * b + n * (2 * b_idx + 1 + b_acc)
+
+
+def reference_bound(*, mixed_precision: bool) -> sympy.Expr:
+    """Peak device bytes of the standard schedule: whole W gathered, full [N, V] logits (fwd + bwd)."""
+    N, H, V, P = sym.N, sym.H, sym.V, sym.P
+    b, b_acc, b_idx = sym.b, sym.b_acc, sym.b_idx
+    cast = 1 if mixed_precision else 0
+    V_max = sympy.ceiling(V / P)
+    gathered = _indicator_ring(P) * V * H * b
+    resident = N * H * b + V_max * H * b + N * b_idx + gathered
+    logits = N * V * (b + cast * b_acc)           # h @ W.T (and its fp32 upcast)
+    fwd = resident + logits + N * V * b_acc       # + log_softmax
+    bwd = resident + N * V * b_acc + 2 * N * V * b_acc + N * H * b + V * H * b  # saved log_softmax, grads
+    return sympy.Max(fwd, bwd)
+
+
+def bound_values(dtype: torch.dtype, *, N: int, H: int, V: int, P: int = 1, C: int | None = None,
+                 N_max: int | None = None) -> dict:
+    """Concrete symbol values for evaluating a Ring-DTP bound at launch configuration."""
+    acc = _acc_dtype(dtype)
+    return {sym.N: N, sym.N_max: N_max or N, sym.H: H, sym.V: V, sym.P: P, sym.C: C or -(-V // P),
+            sym.b: torch.empty((), dtype=dtype).element_size(), sym.b_acc: torch.empty((), dtype=acc).element_size(),
+            sym.b_idx: 8}
