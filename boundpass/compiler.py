@@ -1,0 +1,214 @@
+"""`boundpass.compile`: capture model + loss with torch.compile, rewrite bounded regions, check the budget first.
+
+Pipeline (DESIGN.md): Dynamo graph -> match + rewrite (passes/) -> sympy bounds -> budget check (raise
+before any real compute) -> aot_autograd -> eager kernels ("aot_eager") or Inductor ("inductor").
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import sympy
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
+from boundpass import symbols as sym
+from boundpass.bounds import BoundTerm, BudgetTable, largest_fitting, raise_infeasible
+from boundpass.errors import BoundpassError, BoundpassInputError
+from boundpass.explain import ExplainReport
+from boundpass.passes.vocab_pass import VocabRewriteConfig, rewrite_vocab_regions
+from boundpass.runtime import ring_dtp
+from boundpass.units import parse_bytes
+
+INNER_COMPILERS = ("aot_eager", "inductor")
+MIN_VOCAB_BLOCK = 128  # narrower strips only add per-strip overhead; below this, change P or N instead
+
+
+class BoundedModule(nn.Module):
+    """A model (and its loss) compiled by boundpass; call it like `loss = bm(inputs, labels, *loss_args)`."""
+
+    def __init__(self, model: nn.Module, loss_fn, *, budget: int, ring_group, vocab_block: int | None,
+                 max_tokens_per_rank: int | None, inner: str, fullgraph: bool, dynamic):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.budget = budget
+        self.ring_group = ring_group
+        self.vocab_block = vocab_block
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.inner = inner
+        self.reports: list[ExplainReport] = []
+        self._compiled = torch.compile(self._step, backend=self._backend, fullgraph=fullgraph, dynamic=dynamic)
+
+    def _step(self, inputs, labels=None, *loss_args, **model_kwargs):
+        out = self.model(inputs, **model_kwargs)
+        if self.loss_fn is None:
+            return out
+        return self.loss_fn(out, labels, *loss_args)
+
+    def forward(self, inputs, labels=None, *loss_args, **model_kwargs):
+        # suppress_errors=True would make Dynamo swallow a budget error and run eagerly: force errors through.
+        with torch._dynamo.config.patch(suppress_errors=False):
+            try:
+                return self._compiled(inputs, labels, *loss_args, **model_kwargs)
+            except torch._dynamo.exc.BackendCompilerFailed as exc:
+                inner = getattr(exc, "inner_exception", None)
+                if isinstance(inner, BoundpassError):
+                    raise inner.with_traceback(None) from None
+                raise
+
+    # ------------------------------------------------------------------------------------ backend
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs):
+        report = ExplainReport(budget=self.budget)
+        ring_size, ring_rank, group_name = 1, 0, ""
+        if self.ring_group is not None:
+            ring_size, ring_rank = dist.get_world_size(self.ring_group), dist.get_rank(self.ring_group)
+            group_name = ring_dtp.group_name_of(self.ring_group)
+        config = VocabRewriteConfig(group_name=group_name, ring_size=ring_size, ring_rank=ring_rank)
+        # first pass decides nothing but finds the regions; bounds then fix block and branch per region
+        regions = rewrite_vocab_regions(gm, config)
+        report.regions.extend(regions)
+        table = BudgetTable(budget=self.budget)
+        params = [p for p in self.model.parameters()]
+        param_bytes = sum(p.numel() * p.element_size() for p in params)
+        grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        table.terms.append(BoundTerm("parameters", sym.Theta * sym.b, param_bytes, kind="persistent",
+                                     knob="shard parameters over more ranks (FSDP2 / ZeRO-3) or raise the budget"))
+        table.terms.append(BoundTerm("gradients", sym.Theta * sym.b, grad_bytes, kind="persistent",
+                                     knob="shard gradients over more ranks (FSDP2 / ZeRO-3) or raise the budget"))
+        for region in regions:
+            if region.rewritten:
+                self._bound_vocab_region(gm, region, table, ring_size)
+        gm.recompile()
+        report.graph_code = gm.print_readable(print_output=False)
+        report.table = table
+        self.reports.append(report)
+
+        def fw_compiler(fw_gm, fw_inputs):
+            report.forward_code = fw_gm.print_readable(print_output=False)
+            report.forward_graph = fw_gm
+            return self._lower(fw_gm, fw_inputs)
+
+        def bw_compiler(bw_gm, bw_inputs):
+            report.backward_code = bw_gm.print_readable(print_output=False)
+            report.backward_graph = bw_gm
+            return self._lower(bw_gm, bw_inputs)
+
+        return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)(gm, example_inputs)
+
+    def _lower(self, gm, inputs):
+        if self.inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx_inner
+            return compile_fx_inner(gm, inputs)
+        return make_boxed_func(gm.forward)
+
+    def _bound_vocab_region(self, gm, region, table: BudgetTable, ring_size: int) -> None:
+        """Choose the strip width C (and branch) for one region so the budget holds, or raise."""
+        tokens = _as_expr(region.tokens)
+        shape_env = _shape_env(region.op_node)
+        tokens_here = _concrete(tokens, shape_env)
+        max_tokens = self.max_tokens_per_rank or tokens_here
+        if max_tokens < tokens_here:
+            raise BoundpassInputError(f"max_tokens_per_rank={max_tokens} but this rank holds {tokens_here} tokens "
+                                      f"at the vocab projection ({region.module_path})")
+        branch = ring_dtp.choose_branch(max_tokens, region.vocab, ring_size)
+        mixed = torch.promote_types(region.dtype, torch.float32) != region.dtype
+        values = ring_dtp.bound_values(region.dtype, N=tokens_here, H=region.hidden, V=region.vocab, P=ring_size,
+                                       N_max=max_tokens)
+        values.pop(sym.C)
+        # P and the element sizes are fixed by this launch: fold them in so the formula reads in N, H, V, C.
+        fixed = {s: values[s] for s in (sym.P, sym.b, sym.b_acc, sym.b_idx)}
+        formula = ring_dtp.ring_dtp_bound(branch, mixed_precision=mixed, count_weight_shard=False).subs(fixed)
+        shard_rows = -(-region.vocab // ring_size)
+        persistent = table.total
+
+        def cost(block: int) -> int:
+            return sym.evaluate(formula, {**values, sym.C: block})
+
+        def fits(block: int) -> bool:
+            return persistent + cost(block) <= self.budget
+
+        name = f"vocab (Ring-DTP, {branch}, P={ring_size})"
+        if self.vocab_block is not None:
+            block = min(self.vocab_block, shard_rows)
+        else:
+            block = largest_fitting(min(MIN_VOCAB_BLOCK, shard_rows), shard_rows, fits) \
+                or min(MIN_VOCAB_BLOCK, shard_rows)
+        term = BoundTerm(name, formula, cost(block), where=region.module_path, knob="")
+        table.terms.append(term)
+        ref_formula = ring_dtp.reference_bound(mixed_precision=mixed).subs(fixed)
+        table.terms.append(BoundTerm("vocab, standard schedule (replaced)", ref_formula,
+                                     sym.evaluate(ref_formula, {**values, sym.C: block}), counted=False,
+                                     where=region.module_path, knob="boundpass rewrites it"))
+        if not table.fits():
+            best = largest_fitting(1, shard_rows, fits)
+            if self.vocab_block is not None and best is not None:
+                term.knob = f"use vocab_block <= {best} (now {block})"
+            else:
+                term.knob = (f"increase the ring size P (boundpass.compile(..., ring_group=<group of more ranks>)) or "
+                             f"reduce tokens per rank N (now {tokens_here}); the narrowest strip C={block} does not fit")
+            if persistent > self.budget:
+                binding = max((t for t in table.terms if t.kind == "persistent"), key=lambda t: t.value)
+                raise_infeasible(table, binding)
+            raise_infeasible(table, term, detail=f"at C={block}, N={tokens_here}, N_max={max_tokens}")
+        # A dynamic N must not grow past what was checked: guard the graph on the budget inequality.
+        total_expr = sympy.Integer(persistent) + formula.subs({**{k: v for k, v in values.items() if k is not sym.N},
+                                                             sym.C: block, sym.N: tokens})
+        if shape_env is not None and total_expr.free_symbols:
+            shape_env.evaluate_expr(sympy.Le(total_expr, self.budget))
+        term.knob = "boundpass.compile(..., vocab_block=C) or a larger ring (ring_group)"
+        region.op_node.update_arg(5, block)
+        region.op_node.update_arg(7, branch)
+        region.block, region.branch = block, branch
+
+
+def _as_expr(value):
+    return value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(int(value))
+
+
+def _shape_env(node):
+    val = node.meta.get("example_value") if node is not None else None
+    if isinstance(val, (tuple, list)):
+        val = val[0]
+    mode = getattr(val, "fake_mode", None)
+    return getattr(mode, "shape_env", None)
+
+
+def _concrete(expr, shape_env) -> int:
+    if expr.free_symbols and shape_env is not None:
+        expr = expr.xreplace(shape_env.backed_var_to_val)
+    return int(expr)
+
+
+def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_block: int | None = None,
+            max_tokens_per_rank: int | None = None, inner: str = "aot_eager", fullgraph: bool = True,
+            dynamic=False) -> BoundedModule:
+    """Compile `model` (+ `loss_fn(model_out, labels, *loss_args)`) so every bounded region fits `budget` bytes.
+
+    budget: per-rank device bytes ("60GiB", 2**30, ...). ring_group: the process group Ring-DTP rotates
+    vocab shards/batches over (None: one device, P = 1). vocab_block: strip width C (None: the widest that
+    fits). max_tokens_per_rank: the largest N any ring rank will hold (None: this rank's N).
+    Raises InfeasibleBudgetError on the first call, before any real compute, when the budget cannot be met.
+    """
+    budget_bytes = parse_bytes(budget, what="budget")
+    if not isinstance(model, nn.Module):
+        raise BoundpassInputError(f"boundpass.compile expects an nn.Module, got {type(model).__name__}")
+    if inner not in INNER_COMPILERS:
+        raise BoundpassInputError(f"inner must be one of {INNER_COMPILERS}, got {inner!r}")
+    if vocab_block is not None and (not isinstance(vocab_block, int) or vocab_block < 1):
+        raise BoundpassInputError(f"vocab_block must be a positive int (strip width in vocab rows), got {vocab_block!r}")
+    if ring_group is not None and not dist.is_initialized():
+        raise BoundpassInputError("ring_group given but torch.distributed is not initialised")
+    return BoundedModule(model, loss_fn, budget=budget_bytes, ring_group=ring_group, vocab_block=vocab_block,
+                         max_tokens_per_rank=max_tokens_per_rank, inner=inner, fullgraph=fullgraph,
+                         dynamic=dynamic)
+
+
+def explain(compiled: BoundedModule) -> ExplainReport:
+    """The report of the most recent compilation: regions matched/skipped, rewritten graphs, bounds table."""
+    if not isinstance(compiled, BoundedModule):
+        raise BoundpassInputError(f"boundpass.explain expects what boundpass.compile returned, got {type(compiled).__name__}")
+    if not compiled.reports:
+        raise BoundpassInputError("nothing compiled yet: boundpass compiles on the first call; call the module once "
+                                  "(e.g. one training step), then explain it")
+    return compiled.reports[-1]

@@ -1,0 +1,42 @@
+"""`boundpass.explain` report: what was matched and skipped (and why), the rewritten graphs, the bounds table."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from boundpass.units import format_bytes
+
+
+@dataclass
+class ExplainReport:
+    """Everything one boundpass compilation decided; `str(report)` is the human-readable text."""
+    budget: int
+    regions: list = field(default_factory=list)       # passes' region records (rewritten and skipped)
+    table: object = None                              # bounds.BudgetTable
+    graph_code: str = ""                              # rewritten Dynamo graph (torch IR)
+    forward_code: str = ""                            # AOT forward graph (aten)
+    backward_code: str = ""                           # AOT backward graph (aten)
+    forward_graph: object = field(default=None, repr=False)
+    backward_graph: object = field(default=None, repr=False)
+
+    @property
+    def matched(self) -> list:
+        return [r for r in self.regions if r.rewritten]
+
+    @property
+    def skipped(self) -> list:
+        return [r for r in self.regions if not r.rewritten]
+
+    def __str__(self) -> str:
+        lines = [f"boundpass report (per-rank budget {format_bytes(self.budget)})", "", "regions:"]
+        if not self.regions:
+            lines.append("  (none found: no linear -> cross_entropy in the captured graph; is the loss compiled "
+                         "together with the model? pass loss_fn= to boundpass.compile)")
+        for r in self.regions:
+            if r.rewritten:
+                lines.append(f"  REWRITTEN vocab  {r.module_path}: linear -> cross_entropy => boundpass::ring_dtp "
+                             f"(N={r.tokens}, H={r.hidden}, V={r.vocab}, {r.dtype}, branch={r.branch}, C={r.block})")
+            else:
+                lines.append(f"  SKIPPED   vocab  {r.module_path}: {r.reason}")
+        lines += ["", "bounds (bytes per rank):", self.table.render() if self.table else "  (none)", "",
+                  "rewritten graph (Dynamo, torch IR):", self.graph_code]
+        return "\n".join(lines)

@@ -1,0 +1,66 @@
+"""Build torchtitan's real MoE debug models on CPU with the few known fixes (notes/torchtitan_cpu.md).
+
+Fixes applied only when no GPU is present, each for an upstream reason:
+- device type: torchtitan's `tools.utils.device_type` falls back to "cuda" when no accelerator is found;
+  it must read "cpu" before torchtitan is imported.
+- attention: FlexAttention has no CPU backward and varlen no CPU kernel; the causal SDPA module is the one
+  torchtitan's own graph_trainer tests swap in (`build_decoder_config_for_backend`).
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+MODELS = {
+    # name: (torchtitan package, config-registry function)
+    "deepseek_v3": ("deepseek_v3", "deepseek_v3_debugmodel"),
+    "qwen3_moe": ("qwen3", "qwen3_moe_debug"),
+    "gpt_oss": ("gpt_oss", "gpt_oss_debugmodel"),
+}
+
+
+def apply_cpu_device_fix() -> None:
+    """Make torchtitan see "cpu" as its device type when no CUDA device exists (call before importing it)."""
+    if not torch.cuda.is_available():
+        import torch._utils as torch_utils
+        torch_utils._get_available_device_type = lambda: "cpu"
+
+
+def debug_moe_config(name: str = "deepseek_v3", *, vocab_size: int | None = None, seq_len: int = 128):
+    """torchtitan Trainer.Config of a debug MoE model, SDPA attention, optional enlarged vocabulary."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {sorted(MODELS)}")
+    apply_cpu_device_fix()
+    package, fn = MODELS[name]
+    registry = importlib.import_module(f"torchtitan.models.{package}.config_registry")
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    cfg = getattr(registry, fn)()
+    cfg.training.seq_len = seq_len
+    model_cfg = cfg.model_spec.model
+    for layer in model_cfg.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    if vocab_size is not None:
+        model_cfg.vocab_size = vocab_size
+        model_cfg.tok_embeddings.num_embeddings = vocab_size
+        model_cfg.lm_head.out_features = vocab_size
+    model_cfg.update_from_config(config=cfg)
+    return cfg
+
+
+def build_debug_moe(name: str = "deepseek_v3", *, vocab_size: int | None = None, seq_len: int = 128,
+                    dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    """A freshly initialised torchtitan debug MoE model on CPU in training mode (same seed, same weights)."""
+    cfg = debug_moe_config(name, vocab_size=vocab_size, seq_len=seq_len)
+    with torch.device("meta"):
+        model = cfg.model_spec.model.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    model.init_weights(buffer_device=None)
+    return model.to(dtype).train()
+
+
+def torchtitan_loss():
+    """torchtitan's own CrossEntropyLoss (sum over tokens / global valid tokens, ignore_index=-100)."""
+    from torchtitan.components.loss import CrossEntropyLoss
+    return CrossEntropyLoss.Config().build()
