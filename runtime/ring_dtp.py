@@ -370,12 +370,13 @@ def _indicator_ring(P):
     return sympy.Min(1, P - 1)  # 1 when something travels (P >= 2), 0 on a single device
 
 
-def ring_dtp_bound(branch: str, *, mixed_precision: bool) -> sympy.Expr:
+def ring_dtp_bound(branch: str, *, mixed_precision: bool, count_weight_shard: bool = True) -> sympy.Expr:
     """Peak device bytes of one Ring-DTP forward+backward on a rank (inputs, outputs and workspace).
 
     Symbols: N (this rank's tokens), N_max (largest batch on the ring), H, V, P, C (strip width),
     b (input bytes/elem), b_acc (accumulation bytes/elem), b_idx (label bytes/elem). ``mixed_precision``
     is True when the input dtype is narrower than the fp32 accumulation (bf16/fp16): strips are cast.
+    ``count_weight_shard=False`` leaves out W_r, for budgets that count parameters as persistent state.
     """
     N, N_max, H, V, P, C = sym.N, sym.N_max, sym.H, sym.V, sym.P, sym.C
     b, b_acc, b_idx = sym.b, sym.b_acc, sym.b_idx
@@ -384,7 +385,7 @@ def ring_dtp_bound(branch: str, *, mixed_precision: bool) -> sympy.Expr:
     width = sympy.Min(C, V_max)
     ring = _indicator_ring(P)
     extra_payloads = sympy.Min(2, P - 1)  # the travelling copy being read + the one being received
-    resident = N * H * b + V_max * H * b + N * b_idx          # h, W_r, labels (owned by the caller)
+    resident = N * H * b + int(count_weight_shard) * V_max * H * b + N * b_idx  # h, W_r, labels (caller's)
     if branch == "weights":
         n = N
         shard_in_flight = extra_payloads * V_max * H * b
