@@ -61,13 +61,16 @@ def _fold_strip(h, w_block, v0, labels, run_max, run_sum, target, acc):
     if logits.dtype != acc:
         logits = logits.to(acc)  # the bf16 strip is freed here: the model upcasts its logits the same way
     width = logits.shape[1]
-    local = labels - v0
-    hit = (local >= 0) & (local < width)
-    picked = logits.gather(1, local.clamp(0, width - 1).unsqueeze(1)).squeeze(1)
-    target.add_(torch.where(hit, picked, torch.zeros_like(picked)))
+    # per-token temporaries are kept few and in place: their bytes are part of the declared bound
+    idx = labels - v0
+    hit = (idx >= 0) & (idx < width)
+    idx.clamp_(0, width - 1)
+    picked = logits.gather(1, idx.unsqueeze(1)).squeeze(1)
+    target.add_(picked.mul_(hit))
+    del idx, hit, picked
     new_max = torch.maximum(run_max, logits.amax(dim=1))
     logits.sub_(new_max.unsqueeze(1)).exp_()
-    run_sum.mul_(torch.exp(run_max - new_max)).add_(logits.sum(dim=1))
+    run_sum.mul_(run_max.sub_(new_max).exp_()).add_(logits.sum(dim=1))
     run_max.copy_(new_max)
 
 
@@ -78,9 +81,11 @@ def _grad_strip(h, w_block, v0, labels, lse, token_scale, dh_acc, dw_acc_block, 
         probs = probs.to(acc)
     width = probs.shape[1]
     probs.sub_(lse.unsqueeze(1)).exp_()
-    local = labels - v0
-    hit = (local >= 0) & (local < width)
-    probs.scatter_add_(1, local.clamp(0, width - 1).unsqueeze(1), -hit.to(acc).unsqueeze(1))
+    idx = labels - v0
+    hit = (idx >= 0) & (idx < width)
+    idx.clamp_(0, width - 1)
+    probs.scatter_add_(1, idx.unsqueeze(1), hit.to(acc).neg_().unsqueeze(1))
+    del idx, hit
     probs.mul_(token_scale.unsqueeze(1))  # d(loss_sum)/d(logit); zero rows for ignore_index tokens
     if h.dtype == acc:
         dh_acc.addmm_(probs, w_block)
@@ -181,7 +186,7 @@ def ring_dtp_forward(h: Tensor, w: Tensor, labels: Tensor, vocab_size: int, grou
 
     def fold_shard(hh, yy, state, w_shard, v_start):
         for b0, b1 in _blocks(w_shard.shape[0], block):
-            _fold_strip(hh, w_shard[b0:b1], v_start + b0, yy, *state, acc)
+            _fold_strip(hh, w_shard.narrow(0, b0, b1 - b0), v_start + b0, yy, *state, acc)
 
     if branch == "weights":
         state, w_cur = fresh_state(h.shape[0]), w
@@ -237,7 +242,8 @@ def ring_dtp_backward(grad_loss: Tensor, h: Tensor, w: Tensor, labels: Tensor, l
 
     def grad_shard(hh, yy, ll, scale, dh_acc, w_shard, dw_acc, v_start):
         for b0, b1 in _blocks(w_shard.shape[0], block):
-            _grad_strip(hh, w_shard[b0:b1], v_start + b0, yy, ll, scale, dh_acc, dw_acc[b0:b1], acc)
+            _grad_strip(hh, w_shard.narrow(0, b0, b1 - b0), v_start + b0, yy, ll, scale, dh_acc,
+                        dw_acc.narrow(0, b0, b1 - b0), acc)
 
     if branch == "weights":
         dh = torch.zeros(h.shape, dtype=acc, device=h.device)
@@ -390,10 +396,11 @@ def ring_dtp_bound(branch: str, *, mixed_precision: bool, count_weight_shard: bo
         n = N
         shard_in_flight = extra_payloads * V_max * H * b
         fwd = resident + shard_in_flight + 3 * N * b_acc + _strip_fwd(n, width, b, b_acc, b_idx, cast)
+        # one dW accumulator, plus either a strip, the dW being received, or the final narrow casts
         grad_in_flight = V_max * H * b_acc + sympy.Max(_strip_bwd(n, width, H, b, b_acc, b_idx, cast),
-                                                       ring * V_max * H * b_acc)
-        bwd = (resident + shard_in_flight + 2 * N * b_acc + N * H * b_acc + grad_in_flight
-               + cast * (N * H * b + V_max * H * b))
+                                                       ring * V_max * H * b_acc,
+                                                       cast * (N * H * b + V_max * H * b))
+        bwd = resident + shard_in_flight + 2 * N * b_acc + N * H * b_acc + grad_in_flight
     elif branch == "activations":
         n = N_max
         batch_in_flight = extra_payloads * N_max * (H * b + b_idx)
@@ -401,22 +408,23 @@ def ring_dtp_bound(branch: str, *, mixed_precision: bool, count_weight_shard: bo
             + _strip_fwd(n, width, b, b_acc, b_idx, cast)
         bwd_batches = extra_payloads * N_max * (H * b + b_idx + 2 * b_acc)
         grad_in_flight = N_max * H * b_acc + sympy.Max(_strip_bwd(n, width, H, b, b_acc, b_idx, cast),
-                                                       ring * N_max * H * b_acc)
-        bwd = (resident + bwd_batches + 2 * N * b_acc + V_max * H * b_acc + grad_in_flight
-               + cast * (N * H * b + V_max * H * b))
+                                                       ring * N_max * H * b_acc,
+                                                       cast * (N * H * b + V_max * H * b))
+        bwd = resident + bwd_batches + 2 * N * b_acc + V_max * H * b_acc + grad_in_flight
     else:
         raise BoundpassInputError(f"ring_dtp_bound: branch must be 'weights' or 'activations', got {branch!r}")
     return sympy.Max(fwd, bwd)
 
 
 def _strip_fwd(n, width, b, b_acc, b_idx, cast):
-    # the strip (plus its narrow copy when cast) and the per-token temporaries of one fold
-    return n * width * (b_acc + cast * b) + n * (2 * b_idx + 1 + 8 * b_acc)
+    # the strip (plus its narrow copy when cast) and the per-token temporaries of one fold:
+    # index + hit mask (+2 transient masks) + picked target, or later the new max + its row sums
+    return n * width * (b_acc + cast * b) + n * (b_idx + 3 + 2 * b_acc)
 
 
 def _strip_bwd(n, width, H, b, b_acc, b_idx, cast):
     # the probability strip, its narrow copy and one narrow matmul product when cast, per-token temporaries
-    return n * width * (b_acc + cast * b) + cast * sympy.Max(n, width) * H * b + n * (2 * b_idx + 1 + b_acc)
+    return n * width * (b_acc + cast * b) + cast * sympy.Max(n, width) * H * b + n * (b_idx + 3 + b_acc)
 
 
 def reference_bound(*, mixed_precision: bool) -> sympy.Expr:
