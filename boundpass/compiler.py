@@ -60,15 +60,16 @@ class BoundedModule(nn.Module):
     # ------------------------------------------------------------------------------------ backend
     def _backend(self, gm: torch.fx.GraphModule, example_inputs):
         report = ExplainReport(budget=self.budget)
+        self.reports.append(report)  # kept even when the budget check raises: explain() shows why
         ring_size, ring_rank, group_name = 1, 0, ""
         if self.ring_group is not None:
             ring_size, ring_rank = dist.get_world_size(self.ring_group), dist.get_rank(self.ring_group)
             group_name = ring_dtp.group_name_of(self.ring_group)
         config = VocabRewriteConfig(group_name=group_name, ring_size=ring_size, ring_rank=ring_rank)
-        # first pass decides nothing but finds the regions; bounds then fix block and branch per region
+        # the pass rewrites every eligible region; the bounds below then fix each op's strip width and branch
         regions = rewrite_vocab_regions(gm, config)
         report.regions.extend(regions)
-        table = BudgetTable(budget=self.budget)
+        table = report.table = BudgetTable(budget=self.budget)
         params = [p for p in self.model.parameters()]
         param_bytes = sum(p.numel() * p.element_size() for p in params)
         grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
@@ -81,26 +82,31 @@ class BoundedModule(nn.Module):
                 self._bound_vocab_region(gm, region, table, ring_size)
         gm.recompile()
         report.graph_code = gm.print_readable(print_output=False)
-        report.table = table
-        self.reports.append(report)
 
-        def fw_compiler(fw_gm, fw_inputs):
-            report.forward_code = fw_gm.print_readable(print_output=False)
-            report.forward_graph = fw_gm
-            return self._lower(fw_gm, fw_inputs)
+        def record(graph, is_backward: bool) -> None:
+            code = graph.print_readable(print_output=False)
+            if is_backward:
+                report.backward_code, report.backward_graph = code, graph
+            else:
+                report.forward_code, report.forward_graph = code, graph
 
-        def bw_compiler(bw_gm, bw_inputs):
-            report.backward_code = bw_gm.print_readable(print_output=False)
-            report.backward_graph = bw_gm
-            return self._lower(bw_gm, bw_inputs)
-
-        return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)(gm, example_inputs)
-
-    def _lower(self, gm, inputs):
         if self.inner == "inductor":
-            from torch._inductor.compile_fx import compile_fx_inner
-            return compile_fx_inner(gm, inputs)
-        return make_boxed_func(gm.forward)
+            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+            def inner_compile(graph, inputs, **kwargs):
+                record(graph, kwargs.get("is_backward", False))
+                return compile_fx_inner(graph, inputs, **kwargs)
+            # Inductor runs its own aot_autograd with its decompositions; our op stays one opaque extern call.
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+        def eager_compiler(is_backward):
+            def compile_graph(graph, inputs):
+                record(graph, is_backward)
+                return make_boxed_func(graph.forward)
+            return compile_graph
+
+        # aot_autograd is required even for eager kernels: torchtitan's MoE mutates a buffer in forward.
+        return aot_autograd(fw_compiler=eager_compiler(False), bw_compiler=eager_compiler(True))(gm, example_inputs)
 
     def _bound_vocab_region(self, gm, region, table: BudgetTable, ring_size: int) -> None:
         """Choose the strip width C (and branch) for one region so the budget holds, or raise."""

@@ -220,7 +220,7 @@ def _status_kib(field):
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(field + " not in /proc/self/status")
-_ns = {"__name__": "__memtrack_snippet__"}
+_ns = {"__name__": "__main__"}  # torch.compile looks up the module of traced frames by this name
 exec(compile(sys.stdin.read(), "<rss snippet>", "exec"), _ns)
 if "measured" not in _ns:
     raise SystemExit("rss_peak_in_subprocess: the snippet must define measured(state)")

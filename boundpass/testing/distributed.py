@@ -27,8 +27,9 @@ What it does
   with a gloo "connection closed" error caused by the early finisher.
 * ``fn``/``args``/``kwargs`` are pickled in the parent first, so a lambda or local function fails
   immediately with a clear error instead of inside a child.
-* If any rank raises: the others are killed at once and a ``RuntimeError`` carrying the rank's full
-  traceback text is raised (``RankError``, a ``RuntimeError`` subclass; ``.rank`` and ``.tracebacks``).
+* If any rank raises: it reports its traceback and stays up (sockets open, so its peers do not fail
+  with secondary "connection closed" errors), the parent kills every rank at once and raises a
+  ``RuntimeError`` carrying the failed rank's full traceback text (``RankError``, a ``RuntimeError`` subclass; ``.rank`` and ``.tracebacks``).
   A rank that dies without a Python exception (signal, ``os._exit``, C++ abort) also raises
   ``RankError`` with its exit code.
 * If not every rank has returned ``timeout_s`` seconds after the start (spawn/import time included),
@@ -136,6 +137,14 @@ def _child_main(rank, world_size, payload, init_method, backend, pg_timeout_s, s
                 conn.send(("err", rank, tb))
             except Exception:
                 sys.stderr.write(f"[run_on_ranks] rank {rank} failed and could not report:\n{tb}")
+            else:
+                # Stay alive (sockets open) until the parent, which now has the root cause, kills every
+                # rank: exiting here would make peers blocked in a collective fail with "connection
+                # closed" errors that could race this report.
+                try:
+                    conn.recv()
+                except BaseException:
+                    pass
     try:
         conn.close()
         sys.stdout.flush()
@@ -200,7 +209,7 @@ def run_on_ranks(
     deadline = t0 + timeout_s
     procs: list = []
     conns: dict = {}  # parent end of each child's pipe -> rank (until its report is read)
-    released: list = []  # parent ends of ranks that reported "ok"; they wait for a release message
+    held: list = []  # parent ends of ranks that reported; they wait for a message (or a kill) from us
     # gloo's own timeout is set past ours so that a hang surfaces as our TimeoutError, not a gloo error.
     pg_timeout_s = float(timeout_s) + 60.0
     results: dict[int, bytes] = {}
@@ -238,22 +247,21 @@ def run_on_ranks(
                         os.environ[k] = v
 
         sentinels = {p.sentinel: rank for rank, p in enumerate(procs)}
-        dead_without_report: dict[int, int] = {}
+        dead_without_report: list[int] = []  # ranks whose pipe closed with no report
 
         def _drain(conn) -> None:
             rank = conns.pop(conn)
             try:
                 kind, _, data = conn.recv()
             except (EOFError, OSError):
-                dead_without_report[rank] = None  # exit code filled in below
+                dead_without_report.append(rank)
                 conn.close()
                 return
             if kind == "ok":
                 results[rank] = data
-                released.append(conn)
             else:
                 errors[rank] = data
-                conn.close()
+            held.append(conn)
 
         while len(results) < world_size and not errors:
             remaining = deadline - time.monotonic()
@@ -274,7 +282,7 @@ def run_on_ranks(
                             else:
                                 conns.pop(c)
                                 c.close()
-                                dead_without_report[rank] = None
+                                dead_without_report.append(rank)
             if dead_without_report and not errors:
                 for rank in dead_without_report:
                     procs[rank].join(1)
@@ -319,17 +327,18 @@ def run_on_ranks(
             )
 
         # Every rank reported: release them (they destroy their group and exit), then make sure they are gone.
-        for c in released:
+        for c in held:
             try:
                 c.send("exit")
             except (OSError, ValueError):
                 pass
-        multiprocessing.connection.wait([p.sentinel for p in procs], timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+        grace = max(0.0, min(5.0, deadline - time.monotonic()))
+        multiprocessing.connection.wait([p.sentinel for p in procs], timeout=grace)
         _kill_all(procs)
         return [pickle.loads(results[r]) for r in range(world_size)]
     finally:
         _kill_all(procs)
-        for c in list(conns) + released:
+        for c in list(conns) + held:
             try:
                 c.close()
             except Exception:

@@ -1,0 +1,151 @@
+"""Tests for boundpass.testing.distributed.run_on_ranks (real gloo ranks, spawned CPU processes)."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+import torch
+
+from boundpass.testing.distributed import RankError, run_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+
+# ---- rank functions: top level so that spawn can import them by module name ----------------------------
+
+def _all_reduce_rank(rank, world_size, scale, *, offset=0.0):
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank) * scale + offset, 1.0])
+    dist.all_reduce(t)
+    return {
+        "rank": rank,
+        "world": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "sum": t,
+        "omp": os.environ.get("OMP_NUM_THREADS"),
+        "threads": torch.get_num_threads(),
+        "env_rank": os.environ.get("RANK"),
+    }
+
+
+def _raise_on_rank1(rank, world_size):
+    import torch.distributed as dist
+
+    if rank == 1:
+        _helper_that_raises(rank)
+    dist.all_reduce(torch.ones(1))  # rank 0 (and others) block here until killed
+    return rank
+
+
+def _helper_that_raises(rank):
+    raise ValueError(f"boom from rank {rank}")
+
+
+def _rank1_skips_collective(rank, world_size):
+    import torch.distributed as dist
+
+    if rank != 1:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins: everybody else hangs
+    return rank
+
+
+def _die_hard(rank, world_size):
+    os._exit(7)  # no Python exception, no report
+
+
+# ---- helpers ------------------------------------------------------------------------------------------
+
+def _child_pids() -> set[int]:
+    """Live (non-zombie) child processes of this process, other than multiprocessing's resource tracker."""
+    me = os.getpid()
+    out = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # field 4 (ppid) comes after the parenthesised comm, which may contain spaces
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[1]) != me or fields[0] == "Z":
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        # spawn starts multiprocessing's resource tracker once per parent; it is not one of the ranks
+        if b"resource_tracker" in cmdline:
+            continue
+        out.add(int(d))
+    return out
+
+
+# ---- tests --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_reduce_returns_in_rank_order(world_size):
+    before = _child_pids()
+    outs = run_on_ranks(_all_reduce_rank, world_size, 2.0, offset=1.0, timeout_s=60)
+    assert [o["rank"] for o in outs] == list(range(world_size))
+    expected = sum(2.0 * r + 1.0 for r in range(world_size))
+    for o in outs:
+        assert o["world"] == world_size
+        assert o["backend"] == "gloo"
+        assert torch.equal(o["sum"], torch.tensor([expected, float(world_size)]))
+        assert o["omp"] == "1" and o["threads"] == 1
+    assert [o["env_rank"] for o in outs] == [str(r) for r in range(world_size)]
+    assert _child_pids() - before == set()
+
+
+def test_raising_rank_surfaces_traceback_promptly():
+    before = _child_pids()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as ei:
+        run_on_ranks(_raise_on_rank1, 2, timeout_s=60)
+    elapsed = time.monotonic() - t0
+    msg = str(ei.value)
+    assert isinstance(ei.value, RankError) and ei.value.rank == 1
+    # the failing rank stays up until the parent kills everyone, so its peer (blocked in all_reduce)
+    # never sees a "connection closed" error of its own: exactly one report, the root cause
+    assert set(ei.value.tracebacks) == {1}
+    assert "rank 1" in msg
+    assert "ValueError: boom from rank 1" in msg
+    assert "Traceback (most recent call last)" in msg
+    assert "_helper_that_raises" in msg  # the full traceback, not just the last line
+    assert elapsed < 30, f"should not wait for the 60 s timeout (took {elapsed:.1f}s)"
+    assert _child_pids() - before == set()
+
+
+def test_hanging_rank_times_out_and_leaves_no_children():
+    before = _child_pids()
+    timeout_s = 6
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as ei:
+        run_on_ranks(_rank1_skips_collective, 2, timeout_s=timeout_s)
+    elapsed = time.monotonic() - t0
+    msg = str(ei.value)
+    # rank 1 finished (it skipped the collective); rank 0 is the one stuck in all_reduce
+    m = re.search(r"ranks \[([\d, ]*)\] did not finish", msg)
+    assert m, msg
+    missing = [int(x) for x in m.group(1).split(",")]
+    assert 0 in missing, msg  # (rank 1 is normally listed as finished; on a loaded machine start-up
+    assert "finished: [1]" in msg or missing == [0, 1], msg  # may eat the whole budget)
+    assert timeout_s - 0.5 <= elapsed < timeout_s + 5, elapsed
+    assert _child_pids() - before == set()
+
+
+def test_rank_dying_without_exception_is_reported():
+    with pytest.raises(RankError, match=r"rank 0 exited with code 7"):
+        run_on_ranks(_die_hard, 1, timeout_s=30)
+
+
+def test_unpicklable_fn_fails_fast():
+    with pytest.raises(TypeError, match="picklable"):
+        run_on_ranks(lambda rank, ws: rank, 2, timeout_s=5)
