@@ -27,6 +27,10 @@ class ExplainReport:
         return [r for r in self.regions if not r.rewritten]
 
     def __str__(self) -> str:
+        return self.text(graph="full")
+
+    def text(self, graph: str = "full") -> str:
+        """Report text; graph="full" prints the rewritten graph, "excerpt" only its boundpass lines, "none" skips it."""
         lines = [f"boundpass report (per-rank budget {format_bytes(self.budget)})", "", "regions:"]
         if not self.regions:
             lines.append("  (none found: no linear -> cross_entropy in the captured graph; is the loss compiled "
@@ -37,6 +41,10 @@ class ExplainReport:
                              f"(N={r.tokens}, H={r.hidden}, V={r.vocab}, {r.dtype}, branch={r.branch}, C={r.block})")
             else:
                 lines.append(f"  SKIPPED   vocab  {r.module_path}: {r.reason}")
-        lines += ["", "bounds (bytes per rank):", self.table.render() if self.table else "  (none)", "",
-                  "rewritten graph (Dynamo, torch IR):", self.graph_code]
+        lines += ["", "bounds (bytes per rank):", self.table.render() if self.table else "  (none)"]
+        if graph == "full":
+            lines += ["", "rewritten graph (Dynamo, torch IR):", self.graph_code]
+        elif graph == "excerpt":
+            ops = [ln.strip() for ln in self.graph_code.splitlines() if "boundpass." in ln]
+            lines += ["", "rewritten graph, boundpass ops only (Dynamo, torch IR):"] + [f"  {ln}" for ln in ops]
         return "\n".join(lines)
