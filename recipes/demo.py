@@ -15,6 +15,7 @@ import copy
 import os
 import sys
 import textwrap
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,8 @@ def _batch(vocab, batch, seq, seed):
 
 
 def main(argv=None) -> int:
+    # torchtitan's router asks for fp32 autocast, which CPU autocast does not support; it only warns.
+    warnings.filterwarnings("ignore", message="In CPU autocast")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=65_536, help="enlarged vocabulary (rows of lm_head)")
     parser.add_argument("--seq", type=int, default=512, help="sequence length")
