@@ -169,6 +169,37 @@ def _check_inputs(h: Tensor, w: Tensor, labels: Tensor, vocab_size: int, ignore_
             raise BoundpassInputError(f"Ring-DTP label out of range [0, {vocab_size}) (ignore_index={ignore_index})")
 
 
+def _rotate(ring: _Ring, payload: list[Tensor], accumulators: list[Tensor], payload_for, accumulators_for,
+            compute) -> list[Tensor]:
+    """Run the P ring rounds; returns this rank's own accumulators once they have come home.
+
+    Each round, ``compute(owner, payload, accumulators)`` works on the payload that ``owner`` started with
+    while the read-only payload already travels to the next rank (overlapped). Accumulators change in
+    ``compute``, so they travel after it. ``payload_for(owner)`` / ``accumulators_for(owner)`` allocate
+    receive buffers for the payload / accumulators that started on ``owner``. At most two payloads and two
+    accumulator sets are live at once: that is what ``ring_dtp_bound`` counts.
+    """
+    for step in range(ring.size):
+        last = step == ring.size - 1
+        if not last:
+            incoming = payload_for(ring.owner(step + 1))
+            requests = ring.start_shift(payload, incoming)
+        compute(ring.owner(step), payload, accumulators)
+        if not last:
+            for request in requests:
+                request.wait()
+            if accumulators:
+                arriving = accumulators_for(ring.owner(step + 1))
+                ring.shift(accumulators, arriving)
+                accumulators = arriving
+            payload = incoming
+    if accumulators and ring.size > 1:  # this rank holds rank+1's finished accumulators: one hop home
+        home = accumulators_for(ring.rank)
+        ring.shift(accumulators, home)
+        accumulators = home
+    return accumulators
+
+
 # ------------------------------------------------------------------------------------------ forward
 def ring_dtp_forward(h: Tensor, w: Tensor, labels: Tensor, vocab_size: int, group_name: str = "",
                      block: int = 0, ignore_index: int = -100, branch: str = "auto",
@@ -180,48 +211,24 @@ def ring_dtp_forward(h: Tensor, w: Tensor, labels: Tensor, vocab_size: int, grou
     acc = _acc_dtype(h.dtype)
     labels = labels.long()
 
-    def fresh_state(n):
-        return (torch.full((n,), float("-inf"), dtype=acc, device=h.device),
-                torch.zeros(n, dtype=acc, device=h.device), torch.zeros(n, dtype=acc, device=h.device))
+    def fresh_state(owner):  # running max, running sum of exponentials, target logit
+        n = counts[owner]
+        return [torch.full((n,), float("-inf"), dtype=acc, device=h.device),
+                torch.zeros(n, dtype=acc, device=h.device), torch.zeros(n, dtype=acc, device=h.device)]
 
-    def fold_shard(hh, yy, state, w_shard, v_start):
+    def fold(hh, yy, state, w_shard, v_start):
         for b0, b1 in _blocks(w_shard.shape[0], block):
             _fold_strip(hh, w_shard.narrow(0, b0, b1 - b0), v_start + b0, yy, *state, acc)
 
-    if branch == "weights":
-        state, w_cur = fresh_state(h.shape[0]), w
-        for step in range(ring.size):
-            owner = ring.owner(step)
-            last = step == ring.size - 1
-            if not last:  # the next shard travels while this one is folded
-                w_next = w.new_empty((shard_sizes[ring.owner(step + 1)], w.shape[1]))
-                reqs = ring.start_shift([w_cur], [w_next])
-            fold_shard(h, labels, state, w_cur, starts[owner])
-            if not last:
-                for req in reqs:
-                    req.wait()
-                w_cur = w_next
-        del w_cur
-    else:  # activations: batches travel with their state; the state returns to its owner at the end
-        h_cur, y_cur, state = h, labels, fresh_state(h.shape[0])
-        for step in range(ring.size):
-            last = step == ring.size - 1
-            if not last:
-                n_next = counts[ring.owner(step + 1)]
-                h_next, y_next = h.new_empty((n_next, h.shape[1])), labels.new_empty((n_next,))
-                reqs = ring.start_shift([h_cur, y_cur], [h_next, y_next])
-            fold_shard(h_cur, y_cur, state, w, starts[ring.rank])
-            if not last:
-                for req in reqs:
-                    req.wait()
-                incoming = fresh_state(n_next)
-                ring.shift(list(state), list(incoming))
-                h_cur, y_cur, state = h_next, y_next, incoming
-        if ring.size > 1:  # after P rounds this rank holds batch (rank+1)'s finished state: send it home
-            home = fresh_state(h.shape[0])
-            ring.shift(list(state), list(home))
-            state = home
-        del h_cur, y_cur
+    if branch == "weights":  # shards travel; this rank's state stays here
+        state = fresh_state(ring.rank)
+        _rotate(ring, [w], [], lambda owner: [w.new_empty((shard_sizes[owner], w.shape[1]))], None,
+                lambda owner, payload, _: fold(h, labels, state, payload[0], starts[owner]))
+    else:  # batches travel, their state follows each fold and comes home at the end
+        state = _rotate(ring, [h, labels], fresh_state(ring.rank),
+                        lambda owner: [h.new_empty((counts[owner], h.shape[1])), labels.new_empty((counts[owner],))],
+                        fresh_state,
+                        lambda owner, payload, st: fold(payload[0], payload[1], st, w, starts[ring.rank]))
     run_max, run_sum, target = state
     lse = run_max + torch.log(run_sum)
     valid = labels != ignore_index
@@ -240,58 +247,28 @@ def ring_dtp_backward(grad_loss: Tensor, h: Tensor, w: Tensor, labels: Tensor, l
     labels = labels.long()
     token_scale = (labels != ignore_index).to(acc) * grad_loss.to(acc)
 
-    def grad_shard(hh, yy, ll, scale, dh_acc, w_shard, dw_acc, v_start):
+    def backprop(hh, yy, ll, scale, dh_acc, w_shard, dw_acc, v_start):
         for b0, b1 in _blocks(w_shard.shape[0], block):
             _grad_strip(hh, w_shard.narrow(0, b0, b1 - b0), v_start + b0, yy, ll, scale, dh_acc,
                         dw_acc.narrow(0, b0, b1 - b0), acc)
 
-    if branch == "weights":
-        dh = torch.zeros(h.shape, dtype=acc, device=h.device)
-        w_cur, dw_cur = w, torch.zeros(w.shape, dtype=acc, device=w.device)
-        for step in range(ring.size):
-            owner = ring.owner(step)
-            last = step == ring.size - 1
-            if not last:
-                rows = shard_sizes[ring.owner(step + 1)]
-                w_next = w.new_empty((rows, w.shape[1]))
-                reqs = ring.start_shift([w_cur], [w_next])
-            grad_shard(h, labels, lse, token_scale, dh, w_cur, dw_cur, starts[owner])
-            if not last:
-                for req in reqs:
-                    req.wait()
-                dw_next = dw_cur.new_empty((rows, w.shape[1]))
-                ring.shift([dw_cur], [dw_next])
-                w_cur, dw_cur = w_next, dw_next
-        if ring.size > 1:  # this rank holds shard (rank+1)'s finished gradient: send it home
-            dw_home = dw_cur.new_empty(w.shape)
-            ring.shift([dw_cur], [dw_home])
-            dw_cur = dw_home
-        dw = dw_cur
-        del w_cur
-    else:
-        dw = torch.zeros(w.shape, dtype=acc, device=w.device)
-        cur = [h, labels, lse, token_scale]
-        dh_cur = torch.zeros(h.shape, dtype=acc, device=h.device)
-        for step in range(ring.size):
-            last = step == ring.size - 1
-            if not last:
-                n_next = counts[ring.owner(step + 1)]
-                nxt = [h.new_empty((n_next, h.shape[1])), labels.new_empty((n_next,)),
-                       lse.new_empty((n_next,)), token_scale.new_empty((n_next,))]
-                reqs = ring.start_shift(cur, nxt)
-            grad_shard(*cur, dh_cur, w, dw, starts[ring.rank])
-            if not last:
-                for req in reqs:
-                    req.wait()
-                dh_next = dh_cur.new_empty((n_next, h.shape[1]))
-                ring.shift([dh_cur], [dh_next])
-                cur, dh_cur = nxt, dh_next
-        if ring.size > 1:
-            dh_home = dh_cur.new_empty(h.shape)
-            ring.shift([dh_cur], [dh_home])
-            dh_cur = dh_home
-        dh = dh_cur
-        del cur
+    def zeros(rows):
+        return torch.zeros((rows, h.shape[1]), dtype=acc, device=h.device)
+
+    if branch == "weights":  # shards travel with their dW accumulators; dh stays here
+        dh = zeros(h.shape[0])
+        (dw,) = _rotate(ring, [w], [zeros(w.shape[0])],
+                        lambda owner: [w.new_empty((shard_sizes[owner], w.shape[1]))],
+                        lambda owner: [h.new_empty((shard_sizes[owner], h.shape[1]), dtype=acc)],
+                        lambda owner, payload, accs: backprop(h, labels, lse, token_scale, dh, payload[0],
+                                                              accs[0], starts[owner]))
+    else:  # batches travel with their dh accumulators; dW of this rank's shard stays here
+        dw = zeros(w.shape[0])
+        (dh,) = _rotate(ring, [h, labels, lse, token_scale], [zeros(h.shape[0])],
+                        lambda owner: [h.new_empty((counts[owner], h.shape[1])), labels.new_empty((counts[owner],)),
+                                       lse.new_empty((counts[owner],)), token_scale.new_empty((counts[owner],))],
+                        lambda owner: [h.new_empty((counts[owner], h.shape[1]), dtype=acc)],
+                        lambda owner, payload, accs: backprop(*payload, accs[0], w, dw, starts[ring.rank]))
     return dh.to(h.dtype), dw.to(w.dtype)
 
 
