@@ -158,8 +158,11 @@ class BoundedModule(nn.Module):
                 raise_infeasible(table, binding)
             raise_infeasible(table, term, detail=f"at C={block}, N={tokens_here}, N_max={max_tokens}")
         # A dynamic N must not grow past what was checked: guard the graph on the budget inequality.
-        total_expr = sympy.Integer(persistent) + formula.subs({**{k: v for k, v in values.items() if k is not sym.N},
-                                                             sym.C: block, sym.N: tokens})
+        # Without a declared max_tokens_per_rank, N_max is this rank's N, and grows with it.
+        symbolic = {**values, sym.C: block, sym.N: tokens}
+        if self.max_tokens_per_rank is None:
+            symbolic[sym.N_max] = tokens
+        total_expr = sympy.Integer(persistent) + formula.subs(symbolic)
         if shape_env is not None and total_expr.free_symbols:
             shape_env.evaluate_expr(sympy.Le(total_expr, self.budget))
         term.knob = "boundpass.compile(..., vocab_block=C) or a larger ring (ring_group)"
