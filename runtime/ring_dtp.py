@@ -390,7 +390,8 @@ def ring_dtp_bound(branch: str, *, mixed_precision: bool, count_weight_shard: bo
         bwd = resident + bwd_batches + 2 * N * b_acc + V_max * H * b_acc + grad_in_flight
     else:
         raise BoundpassInputError(f"ring_dtp_bound: branch must be 'weights' or 'activations', got {branch!r}")
-    return sympy.Max(fwd, bwd)
+    # + the loss scalar and, in backward, its incoming gradient
+    return sympy.Max(fwd, bwd) + 2 * b_acc
 
 
 def _strip_fwd(n, width, b, b_acc, b_idx, cast):

@@ -222,8 +222,8 @@ def test_reference_bound_matches_measured_standard_schedule():
     assert tracker.peak_bytes() <= bound <= 1.25 * tracker.peak_bytes()
 
 
-@pytest.mark.parametrize("tokens", [16_384, 32_768])
-def test_bound_sound_and_tight_simulated_at_paper_scale(tokens):
+@pytest.mark.parametrize("tokens,block", [(16_384, 0), (32_768, 0), (16_384, 4096), (32_768, 4096)])
+def test_bound_sound_and_tight_simulated_at_paper_scale(tokens, block):
     """P = 8, H = 7,168, V = 200,000, fp32 (SPEC §2), rank 3 of 8 under fake tensors: nothing is allocated."""
     from boundpass.simulate import simulated_rank
     P, H, V = 8, 7168, 200_000
@@ -233,9 +233,9 @@ def test_bound_sound_and_tight_simulated_at_paper_scale(tokens):
         w = torch.empty(stop - start, H, device=sim.device)
         labels = torch.zeros(tokens, dtype=torch.int64, device=sim.device)
         branch = choose_branch(tokens, V, P)
-        measured = _measured_peak(h, w, labels, V, 0, branch, token_counts=(tokens,) * P,
+        measured = _measured_peak(h, w, labels, V, block, branch, token_counts=(tokens,) * P,
                                   group_name=sim.group.group_name)
-    values = ring_dtp.bound_values(torch.float32, N=tokens, H=H, V=V, P=P)
+    values = ring_dtp.bound_values(torch.float32, N=tokens, H=H, V=V, P=P, C=block or None)
     bound = sym.evaluate(ring_dtp_bound(branch, mixed_precision=False), values)
     standard = sym.evaluate(ring_dtp.reference_bound(mixed_precision=False), values)
     assert measured <= bound <= 1.25 * measured, (measured, bound)
