@@ -7,3 +7,4 @@ from boundpass.runtime.ring_dtp import (  # noqa: F401
     vocab_shard_range,
     vocab_shard_sizes,
 )
+from boundpass.runtime.offload_adamw import OffloadStreamAdamW  # noqa: F401
