@@ -16,34 +16,57 @@ class BoundTerm:
     formula: sympy.Expr          # in the shared vocabulary (boundpass.symbols)
     value: int                   # bytes at this launch configuration
     knob: str                    # what a user changes to shrink it
-    kind: str = "transient"      # "persistent" state or "transient" peak working set
+    kind: str = "transient"      # "persistent" state, "transient" (forward/backward), "step" (optimizer), "host"
     counted: bool = True         # False: shown for comparison only (e.g. the schedule a rewrite replaced)
     where: str = ""              # module path of the region it bounds
 
 
 @dataclass
 class BudgetTable:
-    """The composed per-rank budget: terms that are summed, plus terms shown for comparison."""
+    """The composed per-rank budget: terms that are summed, plus terms shown for comparison.
+
+    Device peak = persistent + max(forward/backward transients, optimizer-step transients): the optimizer
+    steps after backward has freed its activations. Host terms are checked against the host budget.
+    """
     budget: int
     terms: list[BoundTerm] = field(default_factory=list)
+    host_budget: int | None = None
+
+    def _sum(self, kind: str) -> int:
+        return sum(t.value for t in self.terms if t.counted and t.kind == kind)
 
     @property
     def total(self) -> int:
-        """Sum of the counted terms (bytes)."""
-        return sum(t.value for t in self.terms if t.counted)
+        """Device bytes of the peak phase (bytes)."""
+        return self._sum("persistent") + max(self._sum("transient"), self._sum("step"))
+
+    @property
+    def host_total(self) -> int:
+        """Host bytes (bytes)."""
+        return self._sum("host")
 
     def fits(self) -> bool:
-        return self.total <= self.budget
+        return self.total <= self.budget and self.host_fits()
+
+    def host_fits(self) -> bool:
+        return self.host_budget is None or self.host_total <= self.host_budget
 
     def render(self) -> str:
-        """Text table: term, formula, bytes, share of budget."""
+        """Text table: term, formula, bytes, share of its budget."""
         rows = [("term", "formula", "bytes", "share")]
         for t in self.terms:
-            share = f"{100 * t.value / self.budget:.1f}%" if t.counted else "(not counted)"
+            limit = self.host_budget if t.kind == "host" else self.budget
+            share = "(not counted)" if not t.counted else (f"{100 * t.value / limit:.1f}%" if limit else "host")
             name = t.name + (f" @ {t.where}" if t.where else "")
             rows.append((name, _short(t.formula), format_bytes(t.value), share))
-        rows.append(("total (counted)", "", format_bytes(self.total), f"{100 * self.total / self.budget:.1f}%"))
-        rows.append(("budget", "", format_bytes(self.budget), "FITS" if self.fits() else "DOES NOT FIT"))
+        rows.append(("device peak = persistent + max(fwd/bwd, optimizer step)", "", format_bytes(self.total),
+                     f"{100 * self.total / self.budget:.1f}%"))
+        rows.append(("device budget", "", format_bytes(self.budget),
+                     "FITS" if self.total <= self.budget else "DOES NOT FIT"))
+        if self.host_total:
+            verdict = "not checked" if self.host_budget is None else ("FITS" if self.host_fits() else "DOES NOT FIT")
+            rows.append(("host total / budget", "", format_bytes(self.host_total) + " / " + (
+                format_bytes(self.host_budget) if self.host_budget else "-"), verdict))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -55,9 +78,12 @@ def _short(expr: sympy.Expr, limit: int = 110) -> str:
 
 def raise_infeasible(table: BudgetTable, binding: BoundTerm, *, detail: str = "") -> None:
     """Raise InfeasibleBudgetError naming the binding term, its formula, value, the budget and the knob."""
-    others = table.total - binding.value if binding.counted else table.total
+    host = binding.kind == "host"
+    budget, total = (table.host_budget, table.host_total) if host else (table.budget, table.total)
+    others = total - binding.value if binding.counted else total
     message = (
-        f"boundpass: the per-rank budget {format_bytes(table.budget)} ({table.budget} B) cannot be met.\n"
+        f"boundpass: the per-rank {'host' if host else 'device'} budget {format_bytes(budget)} ({budget} B) "
+        f"cannot be met.\n"
         f"  binding term : {binding.name}" + (f" at {binding.where}" if binding.where else "") + "\n"
         f"  formula      : {binding.formula}\n"
         f"  value here   : {format_bytes(binding.value)} ({binding.value} B)"
@@ -67,7 +93,7 @@ def raise_infeasible(table: BudgetTable, binding: BoundTerm, *, detail: str = ""
         f"bounds table:\n{table.render()}"
     )
     raise InfeasibleBudgetError(message, term=binding.name, formula=str(binding.formula), value_bytes=binding.value,
-                                budget_bytes=table.budget, knob=binding.knob)
+                                budget_bytes=budget, knob=binding.knob)
 
 
 def largest_fitting(lo: int, hi: int, cost) -> int | None:

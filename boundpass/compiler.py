@@ -16,6 +16,7 @@ from boundpass import symbols as sym
 from boundpass.bounds import BoundTerm, BudgetTable, largest_fitting, raise_infeasible
 from boundpass.errors import BoundpassError, BoundpassInputError
 from boundpass.explain import ExplainReport
+from boundpass.passes.optimizer_swap import DEFAULT_SLOTS, plan_optimizer
 from boundpass.passes.vocab_pass import VocabRewriteConfig, rewrite_vocab_regions
 from boundpass.runtime import ring_dtp
 from boundpass.units import parse_bytes
@@ -28,11 +29,16 @@ class BoundedModule(nn.Module):
     """A model (and its loss) compiled by boundpass; call it like `loss = bm(inputs, labels, *loss_args)`."""
 
     def __init__(self, model: nn.Module, loss_fn, *, budget: int, ring_group, vocab_block: int | None,
-                 max_tokens_per_rank: int | None, inner: str, fullgraph: bool, dynamic):
+                 max_tokens_per_rank: int | None, inner: str, fullgraph: bool, dynamic, state_terms, optimizer_plan,
+                 host_budget: int | None):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.budget = budget
+        self.host_budget = host_budget
+        self.state_terms = state_terms          # parameters, gradients, optimizer: fixed before any graph
+        self.optimizer_plan = optimizer_plan
+        self.optimizer = optimizer_plan.optimizer if optimizer_plan else None  # the one to step
         self.ring_group = ring_group
         self.vocab_block = vocab_block
         self.max_tokens_per_rank = max_tokens_per_rank
@@ -69,14 +75,9 @@ class BoundedModule(nn.Module):
         # the pass rewrites every eligible region; the bounds below then fix each op's strip width and branch
         regions = rewrite_vocab_regions(gm, config)
         report.regions.extend(regions)
-        table = report.table = BudgetTable(budget=self.budget)
-        params = [p for p in self.model.parameters()]
-        param_bytes = sum(p.numel() * p.element_size() for p in params)
-        grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        table.terms.append(BoundTerm("parameters", sym.Theta * sym.b, param_bytes, kind="persistent",
-                                     knob="shard parameters over more ranks (FSDP2 / ZeRO-3) or raise the budget"))
-        table.terms.append(BoundTerm("gradients", sym.Theta * sym.b, grad_bytes, kind="persistent",
-                                     knob="shard gradients over more ranks (FSDP2 / ZeRO-3) or raise the budget"))
+        table = report.table = BudgetTable(budget=self.budget, host_budget=self.host_budget)
+        table.terms.extend(self.state_terms)
+        report.optimizer = self.optimizer_plan
         for region in regions:
             if region.rewritten:
                 self._bound_vocab_region(gm, region, table, ring_size)
@@ -126,13 +127,16 @@ class BoundedModule(nn.Module):
         fixed = {s: values[s] for s in (sym.P, sym.b, sym.b_acc, sym.b_idx)}
         formula = ring_dtp.ring_dtp_bound(branch, mixed_precision=mixed, count_weight_shard=False).subs(fixed)
         shard_rows = -(-region.vocab // ring_size)
-        persistent = table.total
+        # the vocab term is a forward/backward transient: it adds to the other transients, and the device
+        # peak is persistent + max(transients, optimizer step)
+        persistent, transient, step = (sum(t.value for t in table.terms if t.counted and t.kind == kind)
+                                       for kind in ("persistent", "transient", "step"))
 
         def cost(block: int) -> int:
             return sym.evaluate(formula, {**values, sym.C: block})
 
         def fits(block: int) -> bool:
-            return persistent + cost(block) <= self.budget
+            return persistent + max(transient + cost(block), step) <= self.budget
 
         name = f"vocab (Ring-DTP, {branch}, P={ring_size})"
         if self.vocab_block is not None:
@@ -153,22 +157,52 @@ class BoundedModule(nn.Module):
             else:
                 term.knob = (f"increase the ring size P (boundpass.compile(..., ring_group=<group of more ranks>)) or "
                              f"reduce tokens per rank N (now {tokens_here}); the narrowest strip C={block} does not fit")
-            if persistent > self.budget:
-                binding = max((t for t in table.terms if t.kind == "persistent"), key=lambda t: t.value)
-                raise_infeasible(table, binding)
+            if persistent + step > self.budget or persistent + transient > self.budget:
+                raise_infeasible(table, _binding_state_term(table, self.budget))
             raise_infeasible(table, term, detail=f"at C={block}, N={tokens_here}, N_max={max_tokens}")
         # A dynamic N must not grow past what was checked: guard the graph on the budget inequality.
         # Without a declared max_tokens_per_rank, N_max is this rank's N, and grows with it.
         symbolic = {**values, sym.C: block, sym.N: tokens}
         if self.max_tokens_per_rank is None:
             symbolic[sym.N_max] = tokens
-        total_expr = sympy.Integer(persistent) + formula.subs(symbolic)
+        total_expr = persistent + sympy.Max(transient + formula.subs(symbolic), step)
         if shape_env is not None and total_expr.free_symbols:
             shape_env.evaluate_expr(sympy.Le(total_expr, self.budget))
         term.knob = "boundpass.compile(..., vocab_block=C) or a larger ring (ring_group)"
         region.op_node.update_arg(5, block)
         region.op_node.update_arg(7, branch)
         region.block, region.branch = block, branch
+
+
+def _binding_state_term(table: BudgetTable, budget: int) -> BoundTerm:
+    """The state term to name when state alone breaks the budget: one whose knob removes it, else the largest."""
+    state = [t for t in table.terms if t.counted and t.kind in ("persistent", "step")]
+    for term in state:
+        if term.name.startswith("optimizer state") and table.total - term.value <= budget:
+            return term
+    return max(state, key=lambda t: t.value)
+
+
+def _state_terms(model: nn.Module, optimizer, *, budget: int, host_budget, offload, bucket, slots):
+    """Parameters, gradients and the optimizer's terms (deciding its offload), checked before any graph exists."""
+    params = list(model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    terms = [BoundTerm("parameters", sym.Theta * sym.b, param_bytes, kind="persistent",
+                       knob="shard parameters over more ranks (FSDP2 / ZeRO-3) or raise the budget"),
+             BoundTerm("gradients", sym.Theta * sym.b, grad_bytes, kind="persistent",
+                       knob="shard gradients over more ranks (FSDP2 / ZeRO-3) or raise the budget")]
+    plan = None
+    if optimizer is not None:
+        plan = plan_optimizer(optimizer, budget=budget, persistent=param_bytes + grad_bytes, offload=offload,
+                              bucket=bucket, slots=slots, host_budget=host_budget)
+        terms += plan.terms
+    table = BudgetTable(budget=budget, terms=terms, host_budget=host_budget)
+    if not table.host_fits():
+        raise_infeasible(table, max((t for t in terms if t.kind == "host"), key=lambda t: t.value))
+    if table.total > budget:
+        raise_infeasible(table, _binding_state_term(table, budget))
+    return terms, plan
 
 
 def _as_expr(value):
@@ -190,27 +224,38 @@ def _concrete(expr, shape_env) -> int:
 
 
 def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_block: int | None = None,
-            max_tokens_per_rank: int | None = None, inner: str = "aot_eager", fullgraph: bool = True,
-            dynamic=False) -> BoundedModule:
+            max_tokens_per_rank: int | None = None, optimizer=None, offload_optimizer="auto",
+            optimizer_bucket: int | None = None, optimizer_slots: int = DEFAULT_SLOTS, host_budget=None,
+            inner: str = "aot_eager", fullgraph: bool = True, dynamic=False) -> BoundedModule:
     """Compile `model` (+ `loss_fn(model_out, labels, *loss_args)`) so every bounded region fits `budget` bytes.
 
-    budget: per-rank device bytes ("60GiB", 2**30, ...). ring_group: the process group Ring-DTP rotates
-    vocab shards/batches over (None: one device, P = 1). vocab_block: strip width C (None: the widest that
-    fits). max_tokens_per_rank: the largest N any ring rank will hold (None: this rank's N).
-    Raises InfeasibleBudgetError on the first call, before any real compute, when the budget cannot be met.
+    budget / host_budget: per-rank device / host bytes ("60GiB", 2**30, ...). ring_group: the process group
+    Ring-DTP rotates vocab shards/batches over (None: one device, P = 1). vocab_block: strip width C (None: the
+    widest that fits). max_tokens_per_rank: the largest N any ring rank will hold (None: this rank's N).
+    optimizer: a torch AdamW or torchtitan OptimizersContainer; offload_optimizer ("auto", True, False) swaps it
+    for OffloadStreamAdamW (state migrated; step `compiled.optimizer` and build LR schedulers on it) with
+    buckets of optimizer_bucket elements (None: the largest that fits) and optimizer_slots staging slots.
+    Raises InfeasibleBudgetError here when the state alone cannot fit, else on the first call before any real
+    compute.
     """
     budget_bytes = parse_bytes(budget, what="budget")
+    host_bytes = None if host_budget is None else parse_bytes(host_budget, what="host_budget")
     if not isinstance(model, nn.Module):
         raise BoundpassInputError(f"boundpass.compile expects an nn.Module, got {type(model).__name__}")
     if inner not in INNER_COMPILERS:
         raise BoundpassInputError(f"inner must be one of {INNER_COMPILERS}, got {inner!r}")
-    if vocab_block is not None and (not isinstance(vocab_block, int) or vocab_block < 1):
-        raise BoundpassInputError(f"vocab_block must be a positive int (strip width in vocab rows), got {vocab_block!r}")
+    for name, value in (("vocab_block", vocab_block), ("optimizer_bucket", optimizer_bucket)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise BoundpassInputError(f"{name} must be a positive int, got {value!r}")
+    if isinstance(optimizer_slots, bool) or not isinstance(optimizer_slots, int) or optimizer_slots < 1:
+        raise BoundpassInputError(f"optimizer_slots must be a positive int, got {optimizer_slots!r}")
     if ring_group is not None and not dist.is_initialized():
         raise BoundpassInputError("ring_group given but torch.distributed is not initialised")
+    state_terms, plan = _state_terms(model, optimizer, budget=budget_bytes, host_budget=host_bytes,
+                                     offload=offload_optimizer, bucket=optimizer_bucket, slots=optimizer_slots)
     return BoundedModule(model, loss_fn, budget=budget_bytes, ring_group=ring_group, vocab_block=vocab_block,
                          max_tokens_per_rank=max_tokens_per_rank, inner=inner, fullgraph=fullgraph,
-                         dynamic=dynamic)
+                         dynamic=dynamic, state_terms=state_terms, optimizer_plan=plan, host_budget=host_bytes)
 
 
 def explain(compiled: BoundedModule) -> ExplainReport:

@@ -12,6 +12,7 @@ class ExplainReport:
     budget: int
     regions: list = field(default_factory=list)       # passes' region records (rewritten and skipped)
     table: object = None                              # bounds.BudgetTable
+    optimizer: object = None                          # passes.optimizer_swap.OptimizerPlan (None: not given)
     graph_code: str = ""                              # rewritten Dynamo graph (torch IR)
     forward_code: str = ""                            # AOT forward graph (aten)
     backward_code: str = ""                           # AOT backward graph (aten)
@@ -41,6 +42,8 @@ class ExplainReport:
                              f"(N={r.tokens}, H={r.hidden}, V={r.vocab}, {r.dtype}, branch={r.branch}, C={r.block})")
             else:
                 lines.append(f"  SKIPPED   vocab  {r.module_path}: {r.reason}")
+        if self.optimizer is not None:
+            lines.append(f"  OPTIMIZER {type(self.optimizer.optimizer).__name__}: {self.optimizer.reason}")
         lines += ["", "bounds (bytes per rank):", self.table.render() if self.table else "  (none)"]
         if graph == "full":
             lines += ["", "rewritten graph (Dynamo, torch IR):", self.graph_code]

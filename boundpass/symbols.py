@@ -35,3 +35,8 @@ def evaluate(expr: sympy.Expr, values: dict) -> int:
     if out.free_symbols:
         raise ValueError(f"bound {expr} still has free symbols {sorted(map(str, out.free_symbols))}")
     return int(sympy.ceiling(out))
+
+# PipelinedLLEP / EP dispatch (added after ALL: only additions, existing names unchanged)
+R = sympy.Symbol("R", integer=True, nonnegative=True)    # routes this rank's experts received (realized)
+s_b = sympy.Symbol("s_b", integer=True, nonnegative=True)  # borrowed-expert weight slots per EP rank
+ALL.update({s.name: s for s in (R, s_b)})

@@ -1,0 +1,113 @@
+"""Optimizer pass: replace torch AdamW (or the AdamWs in a torchtitan OptimizersContainer) with OffloadStreamAdamW
+when the budget needs it or the user asks, migrating existing state, and budget the optimizer's terms.
+
+This is not a graph rewrite: the optimizer step runs outside every captured graph (torchtitan never compiles
+it, and a compiled `opt.step` holds its state as graph constants that cannot move to the host). The decision
+is made in `boundpass.compile`, before any LR scheduler is built on the optimizer boundpass returns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from boundpass import symbols as sym
+from boundpass.bounds import BoundTerm
+from boundpass.errors import BoundpassError, BoundpassInputError
+from boundpass.runtime import offload_adamw as oa
+from boundpass.units import format_bytes
+
+OFFLOAD_CHOICES = ("auto", True, False)
+DEFAULT_SLOTS = 2
+MAX_BUCKET = 1 << 24  # elements; beyond this a bucket only adds staging bytes, not speed
+
+
+@dataclass
+class OptimizerPlan:
+    """What boundpass decided for the optimizer: the one to step, and its budget terms."""
+    optimizer: object
+    offloaded: bool
+    reason: str
+    terms: list[BoundTerm] = field(default_factory=list)
+    host_bytes: int = 0
+
+
+def _adamws(optimizer) -> list[torch.optim.Optimizer] | None:
+    """The AdamW instances inside `optimizer` (itself, or a torchtitan container's), else None."""
+    inner = getattr(optimizer, "optimizers", None)
+    candidates = list(inner) if isinstance(inner, (list, tuple)) else [optimizer]
+    if all(isinstance(o, torch.optim.AdamW) and not isinstance(o, oa.OffloadStreamAdamW) for o in candidates):
+        return candidates
+    return None
+
+
+def _state_elements(optimizers) -> tuple[int, int]:
+    """(parameter elements Θ on this rank, bytes per working element b)."""
+    params = [oa._local(p) for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    return sum(p.numel() for p in params), max((p.element_size() for p in params), default=4)
+
+
+def _refuse_stale_steps(old: torch.optim.Optimizer) -> None:
+    def step(*args, **kwargs):
+        raise BoundpassError("boundpass.compile replaced this AdamW with OffloadStreamAdamW (its state moved to the "
+                             "host): step compiled.optimizer instead, and build LR schedulers on it")
+    old.step = step
+
+
+def plan_optimizer(optimizer, *, budget: int, persistent: int, offload="auto", bucket: int | None = None,
+                   slots: int = DEFAULT_SLOTS, host_budget: int | None = None) -> OptimizerPlan:
+    """Decide offload (and β, S), migrate state if offloading, and return the optimizer's budget terms (bytes).
+
+    persistent: bytes already committed on the device (parameters + gradients).
+    """
+    if offload not in OFFLOAD_CHOICES:
+        raise BoundpassInputError(f"offload_optimizer must be one of {OFFLOAD_CHOICES}, got {offload!r}")
+    if isinstance(optimizer, oa.OffloadStreamAdamW):
+        return _offloaded_plan(optimizer, [optimizer], "already OffloadStreamAdamW", host_budget)
+    adamws = _adamws(optimizer)
+    if adamws is None:
+        if offload is True:
+            raise BoundpassInputError(f"offload_optimizer=True needs torch.optim.AdamW or a torchtitan "
+                                      f"OptimizersContainer of AdamW; got {type(optimizer).__name__}")
+        return OptimizerPlan(optimizer, False, f"{type(optimizer).__name__} is not AdamW: its state is not budgeted",
+                             terms=[])
+    theta, b = _state_elements(adamws)
+    on_device = theta * 2 * b  # torch AdamW keeps exp_avg and exp_avg_sq in the parameter dtype
+    moments = BoundTerm("optimizer state (AdamW moments on device)", 2 * sym.Theta * sym.b, on_device,
+                        kind="persistent", knob="")
+    saves = format_bytes(on_device)
+    needed = persistent + on_device > budget
+    if offload is False or (offload == "auto" and not needed):
+        moments.knob = f"boundpass.compile(..., offload_optimizer=True) moves it to the host (saves {saves})"
+        reason = "kept on device (asked)" if offload is False else "kept on device: it fits the budget"
+        return OptimizerPlan(optimizer, False, reason, terms=[moments])
+    if bucket is None:  # the largest bucket whose staging fits what parameters and gradients leave
+        room = max(budget - persistent, 0) // (slots * 4 * 4)
+        bucket = max(1, min(theta, MAX_BUCKET, room))
+    knobs = dict(bucket_params=bucket, staging_slots=slots)
+    if hasattr(optimizer, "optimizers"):
+        migrated = oa.offload_optimizers_container(optimizer, **knobs)  # in place: the container object stays
+        inner = migrated.optimizers
+    else:
+        migrated = oa.OffloadStreamAdamW.from_adamw(optimizer, **knobs)
+        _refuse_stale_steps(optimizer)
+        inner = [migrated]
+    reason = "offloaded (asked)" if offload is True else (
+        f"offloaded: parameters + gradients + AdamW moments ({format_bytes(persistent + on_device)}) exceed the budget")
+    return _offloaded_plan(migrated, inner, reason, host_budget)
+
+
+def _offloaded_plan(optimizer, inner, reason: str, host_budget: int | None) -> OptimizerPlan:
+    terms, host = [], 0
+    for opt in inner:
+        b = max((oa._local(p).element_size() for p in opt._params), default=4)
+        values = oa.bound_values(b=b, Theta=opt.numel, beta=opt.bucket_params, S=opt.staging_slots)
+        terms.append(BoundTerm(f"optimizer staging (OffloadStreamAdamW, beta={opt.bucket_params}, "
+                               f"S={opt.staging_slots})", oa.offload_adamw_staging_bound(),
+                               sym.evaluate(oa.offload_adamw_staging_bound(), values), kind="step",
+                               knob="boundpass.compile(..., optimizer_bucket=<smaller beta>)"))
+        host += sym.evaluate(oa.offload_adamw_host_bound(), values)
+    host_term = BoundTerm("optimizer state on host (fp32 master, exp_avg, exp_avg_sq)",
+                          oa.offload_adamw_host_bound(), host, kind="host",
+                          knob="more ranks (FSDP2 shards Theta) or a larger host_budget")
+    return OptimizerPlan(optimizer, True, reason, terms=terms + [host_term], host_bytes=host)
