@@ -37,6 +37,7 @@ def evaluate(expr: sympy.Expr, values: dict) -> int:
     return int(sympy.ceiling(out))
 
 # PipelinedLLEP / EP dispatch (added after ALL: only additions, existing names unchanged)
+# counts that may be 0 (no rows received, no borrowed slots): nonnegative, so sympy never simplifies them away
 R = sympy.Symbol("R", integer=True, nonnegative=True)    # routes this rank's experts received (realized)
 s_b = sympy.Symbol("s_b", integer=True, nonnegative=True)  # borrowed-expert weight slots per EP rank
 ALL.update({s.name: s for s in (R, s_b)})

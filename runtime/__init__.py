@@ -8,3 +8,4 @@ from boundpass.runtime.ring_dtp import (  # noqa: F401
     vocab_shard_sizes,
 )
 from boundpass.runtime.offload_adamw import OffloadStreamAdamW  # noqa: F401
+from boundpass.runtime.pipelined_llep import llep, pipelined_llep, pipelined_llep_bound, standard_ep  # noqa: F401

@@ -42,4 +42,5 @@ def test_symbols_evaluate_by_symbol_or_name():
     assert sym.evaluate(expr, {"N": 4, "H": 8, "b": 2, sym.V: 10, sym.P: 4}) == 64 + 3
     with pytest.raises(ValueError, match="free symbols"):
         sym.evaluate(expr, {"N": 4})
-    assert all(s.is_positive and s.is_integer for s in sym.ALL.values())
+    assert all(s.is_integer and s.is_nonnegative for s in sym.ALL.values())
+    assert sym.evaluate(sym.s_b * sym.H + sympy.Max(sym.R, 1), {"s_b": 0, "H": 8, "R": 0}) == 1

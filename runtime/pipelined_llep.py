@@ -1,0 +1,499 @@
+"""PipelinedLLEP: expert-parallel MoE dispatch whose peak is fixed at launch, plus the two schedules it replaces.
+
+One interface for all three (SPEC.md §1): x [T, H], topk_ids [T, k] (global expert ids), topk_scores [T, k],
+this rank's experts as torchtitan's GroupedExperts holds them (w1 [e, I, H], w2 [e, H, I], w3 [e, I, H];
+expert j of EP rank r is global id r*e + j), an EP process group (None: E_p = 1). Output [T, H] in x's dtype:
+sum over k of score * expert(x), each route's product taken in fp32 (fp64 for fp64) and cast back before the
+sum, as torchtitan's combine does. The expert MLP is GroupedExperts' (silu(x w1^T) * (x w3^T)) w2^T, but in the
+input dtype: torchtitan casts to bf16 inside its grouped mm; we do not, so fp32/fp64 comparisons are tight.
+
+- ``standard_ep``: torchtitan's all-to-all dispatcher (count exchange, one token all-to-all, experts, back).
+- ``llep``: all-gathered counts, the least-loaded plan (llep_plan.py), borrowed weights sent to helpers
+  and their gradients summed at the owners in backward, one token all-to-all.
+- ``pipelined_llep``: the LLEP plan delivered in K = ceil(N_max / c) chunks, at most c k routes per source per
+  chunk; each chunk is dispatch -> experts -> combine, and backward recomputes it chunk by chunk, so no
+  routing-sized tensor outlives its chunk. Its bound (``pipelined_llep_bound``) depends on launch shapes only.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from boundpass import symbols as sym
+from boundpass.errors import BoundpassInputError
+from boundpass.runtime.llep_plan import ChunkedRoutes, LLEPPlan, plan_llep
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # fp32 combine, fp64 stays fp64
+
+
+def expert_mlp(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
+    """One expert on rows x [n, H]: (silu(x w1^T) * (x w3^T)) w2^T -> [n, H], in x's dtype."""
+    return torch.mm(F.silu(torch.mm(x, w1.t())) * torch.mm(x, w3.t()), w2.t())
+
+
+class _Group:
+    """EP rank/size of a process group (None or a name of '': one rank, nothing moves)."""
+
+    def __init__(self, group):
+        if isinstance(group, str):
+            group = dist.distributed_c10d._resolve_process_group(group) if group else None
+        self.group = group
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+
+    def all_to_all(self, inp: Tensor, out_rows: list[int], in_rows: list[int]) -> Tensor:
+        """Non-differentiable uneven all_to_all_single along dim 0."""
+        out = inp.new_empty((sum(out_rows),) + tuple(inp.shape[1:]))
+        if self.size == 1:
+            return out.copy_(inp)
+        dist.all_to_all_single(out, inp.contiguous(), out_rows, in_rows, group=self.group)
+        return out
+
+    def all_to_all_autograd(self, inp: Tensor, out_rows: list[int], in_rows: list[int]) -> Tensor:
+        """Differentiable uneven all_to_all_single along dim 0 (backward: the same with splits swapped)."""
+        return inp if self.size == 1 else _AllToAll.apply(inp, self, out_rows, in_rows)
+
+    def gather_counts(self, local: Tensor) -> list[list[int]]:
+        """counts[rank][expert] of every rank, from this rank's [E] route counts."""
+        if self.size == 1:
+            return [local.tolist()]
+        out = local.new_empty((self.size * local.numel(),))
+        dist.all_gather_single(out, local, group=self.group)
+        return out.view(self.size, -1).tolist()
+
+    def p2p(self, sends: list[tuple[Tensor, int]], recvs: list[tuple[Tensor, int]]) -> None:
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=p) for t, p in sends]
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=p) for t, p in recvs]
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp, grp, out_rows, in_rows):
+        ctx.grp, ctx.out_rows, ctx.in_rows = grp, out_rows, in_rows
+        return grp.all_to_all(inp, out_rows, in_rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.grp.all_to_all(grad, ctx.in_rows, ctx.out_rows), None, None, None
+
+
+def _check(x, topk_ids, topk_scores, w1, w2, w3, grp: _Group) -> None:
+    e, I, H = w1.shape
+    if x.dim() != 2 or x.shape[1] != H or w2.shape != (e, H, I) or w3.shape != (e, I, H):
+        raise BoundpassInputError(f"EP dispatch expects x [T, H], w1/w3 [e, I, H], w2 [e, H, I]; got x "
+                                  f"{tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}, w3 {tuple(w3.shape)}")
+    if topk_ids.shape != topk_scores.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise BoundpassInputError(f"topk_ids and topk_scores must both be [T, k] with T = {x.shape[0]}, got "
+                                  f"{tuple(topk_ids.shape)} and {tuple(topk_scores.shape)}")
+    if not isinstance(topk_ids, torch._subclasses.FakeTensor) and topk_ids.numel():
+        if int(topk_ids.min()) < 0 or int(topk_ids.max()) >= e * grp.size:
+            raise BoundpassInputError(f"expert ids must lie in [0, {e * grp.size}) (E = e * E_p)")
+
+
+def _route_counts(topk_ids: Tensor, num_experts: int) -> Tensor:
+    return torch.bincount(topk_ids.reshape(-1), minlength=num_experts)
+
+
+# ---------------------------------------------------------------------------------------- standard EP
+def standard_ep(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
+                group=None) -> Tensor:
+    """Reference: torchtitan's all-to-all dispatch + experts + weighted combine; differentiable. [T, H]."""
+    grp = _Group(group)
+    _check(x, topk_ids, topk_scores, w1, w2, w3, grp)
+    e, k = w1.shape[0], topk_ids.shape[1]
+    order = torch.argsort(topk_ids.reshape(-1), stable=True)  # routes grouped by expert, hence by owner
+    rows = x[order // k]
+    counts = _route_counts(topk_ids, e * grp.size).view(grp.size, e)
+    recv_counts = counts if grp.size == 1 else torch.empty_like(counts)
+    if grp.size > 1:
+        dist.all_to_all_single(recv_counts, counts, group=grp.group)
+    send_rows, recv_rows = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+    rows = grp.all_to_all_autograd(rows, recv_rows, send_rows)
+    # received rows: by source, then by local expert within a source
+    blocks = [(j, n) for src_counts in recv_counts.tolist() for j, n in enumerate(src_counts)]
+    outs, at = [], 0
+    for j, n in blocks:
+        if n:
+            outs.append(expert_mlp(rows[at:at + n], w1[j], w2[j], w3[j]))
+        at += n
+    out_rows = torch.cat(outs) if outs else rows[:0] * 0
+    out_rows = grp.all_to_all_autograd(out_rows, send_rows, recv_rows)
+    return _combine(x, out_rows, topk_scores.reshape(-1)[order], order // k)
+
+
+def _combine(x: Tensor, routed: Tensor, scores: Tensor, tokens: Tensor) -> Tensor:
+    acc = _acc_dtype(x.dtype)
+    weighted = (routed.to(acc) * scores.to(acc).unsqueeze(1)).to(x.dtype)
+    return torch.zeros_like(x).index_add(0, tokens, weighted)
+
+
+# ------------------------------------------------------------------------------------ borrowed weights
+def _transfer_weights(grp: _Group, plan: LLEPPlan, weights: tuple[Tensor, ...]) -> list[Tensor]:
+    """Send this rank's lent experts to their helpers, receive its borrowed ones: stacked [slots, ...] each."""
+    M = plan.experts_per_rank
+    slots = [w.new_empty((len(plan.borrowed[grp.rank]),) + tuple(w.shape[1:])) for w in weights]
+    for expert, helper in plan.transfers:  # one pair at a time, same global order on every rank
+        if plan.owner(expert) == grp.rank:
+            grp.p2p([(w[expert % M], helper) for w in weights], [])
+        elif helper == grp.rank:
+            slot = plan.borrowed[helper].index(expert)
+            grp.p2p([], [(s[slot], plan.owner(expert)) for s in slots])
+    return slots
+
+
+def _return_weight_grads(grp: _Group, plan: LLEPPlan, grads: list[Tensor], slot_grads: list[Tensor]) -> None:
+    """Send borrowed slots' gradients back to their owners, who add them into their own (in place)."""
+    M = plan.experts_per_rank
+    for expert, helper in plan.transfers:
+        if plan.owner(expert) == grp.rank:
+            incoming = [g.new_empty(g.shape[1:]) for g in grads]  # one expert's gradient at a time
+            grp.p2p([], [(t, helper) for t in incoming])
+            for g, t in zip(grads, incoming):
+                g[expert % M].add_(t)
+            del incoming
+        elif helper == grp.rank:
+            slot = plan.borrowed[helper].index(expert)
+            grp.p2p([(g[slot], plan.owner(expert)) for g in slot_grads], [])
+
+
+class _BorrowWeights(torch.autograd.Function):
+    """Identity on the dispatched rows + the borrowed weights; backward returns their gradients to owners.
+
+    The rows pass through so that this node's backward runs after the token all-to-all's backward on every
+    rank (its P2P then cannot interleave with a collective), and runs on ranks that borrowed nothing.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, grp, plan, w1, w2, w3):
+        ctx.grp, ctx.plan = grp, plan
+        return (rows.view_as(rows), *_transfer_weights(grp, plan, (w1, w2, w3)))
+
+    @staticmethod
+    def backward(ctx, grad_rows, g1, g2, g3):  # unused slots arrive as zeros (materialized grads)
+        M = ctx.plan.experts_per_rank
+        own = [g.new_zeros((M,) + tuple(g.shape[1:])) for g in (g1, g2, g3)]
+        _return_weight_grads(ctx.grp, ctx.plan, own, [g1, g2, g3])
+        return grad_rows, None, None, *own
+
+
+def _dest_order(topk_ids: Tensor, routes: ChunkedRoutes, rank: int) -> Tensor:
+    """This rank's flattened route indices (t*k + slot) in destination-grouped order [T*k] (int64)."""
+    by_expert = torch.argsort(topk_ids.reshape(-1), stable=True)  # torchtitan's local reorder
+    segs = routes.expert_sorted[rank]
+    dest = torch.repeat_interleave(torch.tensor([d for d, _, _ in segs], dtype=torch.int64),
+                                   torch.tensor([n for _, _, n in segs], dtype=torch.int64)).to(by_expert.device)
+    return by_expert[torch.argsort(dest, stable=True)]
+
+
+def _per_source(runs: list[tuple[int, int, int]], num_ranks: int) -> list[int]:
+    out = [0] * num_ranks
+    for s, _, n in runs:
+        out[s] += n
+    return out
+
+
+def _weights_of(key: int, native: tuple[Tensor, ...], slots) -> tuple[Tensor, ...]:
+    e = native[0].shape[0]
+    return tuple(w[key] for w in native) if key < e else tuple(w[key - e] for w in slots)
+
+
+def _setup(x, topk_ids, topk_scores, w1, w2, w3, group, counts, num_chunks, strided, plan_args):
+    """Plan shared by LLEP and PipelinedLLEP: (group, counts, plan, chunked routes, route order)."""
+    grp = _Group(group)
+    _check(x, topk_ids, topk_scores, w1, w2, w3, grp)
+    E, k = w1.shape[0] * grp.size, topk_ids.shape[1]
+    if counts:
+        counts = [list(counts[r * E:(r + 1) * E]) for r in range(grp.size)]
+    else:
+        counts = grp.gather_counts(_route_counts(topk_ids, E))
+    if len(counts) != grp.size or sum(counts[grp.rank]) != topk_ids.numel():
+        raise BoundpassInputError(f"route counts {counts} do not match EP rank {grp.rank} of {grp.size} "
+                                  f"holding {topk_ids.numel()} routes")
+    plan = plan_llep(counts, **plan_args)
+    n_max = max(sum(row) for row in counts) // k
+    routes = ChunkedRoutes(counts, plan, num_chunks(n_max), strided)
+    return grp, counts, plan, routes, _dest_order(topk_ids, routes, grp.rank)
+
+
+# ----------------------------------------------------------------------------------------------- LLEP
+def llep(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, group=None, *,
+         alpha: float = 1.1, min_piece: int = 1024, imbalance_threshold: float = 1.3,
+         max_borrowed: int | None = None) -> Tensor:
+    """Least-loaded EP: plan from all-gathered counts, borrowed weights, one token all-to-all. [T, H]."""
+    grp, counts, plan, routes, order = _setup(
+        x, topk_ids, topk_scores, w1, w2, w3, group, (), lambda n: 1, True,
+        dict(alpha=alpha, min_piece=min_piece, imbalance_threshold=imbalance_threshold, max_borrowed=max_borrowed))
+    k = topk_ids.shape[1]
+    rows = x[order // k]
+    rows, *slots = _BorrowWeights.apply(rows, grp, plan, w1, w2, w3)
+    runs = routes.recv_runs(grp.rank, 0)
+    send, recv = routes.send_splits(grp.rank, 0), _per_source(runs, grp.size)
+    rows = grp.all_to_all_autograd(rows, recv, send)
+    outs, at = [], 0
+    for _, key, n in runs:
+        outs.append(expert_mlp(rows[at:at + n], *_weights_of(key, (w1, w2, w3), slots)))
+        at += n
+    out_rows = torch.cat(outs) if outs else rows[:0] * 0
+    out_rows = grp.all_to_all_autograd(out_rows, send, recv)
+    # rows of a rank that borrowed nothing still pass through _BorrowWeights: its backward returns grads
+    return _combine(x, out_rows, topk_scores.reshape(-1)[order], order // k)
+
+
+# -------------------------------------------------------------------------------------- PipelinedLLEP
+def num_chunks(max_tokens: int, cap: int) -> int:
+    """K = ceil(N_max / c) chunks (at least 1), the same on every rank because N_max is global."""
+    if cap < 1:
+        raise BoundpassInputError(f"PipelinedLLEP chunk cap c must be >= 1 token, got {cap}")
+    return max(1, -(-max_tokens // cap))
+
+
+def _pipelined_setup(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap, alpha, min_piece,
+                     imbalance_threshold, max_borrowed, strided, counts):
+    return _setup(x, topk_ids, topk_scores, w1, w2, w3, group_name, counts, lambda n: num_chunks(n, cap), strided,
+                  dict(alpha=alpha, min_piece=min_piece, imbalance_threshold=imbalance_threshold,
+                       max_borrowed=None if max_borrowed < 0 else max_borrowed))
+
+
+def _blocks(runs: list[tuple[int, int, int]], cap: int):
+    """(row slice, weight key) over a chunk's received rows, one expert and at most ``cap`` rows each."""
+    at = 0
+    for _, key, n in runs:
+        for b0 in range(0, n, cap):
+            yield slice(at + b0, at + min(b0 + cap, n)), key
+        at += n
+
+
+def _chunk(routes: ChunkedRoutes, order: Tensor, rank: int, j: int, k: int):
+    """Chunk j on this rank: (route ids, token ids, send splits, receive runs, receive splits)."""
+    start, stop, step = routes.chunk_span(rank, j)
+    idx = order[start:stop:step]
+    runs = routes.recv_runs(rank, j)
+    return idx, idx // k, routes.send_splits(rank, j), runs, _per_source(runs, routes.plan.num_ranks)
+
+
+def pipelined_llep_forward(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
+                           group_name: str = "", cap: int = 1024, alpha: float = 1.1, min_piece: int = 1024,
+                           imbalance_threshold: float = 1.3, max_borrowed: int = -1, strided: bool = True,
+                           counts: tuple[int, ...] = ()) -> tuple[Tensor, Tensor]:
+    """Eager forward: (output [T, H] in x's dtype, route counts [E_p, E] int64 for backward)."""
+    grp, counts, plan, routes, order = _pipelined_setup(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap,
+                                                        alpha, min_piece, imbalance_threshold, max_borrowed,
+                                                        strided, counts)
+    k, acc = topk_ids.shape[1], _acc_dtype(x.dtype)
+    native = (w1, w2, w3)
+    slots = _transfer_weights(grp, plan, native)
+    scores = topk_scores.reshape(-1)
+    out = torch.zeros_like(x)
+    for j in range(routes.K):
+        idx, tok, send, runs, recv = _chunk(routes, order, grp.rank, j, k)
+        rows = grp.all_to_all(x[tok], recv, send)
+        routed = rows.new_empty(rows.shape)
+        for sl, key in _blocks(runs, cap):  # one expert's rows, at most c: intermediates are [<= c, I]
+            a, (e1, e2, e3) = rows[sl], _weights_of(key, native, slots)
+            h = F.silu(torch.mm(a, e1.t()), inplace=True).mul_(torch.mm(a, e3.t()))
+            torch.mm(h, e2.t(), out=routed[sl])
+            del h
+        del rows
+        back = grp.all_to_all(routed, send, recv)
+        del routed
+        out.index_add_(0, tok, (back.to(acc) * scores[idx].to(acc).unsqueeze(1)).to(x.dtype))
+        del back
+    return out, torch.tensor(counts, dtype=torch.int64, device=x.device)
+
+
+def pipelined_llep_backward(grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor,
+                            w2: Tensor, w3: Tensor, counts: Tensor, group_name: str = "", cap: int = 1024,
+                            alpha: float = 1.1, min_piece: int = 1024, imbalance_threshold: float = 1.3,
+                            max_borrowed: int = -1, strided: bool = True) -> tuple[Tensor, ...]:
+    """Eager backward, recomputing every chunk (dispatch included): (dx, dscores, dw1, dw2, dw3)."""
+    grp, _, plan, routes, order = _pipelined_setup(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap, alpha,
+                                                   min_piece, imbalance_threshold, max_borrowed, strided,
+                                                   tuple(counts.reshape(-1).tolist()))
+    k, acc = topk_ids.shape[1], _acc_dtype(x.dtype)
+    native = (w1, w2, w3)
+    slots = _transfer_weights(grp, plan, native)  # borrowed again: nothing routing-sized is kept from forward
+    grads, slot_grads = [torch.zeros_like(w) for w in native], [torch.zeros_like(s) for s in slots]
+    scores, grad_out = topk_scores.reshape(-1), grad_out.contiguous()
+    dx, dscores = torch.zeros_like(x), torch.zeros_like(scores)
+    for j in range(routes.K):
+        idx, tok, send, runs, recv = _chunk(routes, order, grp.rank, j, k)
+        rows = grp.all_to_all(x[tok], recv, send)
+        grows = grp.all_to_all(grad_out[tok], recv, send)
+        srows = grp.all_to_all(scores[idx], recv, send)
+        drows, dsrows = torch.empty_like(rows), torch.empty_like(srows)
+        for sl, key in _blocks(runs, cap):
+            _expert_backward(rows[sl], grows[sl], srows[sl], _weights_of(key, native, slots),
+                             _weights_of(key, grads, slot_grads), drows[sl], dsrows[sl], acc)
+        del rows, grows, srows
+        dx.index_add_(0, tok, grp.all_to_all(drows, send, recv))
+        del drows
+        dscores.index_copy_(0, idx, grp.all_to_all(dsrows, send, recv))
+    _return_weight_grads(grp, plan, grads, slot_grads)
+    return dx, dscores.view_as(topk_scores), *grads
+
+
+def _expert_backward(x, g, s, weights, dweights, dx_out, ds_out, acc) -> None:
+    """One expert's rows: recompute, then write dx [n, H] and dscore [n] and add into dw1/dw2/dw3 (in place)."""
+    w1, w2, w3 = weights
+    dw1, dw2, dw3 = dweights
+    h1, h3 = torch.mm(x, w1.t()), torch.mm(x, w3.t())
+    sig = torch.sigmoid(h1)
+    act = F.silu(h1)
+    p = act * h3
+    y = torch.mm(p, w2.t())
+    ds_out.copy_((g.to(acc) * y.to(acc)).sum(1))  # combine: out += (y * score), score grad = <g, y>
+    del y
+    dy = (g.to(acc) * s.to(acc).unsqueeze(1)).to(x.dtype)
+    dw2.addmm_(dy.t(), p)
+    del p
+    dp = torch.mm(dy, w2)
+    del dy
+    dh3 = dp * act
+    del act
+    dw3.addmm_(dh3.t(), x)
+    torch.mm(dh3, w3, out=dx_out)
+    del dh3
+    dh1 = dp.mul_(h3)  # d act
+    del h3
+    dh1.mul_(h1.mul_(1 - sig).add_(1).mul_(sig))  # silu'(z) = sig(z) (1 + z (1 - sig(z)))
+    del sig, h1
+    dw1.addmm_(dh1.t(), x)
+    dx_out.addmm_(dh1, w1)
+
+
+# ---------------------------------------------------------------------------------------- custom ops
+# Opaque ops: Inductor cannot fuse across chunks (which would re-form the whole receive buffer), and
+# AOTAutograd takes the backward from register_autograd instead of unrolling the chunk loop.
+@torch.library.custom_op("boundpass::pipelined_llep_fwd", mutates_args=())
+def pipelined_llep_fwd(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
+                       group_name: str, cap: int, alpha: float, min_piece: int, imbalance_threshold: float,
+                       max_borrowed: int, strided: bool, counts: list[int]) -> tuple[Tensor, Tensor]:
+    return pipelined_llep_forward(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap, alpha, min_piece,
+                                  imbalance_threshold, max_borrowed, strided, tuple(counts))
+
+
+@pipelined_llep_fwd.register_fake
+def _(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap, alpha, min_piece, imbalance_threshold, max_borrowed,
+      strided, counts):
+    size = _Group(group_name).size
+    return torch.empty_like(x), x.new_empty((size, w1.shape[0] * size), dtype=torch.int64)
+
+
+@torch.library.custom_op("boundpass::pipelined_llep_bwd", mutates_args=())
+def pipelined_llep_bwd(grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor,
+                       w3: Tensor, counts: Tensor, group_name: str, cap: int, alpha: float, min_piece: int,
+                       imbalance_threshold: float, max_borrowed: int,
+                       strided: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return pipelined_llep_backward(grad_out, x, topk_ids, topk_scores, w1, w2, w3, counts, group_name, cap, alpha,
+                                   min_piece, imbalance_threshold, max_borrowed, strided)
+
+
+@pipelined_llep_bwd.register_fake
+def _(grad_out, x, topk_ids, topk_scores, w1, w2, w3, counts, *args):
+    return (torch.empty_like(x), torch.empty_like(topk_scores), torch.empty_like(w1), torch.empty_like(w2),
+            torch.empty_like(w3))
+
+
+def _setup_context(ctx, inputs, output):
+    x, topk_ids, topk_scores, w1, w2, w3, *args = inputs
+    ctx.save_for_backward(x, topk_ids, topk_scores, w1, w2, w3, output[1])
+    ctx.args = args[:-1]  # the counts come back from the forward's second output
+
+
+def _backward(ctx, grad_out, grad_counts):
+    x, topk_ids, topk_scores, w1, w2, w3, counts = ctx.saved_tensors
+    dx, ds, d1, d2, d3 = torch.ops.boundpass.pipelined_llep_bwd(grad_out, x, topk_ids, topk_scores, w1, w2, w3,
+                                                                 counts, *ctx.args)
+    return (dx, None, ds, d1, d2, d3) + (None,) * 8
+
+
+pipelined_llep_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def group_name_of(group) -> str:
+    """The name custom ops use to find a process group ('' = no EP group, E_p = 1)."""
+    return "" if group is None else group.group_name
+
+
+def pipelined_llep(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
+                   group=None, *, cap: int, alpha: float = 1.1, min_piece: int = 1024,
+                   imbalance_threshold: float = 1.3, max_borrowed: int | None = None, strided: bool = True,
+                   counts=()) -> Tensor:
+    """Differentiable PipelinedLLEP through the custom op: [T, H]; ``cap`` = c tokens per source per chunk.
+
+    ``max_borrowed`` (default e = E/E_p) is the number of borrowed-expert slots per rank, s_b in the bound.
+    ``counts`` (flattened [E_p, E] route counts) skips the all-gather, e.g. for a simulated rank.
+    """
+    slots = w1.shape[0] if max_borrowed is None else max_borrowed
+    out, _ = torch.ops.boundpass.pipelined_llep_fwd(x, topk_ids, topk_scores, w1, w2, w3, group_name_of(group),
+                                                    cap, alpha, min_piece, imbalance_threshold, slots, strided,
+                                                    list(counts))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- bounds
+def _expert_bytes():
+    return 3 * sym.I * sym.H * sym.b  # w1, w2, w3 of one expert
+
+
+def pipelined_llep_bound(*, mixed_precision: bool) -> sympy.Expr:
+    """Peak device bytes of one PipelinedLLEP forward + backward on a rank, from launch configuration only.
+
+    Symbols: N (token ceiling per rank), H, I, E, E_p, k, c (tokens per source per chunk), s_b (borrowed
+    slots per rank), b (input bytes/elem), b_acc (combine bytes/elem), b_idx (index bytes/elem).
+    Counted: x, ids, scores, this rank's experts, output and its gradient, input gradients, and workspace.
+    A chunk moves at most c k routes per source, so a rank receives at most E_p c k rows; experts run on
+    blocks of at most c rows. ``mixed_precision``: inputs narrower than the fp32 combine (bf16/fp16).
+    """
+    N, H, I, E, E_p, k, c, s_b = sym.N, sym.H, sym.I, sym.E, sym.E_p, sym.k, sym.c, sym.s_b
+    b, b_acc, b_idx = sym.b, sym.b_acc, sym.b_idx
+    cast = 1 if mixed_precision else 0
+    sent, received = c * k, E_p * c * k  # routes per chunk out of / into this rank, whatever the router does
+    weights = (E / E_p + s_b) * _expert_bytes()  # own experts + borrowed slots
+    inputs = N * H * b + N * k * (b_idx + b) + weights
+    plan = N * k * b_idx + 2 * E_p * E * b_idx  # destination-grouped route order, gathered counts
+    setup = 3 * N * k * b_idx  # argsorts building the route order
+    fwd_chunk = sent * b_idx + 2 * received * H * b + 2 * c * I * b  # rows in, rows out, one block's [c, I]
+    fwd = inputs + plan + N * H * b + sympy.Max(setup, fwd_chunk)
+    # backward block: h1, h3, sigmoid, silu, product, then y and the score-gradient product (or dh3)
+    block_bwd = sympy.Max(5 * c * I * b + c * H * (b + b_acc + 2 * cast * b_acc), 6 * c * I * b)
+    bwd_chunk = sent * b_idx + 3 * received * H * b + 2 * received * b + block_bwd  # x, grad, dx rows; scores
+    grads = N * H * b + N * k * b + weights  # dx, dscores, dw (own + borrowed slots)
+    bwd = inputs + plan + 2 * N * H * b + grads + sympy.Max(setup, bwd_chunk, _expert_bytes())
+    return sympy.Max(fwd, bwd)
+
+
+def standard_ep_bound() -> sympy.Expr:
+    """Peak device bytes of standard EP forward + backward on a rank, given R = rows it received (realized).
+
+    R is set by the router: up to E_p N k on a hot rank. Same counting as ``pipelined_llep_bound``
+    (inputs, output and its gradient, input gradients); autograd keeps every received row until backward.
+    """
+    N, H, I, E, E_p, k, R = sym.N, sym.H, sym.I, sym.E, sym.E_p, sym.k, sym.R
+    b, b_idx = sym.b, sym.b_idx
+    inputs = N * H * b + N * k * (b_idx + b) + E / E_p * _expert_bytes()
+    saved = 2 * N * k * H * b + N * k * 2 * b_idx + R * (2 * H + 4 * I) * b  # rows out/back, received, MLP
+    return 2 * (inputs + saved) + 2 * N * H * b  # + grads of everything saved, output and its gradient
+
+
+def llep_bound() -> sympy.Expr:
+    """Standard EP's bound plus s_b borrowed experts and their gradients; R = rows after relocation (realized)."""
+    return standard_ep_bound() + 2 * sym.s_b * _expert_bytes()
+
+
+def bound_values(dtype: torch.dtype, *, N: int, H: int, I: int, E: int, E_p: int, k: int, c: int | None = None,
+                 s_b: int | None = None, R: int | None = None) -> dict:
+    """Concrete symbol values for evaluating a dispatch bound (s_b defaults to E / E_p, c to N)."""
+    acc = _acc_dtype(dtype)
+    return {sym.N: N, sym.H: H, sym.I: I, sym.E: E, sym.E_p: E_p, sym.k: k, sym.c: c or N,
+            sym.s_b: E // E_p if s_b is None else s_b, sym.R: R or 0,
+            sym.b: torch.empty((), dtype=dtype).element_size(),
+            sym.b_acc: torch.empty((), dtype=acc).element_size(), sym.b_idx: 8}

@@ -1,0 +1,206 @@
+"""PipelinedLLEP and LLEP vs standard EP: exactness (fwd + bwd, 1/2/4 gloo ranks), plan invariants, bound."""
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings, strategies as st
+
+from boundpass import symbols as sym
+from boundpass.errors import BoundpassInputError
+from boundpass.memtrack import LiveStorageTracker
+from boundpass.runtime.llep_plan import ChunkedRoutes, plan_llep
+from boundpass.runtime.pipelined_llep import (bound_values, llep, num_chunks, pipelined_llep, pipelined_llep_backward,
+                                              pipelined_llep_bound, pipelined_llep_forward, standard_ep)
+from boundpass.testing.distributed import run_on_ranks
+
+TOL = dict(rtol=1e-12, atol=1e-12)  # fp64: exact up to summation order
+ROUTINGS = ("balanced", "zipf", "one_expert", "one_rank", "empty_experts")
+
+
+def _routing(kind, T, E, k, g):
+    """[T, k] distinct expert ids per token (what torch.topk gives) for a routing family."""
+    if kind == "one_rank":  # every route to rank 0's experts (needs e >= k)
+        weights = torch.zeros(E, dtype=torch.float64)
+        weights[:k] = 1
+    elif kind == "zipf":
+        weights = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.5
+    elif kind == "empty_experts":  # experts 1, 3 and 4 and beyond E/2 never chosen
+        weights = torch.zeros(E, dtype=torch.float64)
+        weights[[0, 2, E // 2]] = 1
+    else:
+        weights = torch.ones(E, dtype=torch.float64)
+    ids = torch.multinomial(weights.expand(T, E), k, generator=g) if T else torch.zeros(0, k, dtype=torch.int64)
+    if kind == "one_expert" and T:  # every token's first choice is expert 0
+        rest = torch.multinomial(torch.ones(T, E - 1, dtype=torch.float64), k - 1, generator=g) + 1
+        ids = torch.cat([torch.zeros(T, 1, dtype=torch.int64), rest], 1)
+    return ids
+
+
+def _problem(seed, kind, tokens, H, I, E, k):
+    """Every rank builds the same global problem: per-rank x, ids, scores, output gradients, all experts."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(T, H, generator=g, dtype=torch.float64) for T in tokens]
+    ids = [_routing(kind, T, E, k, g) for T in tokens]
+    scores = [torch.rand(T, k, generator=g, dtype=torch.float64) for T in tokens]
+    grads = [torch.randn(T, H, generator=g, dtype=torch.float64) for T in tokens]
+    experts = [torch.randn(E, *shape, generator=g, dtype=torch.float64) * 0.3 for shape in ((I, H), (H, I), (I, H))]
+    return xs, ids, scores, grads, experts
+
+
+def _run(fn, rank, world, problem, **kw):
+    """(output, dx, dscores, dw1, dw2, dw3) of one schedule on this rank."""
+    xs, ids, scores, grads, experts = problem
+    e = experts[0].shape[0] // world
+    x, s = xs[rank].clone().requires_grad_(), scores[rank].clone().requires_grad_()
+    ws = [w[rank * e:(rank + 1) * e].clone().requires_grad_() for w in experts]
+    out = fn(x, ids[rank], s, *ws, dist.group.WORLD if world > 1 else None, **kw)
+    out.backward(grads[rank])
+    # standard EP leaves experts no route reached without a grad (None); the others give zeros
+    return [out.detach(), x.grad, s.grad] + [torch.zeros_like(w) if w.grad is None else w.grad for w in ws]
+
+
+SCHEDULES = [  # (name, fn, kwargs): relocation forced (threshold 0, tiny pieces) unless said otherwise
+    ("llep", llep, dict(min_piece=2, imbalance_threshold=0.0)),
+    ("llep_fallback", llep, dict()),
+    ("pipelined_strided", pipelined_llep, dict(cap=3, min_piece=2, imbalance_threshold=0.0)),
+    ("pipelined_consecutive", pipelined_llep, dict(cap=4, min_piece=2, imbalance_threshold=0.0, strided=False)),
+    ("pipelined_one_slot", pipelined_llep, dict(cap=5, alpha=1.0, min_piece=1, imbalance_threshold=0.0,
+                                                max_borrowed=1)),
+]
+
+
+def _exactness_rank(rank, world, tokens, H, I, E, k):
+    """Max |schedule - standard EP| over output and all grads, per routing and schedule, on this rank."""
+    errors = {}
+    for seed, kind in enumerate(ROUTINGS):
+        problem = _problem(seed, kind, tokens, H, I, E, k)
+        ref = _run(standard_ep, rank, world, problem)
+        for name, fn, kw in SCHEDULES:
+            got = _run(fn, rank, world, problem, **kw)
+            for a, b in zip(got, ref):
+                torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{kind}/{name} rank {rank}: {m}")
+            errors[kind, name] = max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(got, ref))
+    return errors
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world,tokens,E", [(2, (11, 11), 4), (4, (7, 0, 12, 3), 8)])
+def test_llep_and_pipelined_match_standard_ep(world, tokens, E):
+    """Balanced, Zipf, one expert, one rank, empty experts; equal and different T per rank (one rank empty)."""
+    errors = run_on_ranks(_exactness_rank, world, tokens, 6, 5, E, 2, timeout_s=80)
+    assert max(max(r.values()) for r in errors) <= 1e-12
+
+
+def _random_rank(rank, world, seed, tokens, cap, alpha, strided):
+    problem = _problem(seed, "zipf" if seed % 2 else "balanced", tokens, 4, 3, 4, 2)
+    ref = _run(standard_ep, rank, world, problem)
+    got = _run(pipelined_llep, rank, world, problem, cap=cap, alpha=alpha, min_piece=1, imbalance_threshold=0.0,
+               strided=strided)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.distributed
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 10_000), tokens=st.tuples(st.integers(0, 9), st.integers(1, 9)),
+       cap=st.integers(1, 6), alpha=st.sampled_from([1.0, 1.1, 2.0]), strided=st.booleans())
+def test_random_routings_two_ranks(seed, tokens, cap, alpha, strided):
+    run_on_ranks(_random_rank, 2, seed, tokens, cap, alpha, strided, timeout_s=60)
+
+
+def test_single_process_matches_standard_ep():
+    problem = _problem(0, "zipf", (13,), 6, 5, 3, 2)
+    ref = _run(standard_ep, 0, 1, problem)
+    for name, fn, kw in SCHEDULES:
+        for a, b in zip(_run(fn, 0, 1, problem, **kw), ref):
+            torch.testing.assert_close(a, b, **TOL)
+
+
+# ------------------------------------------------------------------------------------------ plan
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), world=st.integers(1, 4), e=st.integers(1, 3), k=st.integers(1, 3), cap=st.integers(1, 7),
+       alpha=st.sampled_from([1.0, 1.1, 1.5]), min_piece=st.integers(1, 8), slots=st.sampled_from([None, 0, 1, 2]),
+       strided=st.booleans())
+def test_plan_covers_every_route_and_chunks_respect_the_cap(data, world, e, k, cap, alpha, min_piece, slots,
+                                                           strided):
+    E = world * e
+    counts = [data.draw(st.lists(st.integers(0, 12), min_size=E, max_size=E)) for _ in range(world)]
+    tokens = [max(-(-sum(row) // k), 0) for row in counts]  # any counts; the cap uses routes / k
+    plan = plan_llep(counts, alpha=alpha, min_piece=min_piece, imbalance_threshold=0.0, max_borrowed=slots)
+    for ex, pieces in enumerate(plan.pieces):  # pieces tile [0, global count) in order
+        starts, stops = [p[1] for p in pieces], [p[2] for p in pieces]
+        assert starts == ([0] + stops)[:len(pieces)] and all(a < b for a, b in zip(starts, stops))
+        assert (pieces[-1][2] if pieces else 0) == sum(row[ex] for row in counts)
+        assert all(rank == plan.owner(ex) or ex in plan.borrowed[rank] for rank, _, _ in pieces)
+    assert len(set(plan.transfers)) == len(plan.transfers)
+    assert slots is None or all(len(b) <= slots for b in plan.borrowed)
+    K = num_chunks(max(tokens), cap)
+    routes = ChunkedRoutes(counts, plan, K, strided)
+    for j in range(K):
+        sends = [routes.send_splits(s, j) for s in range(world)]
+        for d in range(world):
+            recv = [n for s, _, n in routes.recv_runs(d, j)]
+            assert sum(recv) == sum(sends[s][d] for s in range(world)) <= world * cap * k
+        assert all(sum(row) <= -(-max(tokens) * k // K) <= cap * k for row in sends)
+    assert [sum(routes.send_splits(s, j)[d] for j in range(K) for d in range(world)) for s in range(world)] \
+        == [sum(row) for row in counts]
+
+
+def test_fallback_when_balanced_and_relocation_when_skewed():
+    assert not plan_llep([[5, 5], [5, 5]]).relocated
+    skewed = plan_llep([[40, 0], [40, 0]], min_piece=4)
+    assert skewed.relocated and skewed.transfers == [(0, 1)] and skewed.borrowed == [[], [0]]
+
+
+def test_bad_input_is_refused():
+    x, w = torch.zeros(4, 6), torch.zeros(2, 5, 6)
+    ids, scores = torch.zeros(4, 2, dtype=torch.int64), torch.zeros(4, 2)
+    with pytest.raises(BoundpassInputError):
+        standard_ep(x, ids + 2, scores, w, w.transpose(1, 2), w)  # expert 2 of E = 2
+    with pytest.raises(BoundpassInputError):
+        pipelined_llep(x, ids, scores[:3], w, w.transpose(1, 2), w, cap=2)
+    with pytest.raises(BoundpassInputError):
+        pipelined_llep(x, ids, scores, w, w.transpose(1, 2), w, cap=0)
+
+
+# ----------------------------------------------------------------------------------------- bound
+BOUND_SHAPE = dict(T=64, H=16, I=8, E=4, k=2, cap=8)
+
+
+def _measure_rank(rank, world, kind, alpha):
+    """Live-storage peak of the eager forward then backward (inputs, output and its gradient counted)."""
+    s = BOUND_SHAPE
+    g = torch.Generator().manual_seed(rank)
+    e = s["E"] // world
+    x = torch.randn(s["T"], s["H"], generator=g, dtype=torch.float64)
+    ids = (torch.arange(s["k"]).repeat(s["T"], 1) if kind == "adversarial"  # every token to experts 0..k-1
+           else _routing(kind, s["T"], s["E"], s["k"], g))
+    scores = torch.rand(s["T"], s["k"], generator=g, dtype=torch.float64)
+    ws = [torch.randn(e, *shape, generator=g, dtype=torch.float64) for shape in ((s["I"], s["H"]), (s["H"], s["I"]),
+                                                                                  (s["I"], s["H"]))]
+    grad = torch.randn(s["T"], s["H"], generator=g, dtype=torch.float64)
+    args = (dist.group.WORLD.group_name, s["cap"], alpha, 2, 0.0, e, True)
+    tracker = LiveStorageTracker().track_existing(x, ids, scores, *ws, grad)
+    with tracker, torch.no_grad():
+        out, counts = pipelined_llep_forward(x, ids, scores, *ws, *args)
+        grads = pipelined_llep_backward(grad, x, ids, scores, *ws, counts, *args)
+        del grads
+    return tracker.peak_bytes()
+
+
+@pytest.mark.distributed
+def test_bound_holds_for_every_routing_and_is_tight_under_adversarial_routing():
+    s, world = BOUND_SHAPE, 2
+    bound = sym.evaluate(pipelined_llep_bound(mixed_precision=False),  # one number: no routing in it
+                         bound_values(torch.float64, N=s["T"], H=s["H"], I=s["I"], E=s["E"], E_p=world, k=s["k"],
+                                      c=s["cap"]))
+    cases = [(kind, 1.1) for kind in ROUTINGS + ("adversarial",)] + [("adversarial", float(world))]
+    peaks = run_on_ranks(_measure_many, world, cases, timeout_s=80)
+    for rank_peaks in peaks:
+        for case, measured in zip(cases, rank_peaks):
+            assert measured <= bound, (case, measured, bound)
+    # alpha = E_p: capacity = all routes, nothing relocates, rank 0 receives E_p c k rows in every chunk
+    assert bound <= 1.25 * peaks[0][-1], (peaks[0][-1], bound)
+
+
+def _measure_many(rank, world, cases):
+    return [_measure_rank(rank, world, kind, alpha) for kind, alpha in cases]
