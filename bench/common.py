@@ -1,0 +1,93 @@
+"""Shared helpers for the benchmarks: timing, run metadata, byte formatting, markdown tables, result files."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "docs" / "results"
+MiB = 2 ** 20
+GiB = 2 ** 30
+
+
+def interleaved_medians(steps: dict[str, Callable[[], object]], *, repeats: int, warmup: int = 1,
+                        sync: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """Median wall seconds of each step over ``repeats`` runs, after ``warmup`` untimed runs of each.
+
+    The steps are timed round-robin, so load that drifts on a shared machine slows them all alike.
+    ``sync`` runs before each clock read: a barrier across ranks, or a device synchronisation.
+    """
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            sync()
+            start = time.perf_counter()
+            step()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def run_metadata() -> dict:
+    """Where and when a benchmark ran: torch/python versions, cores, threads, date (UTC)."""
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": _cpu_model(),
+        "nproc": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def fmt_bytes(n: int | None) -> str:
+    """Bytes as GiB (>= 1 GiB) or MiB, 2 decimals; '—' for None."""
+    if n is None:
+        return "—"
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
+
+
+def fmt_seconds(s: float | None) -> str:
+    """Seconds as ms (< 1 s) or s, 3 significant figures; '—' for None."""
+    if s is None:
+        return "—"
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    """A GitHub markdown table (cells already formatted as strings)."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(name: str, data: dict, markdown: str, out_dir: Path = RESULTS_DIR) -> tuple[Path, Path]:
+    """Write ``<name>.json`` and ``<name>.md`` into ``out_dir``; returns both paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    json_path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    md_path.write_text(markdown.rstrip() + "\n")
+    return json_path, md_path

@@ -1,0 +1,186 @@
+"""Ring-DTP at P = 1 on one GPU: peak device bytes and step time against the standard schedule, the
+token-chunked fused linear-CE (Liger-style, our implementation) and Inductor with and without its
+auto-chunker. Peaks are torch.cuda.max_memory_allocated; times are CUDA-event medians.
+
+    PYTHONPATH=. python3 bench/gpu_vocab.py [--dry-run]
+
+--dry-run runs tiny shapes on the CPU (wall-clock times, no device peaks) to check the script without a
+GPU. Writes gpu_vocab.json into $OUT if set, else bench/out/; rewritten after every measurement, so a
+run cut short still leaves what it measured. Needs torch and this repository only (no torchtitan).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable for `bench.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from bench.common import REPO_ROOT, fmt_bytes, fmt_seconds, markdown_table, run_metadata
+from bench.vocab import LABELS, assert_same, make_inputs, make_step
+from boundpass import symbols as sym
+from boundpass.runtime.ring_dtp import bound_values, choose_branch, reference_bound, ring_dtp_bound
+
+# (N, H, V, dtype, Ring-DTP strip C, with Inductor). C = V/8: a strip holds as many logits as one of the
+# auto-chunker's 8 token chunks. The auto-chunker only acts when the logits outgrow the matmul inputs more
+# than 8-fold, N*V / (H*(N + V)) > 8, hence H = 1024 in the case that compiles (once: compiling is slow).
+GPU_CASES = [(16_384, 1024, 128_000, torch.float32, 16_000, True),
+             (16_384, 4096, 128_000, torch.bfloat16, 16_000, False),
+             (16_384, 7168, 200_000, torch.float32, 25_000, False)]  # the paper's per-rank shape, one device
+DRY_RUN_CASES = [(512, 32, 4096, torch.float32, 512, True), (512, 32, 4096, torch.bfloat16, 512, False)]
+SCHEDULES = ("standard", "token_chunked", "ring_dtp", "inductor", "inductor_chunker")
+REPEATS = 5
+DEADLINE_S = 260  # stop starting new measurements after this: gpu_check.sh's 8 minutes are shared
+
+
+def step_seconds(step, device: torch.device, repeats: int) -> float:
+    """Median seconds of an already warmed-up ``step()``: CUDA events on a GPU, wall clock on the CPU."""
+    if device.type != "cuda":
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    times = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def peak_device_bytes(step, device: torch.device) -> int | None:
+    """max_memory_allocated over one step (bytes, inputs included); None off the GPU."""
+    if device.type != "cuda":
+        step()
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def bound(schedule: str, *, N: int, H: int, V: int, C: int, dtype) -> int | None:
+    """The runtime's sympy bound (bytes, inputs included) for Ring-DTP and the standard schedule."""
+    mixed = dtype != torch.float32
+    values = bound_values(dtype, N=N, H=H, V=V, P=1, C=C)
+    if schedule == "ring_dtp":
+        return sym.evaluate(ring_dtp_bound(choose_branch(N, V, 1), mixed_precision=mixed), values)
+    if schedule == "standard":
+        return sym.evaluate(reference_bound(mixed_precision=mixed), values)
+    return None
+
+
+def measure_case(N, H, V, dtype, C, with_inductor, device, deadline) -> dict:
+    """Every schedule on one shape: peak bytes, median time, bound, loss agreement with the standard."""
+    from torch._inductor import config as inductor_config, metrics
+
+    h, w, labels = make_inputs(N, H, V, dtype=dtype, device=device)
+    inputs_bytes = sum(t.nbytes for t in (h, w, labels))
+    rows, ref = {}, None
+    for schedule in SCHEDULES:
+        if schedule.startswith("inductor") and not with_inductor:
+            continue
+        if time.monotonic() > deadline:
+            rows[schedule] = {"skipped": "time budget of gpu_check.sh spent"}
+            continue
+        if schedule == "inductor_chunker" and not hasattr(inductor_config, "auto_chunker"):
+            rows[schedule] = {"skipped": f"torch {torch.__version__} has no Inductor auto-chunker"}
+            continue
+        step = make_step(schedule, h, w, labels, vocab_size=V, block=C)
+        before = metrics.num_auto_chunking
+        with inductor_config.patch({"auto_chunker.enable": schedule == "inductor_chunker"}
+                                   if hasattr(inductor_config, "auto_chunker") else {}):
+            outputs = step()  # compiles the Inductor variants
+        chunked = metrics.num_auto_chunking - before
+        outputs = tuple(t.cpu() for t in outputs)  # off the device: the reference must not raise later peaks
+        ref = ref or outputs
+        if dtype == torch.float32:
+            assert_same(schedule, outputs, ref)
+        elif abs(outputs[0].item() - ref[0].item()) > 1e-3 * abs(ref[0].item()):
+            raise AssertionError(f"{schedule}: loss {outputs[0].item()} vs standard {ref[0].item()}")
+        loss = outputs[0].item()
+        del outputs
+        peak = peak_device_bytes(step, device)
+        rows[schedule] = {"peak_bytes": peak, "peak_over_inputs_bytes": None if peak is None else peak - inputs_bytes,
+                          "bound_bytes": bound(schedule, N=N, H=H, V=V, C=C, dtype=dtype),
+                          "seconds": step_seconds(step, device, REPEATS), "loss": loss,
+                          "auto_chunked_graphs": chunked if schedule.startswith("inductor") else None}
+        print(f"  {schedule:17s} peak {fmt_bytes(peak):>10s}  {fmt_seconds(rows[schedule]['seconds'])}", flush=True)
+    return {"N": N, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""), "C": C,
+            "inputs_bytes": inputs_bytes, "schedules": rows}
+
+
+def render(cases: list[dict], device: torch.device) -> str:
+    """One markdown table per shape."""
+    parts = []
+    for case in cases:
+        std = case["schedules"].get("standard", {})
+        parts.append(f"N={case['N']}, H={case['H']}, V={case['V']}, {case['dtype']}, Ring-DTP strip C={case['C']} "
+                     f"({device.type})")
+        rows = []
+        for schedule, r in case["schedules"].items():
+            if "skipped" in r:
+                rows.append([LABELS[schedule], "—", "—", "—", "—", r["skipped"]])
+                continue
+            ratio = f"{r['peak_bytes'] / std['peak_bytes']:.3f}" if r["peak_bytes"] and std.get("peak_bytes") else "—"
+            notes = []
+            if r["peak_bytes"] is not None and r["bound_bytes"] is not None:
+                over = r["peak_bytes"] - r["bound_bytes"]
+                notes.append("within bound" if over <= 0 else f"over bound by {over} B")
+            if r["auto_chunked_graphs"] is not None:
+                notes.append(f"auto-chunked graphs: {r['auto_chunked_graphs']}")
+            note = "; ".join(notes)
+            rows.append([LABELS[schedule], fmt_bytes(r["peak_bytes"]), fmt_bytes(r["bound_bytes"]), ratio,
+                         f"{fmt_seconds(r['seconds'])} ({r['seconds'] / std['seconds']:.2f}x)", note])
+        parts += [markdown_table(["schedule", "peak allocated", "sympy bound", "peak / standard",
+                                  "median time (vs standard)", "note"], rows), ""]
+    return "\n".join(parts)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, to check the script")
+    args = parser.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_vocab: no CUDA device visible to torch; nothing measured (use --dry-run to check on a CPU)",
+              file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO_ROOT / "bench" / "out"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_path = out_dir / "gpu_vocab.json"
+    meta = run_metadata()
+    if device.type == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name()
+        meta["cuda"] = torch.version.cuda
+    deadline = time.monotonic() + DEADLINE_S
+    data = {"meta": meta, "dry_run": args.dry_run, "repeats": REPEATS, "cases": []}
+    for N, H, V, dtype, C, with_inductor in (DRY_RUN_CASES if args.dry_run else GPU_CASES):
+        print(f"N={N} H={H} V={V} {dtype}", flush=True)
+        data["cases"].append(measure_case(N, H, V, dtype, C, with_inductor, device, deadline))
+        out_path.write_text(json.dumps(data, indent=2) + "\n")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    markdown = render(data["cases"], device)
+    (out_dir / "gpu_vocab.md").write_text(markdown + "\n")
+    print(markdown)
+    print(f"wrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
