@@ -24,7 +24,9 @@ python3 -c 'import torch; print("gpu_check: torch", torch.__version__, "cuda", t
 start=$SECONDS
 # gpu_vocab stops starting measurements after 260 s and saves after each shape; the timeout is the backstop
 # (budget: 320 s here + 120 s for the optimizer + start-up stays under the 8 minutes)
-timeout 320 python3 bench/gpu_vocab.py "$@"
+vocab_rc=0
+timeout 320 python3 bench/gpu_vocab.py "$@" || vocab_rc=$?  # a failure here must not skip what follows
 # OffloadStreamAdamW: exactness on CUDA, link floor, (β, S) sweep vs serial CPU Adam; saves after each row
 timeout 120 python3 bench/gpu_optimizer.py "$@"
 echo "gpu_check: all GPU measurements done in $((SECONDS - start)) s; results in ${OUT:-bench/out}/"
+exit "$vocab_rc"

@@ -15,6 +15,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -84,9 +85,34 @@ def bound(schedule: str, *, N: int, H: int, V: int, C: int, dtype) -> int | None
     return None
 
 
+def measure_schedule(schedule: str, h, w, labels, *, V: int, C: int, device, ref):
+    """One schedule: (row with peak bytes, median time, bound, chunked graphs; the standard's outputs on the CPU)."""
+    from torch._inductor import config as inductor_config, metrics
+
+    step = make_step(schedule, h, w, labels, vocab_size=V, block=C)
+    before = getattr(metrics, "num_auto_chunking", 0)
+    with inductor_config.patch({"auto_chunker.enable": schedule == "inductor_chunker"}
+                               if hasattr(inductor_config, "auto_chunker") else {}):
+        outputs = step()  # compiles the Inductor variants
+    chunked = getattr(metrics, "num_auto_chunking", 0) - before
+    outputs = tuple(t.cpu() for t in outputs)  # off the device: the reference must not raise later peaks
+    ref = ref or outputs
+    if h.dtype == torch.float32:
+        assert_same(schedule, outputs, ref)
+    elif abs(outputs[0].item() - ref[0].item()) > 1e-3 * abs(ref[0].item()):
+        raise AssertionError(f"{schedule}: loss {outputs[0].item()} vs standard {ref[0].item()}")
+    loss = outputs[0].item()
+    del outputs
+    N, H = h.shape
+    return {"peak_bytes": peak_device_bytes(step, device),
+            "bound_bytes": bound(schedule, N=N, H=H, V=V, C=C, dtype=h.dtype),
+            "seconds": step_seconds(step, device, REPEATS), "loss": loss,
+            "auto_chunked_graphs": chunked if schedule.startswith("inductor") else None}, ref
+
+
 def measure_case(N, H, V, dtype, C, with_inductor, device, deadline) -> dict:
     """Every schedule on one shape: peak bytes, median time, bound, loss agreement with the standard."""
-    from torch._inductor import config as inductor_config, metrics
+    from torch._inductor import config as inductor_config
 
     h, w, labels = make_inputs(N, H, V, dtype=dtype, device=device)
     inputs_bytes = sum(t.nbytes for t in (h, w, labels))
@@ -100,26 +126,17 @@ def measure_case(N, H, V, dtype, C, with_inductor, device, deadline) -> dict:
         if schedule == "inductor_chunker" and not hasattr(inductor_config, "auto_chunker"):
             rows[schedule] = {"skipped": f"torch {torch.__version__} has no Inductor auto-chunker"}
             continue
-        step = make_step(schedule, h, w, labels, vocab_size=V, block=C)
-        before = metrics.num_auto_chunking
-        with inductor_config.patch({"auto_chunker.enable": schedule == "inductor_chunker"}
-                                   if hasattr(inductor_config, "auto_chunker") else {}):
-            outputs = step()  # compiles the Inductor variants
-        chunked = metrics.num_auto_chunking - before
-        outputs = tuple(t.cpu() for t in outputs)  # off the device: the reference must not raise later peaks
-        ref = ref or outputs
-        if dtype == torch.float32:
-            assert_same(schedule, outputs, ref)
-        elif abs(outputs[0].item() - ref[0].item()) > 1e-3 * abs(ref[0].item()):
-            raise AssertionError(f"{schedule}: loss {outputs[0].item()} vs standard {ref[0].item()}")
-        loss = outputs[0].item()
-        del outputs
-        peak = peak_device_bytes(step, device)
-        rows[schedule] = {"peak_bytes": peak, "peak_over_inputs_bytes": None if peak is None else peak - inputs_bytes,
-                          "bound_bytes": bound(schedule, N=N, H=H, V=V, C=C, dtype=dtype),
-                          "seconds": step_seconds(step, device, REPEATS), "loss": loss,
-                          "auto_chunked_graphs": chunked if schedule.startswith("inductor") else None}
-        print(f"  {schedule:17s} peak {fmt_bytes(peak):>10s}  {fmt_seconds(rows[schedule]['seconds'])}", flush=True)
+        try:
+            rows[schedule], ref = measure_schedule(schedule, h, w, labels, V=V, C=C, device=device, ref=ref)
+            peak = rows[schedule]["peak_bytes"]
+            rows[schedule]["peak_over_inputs_bytes"] = None if peak is None else peak - inputs_bytes
+        except Exception as e:  # noqa: BLE001 -- record it (OOM, a compile error of this torch) and go on
+            rows[schedule] = {"failed": f"{type(e).__name__}: {e}"[:400]}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        print(f"  {schedule:17s} " + (rows[schedule].get("failed") or
+              f"peak {fmt_bytes(rows[schedule]['peak_bytes']):>10s}  {fmt_seconds(rows[schedule]['seconds'])}"),
+              flush=True)
     return {"N": N, "H": H, "V": V, "dtype": str(dtype).replace("torch.", ""), "C": C,
             "inputs_bytes": inputs_bytes, "schedules": rows}
 
@@ -133,10 +150,12 @@ def render(cases: list[dict], device: torch.device) -> str:
                      f"({device.type})")
         rows = []
         for schedule, r in case["schedules"].items():
-            if "skipped" in r:
-                rows.append([LABELS[schedule], "—", "—", "—", "—", r["skipped"]])
+            if "skipped" in r or "failed" in r:
+                why = r.get("skipped") or "FAILED: " + r["failed"]
+                rows.append([LABELS[schedule], "—", "—", "—", "—", why])
                 continue
             ratio = f"{r['peak_bytes'] / std['peak_bytes']:.3f}" if r["peak_bytes"] and std.get("peak_bytes") else "—"
+            vs_std = f" ({r['seconds'] / std['seconds']:.2f}x)" if "seconds" in std else ""
             notes = []
             if r["peak_bytes"] is not None and r["bound_bytes"] is not None:
                 over = r["peak_bytes"] - r["bound_bytes"]
@@ -145,7 +164,7 @@ def render(cases: list[dict], device: torch.device) -> str:
                 notes.append(f"auto-chunked graphs: {r['auto_chunked_graphs']}")
             note = "; ".join(notes)
             rows.append([LABELS[schedule], fmt_bytes(r["peak_bytes"]), fmt_bytes(r["bound_bytes"]), ratio,
-                         f"{fmt_seconds(r['seconds'])} ({r['seconds'] / std['seconds']:.2f}x)", note])
+                         fmt_seconds(r["seconds"]) + vs_std, note])
         parts += [markdown_table(["schedule", "peak allocated", "sympy bound", "peak / standard",
                                   "median time (vs standard)", "note"], rows), ""]
     return "\n".join(parts)
@@ -169,17 +188,23 @@ def main(argv=None) -> int:
         meta["cuda"] = torch.version.cuda
     deadline = time.monotonic() + DEADLINE_S
     data = {"meta": meta, "dry_run": args.dry_run, "repeats": REPEATS, "cases": []}
-    for N, H, V, dtype, C, with_inductor in (DRY_RUN_CASES if args.dry_run else GPU_CASES):
-        print(f"N={N} H={H} V={V} {dtype}", flush=True)
-        data["cases"].append(measure_case(N, H, V, dtype, C, with_inductor, device, deadline))
-        out_path.write_text(json.dumps(data, indent=2) + "\n")
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    # a fresh Inductor cache: on a cache hit nothing compiles and the auto-chunker's counter stays 0
+    with tempfile.TemporaryDirectory(prefix="gpu_vocab_inductor_") as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        for N, H, V, dtype, C, with_inductor in (DRY_RUN_CASES if args.dry_run else GPU_CASES):
+            print(f"N={N} H={H} V={V} {dtype}", flush=True)
+            data["cases"].append(measure_case(N, H, V, dtype, C, with_inductor, device, deadline))
+            out_path.write_text(json.dumps(data, indent=2) + "\n")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     markdown = render(data["cases"], device)
     (out_dir / "gpu_vocab.md").write_text(markdown + "\n")
     print(markdown)
     print(f"wrote {out_path}")
-    return 0
+    failed = [f"{c['N']}/{c['dtype']} {s}" for c in data["cases"] for s, r in c["schedules"].items() if "failed" in r]
+    if failed:
+        print("gpu_vocab: FAILED: " + ", ".join(failed), file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

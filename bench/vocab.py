@@ -22,6 +22,7 @@ import tempfile
 import time
 import types
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable for `bench.*`
@@ -263,14 +264,19 @@ def run_p1(cfg: dict, repeats: int, scratch: Path) -> dict:
     N, H, V, C = cfg["N"], cfg["H"], cfg["V"], cfg["C"]
     h, w, labels = make_inputs(N, H, V)
     seconds, chunked = p1_times(h, w, labels, block=C, repeats=repeats)
-    rows, ref = {}, None
-    for schedule in P1_SCHEDULES:
-        out = scratch / f"p1_{schedule}.pt"
+
+    def rss_of(schedule: str) -> int:
         env = {"PYTHONPATH": str(REPO_ROOT), "TORCHINDUCTOR_CACHE_DIR": str(scratch / f"inductor_{schedule}"),
                "TORCHINDUCTOR_AUTO_CHUNKER": "1" if schedule == "inductor_chunker" else "0"}
-        rss = rss_peak_in_subprocess(_P1_CHILD.format(config=dict(cfg, schedule=schedule, out=str(out))),
-                                     env=env, timeout=600)
-        res = torch.load(out, weights_only=True)
+        config = dict(cfg, schedule=schedule, out=str(scratch / f"p1_{schedule}.pt"))
+        return rss_peak_in_subprocess(_P1_CHILD.format(config=config), env=env, timeout=600)
+
+    # RSS is per process, so the children may share the cores (nothing is timed while they run)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        rss = dict(zip(P1_SCHEDULES, pool.map(rss_of, P1_SCHEDULES)))
+    rows, ref = {}, None
+    for schedule in P1_SCHEDULES:
+        res = torch.load(scratch / f"p1_{schedule}.pt", weights_only=True)
         outputs = (res["loss"], res["dh"], res["dw"])
         ref = ref or outputs
         assert_same(schedule, outputs, ref)
@@ -279,11 +285,11 @@ def run_p1(cfg: dict, repeats: int, scratch: Path) -> dict:
                 raise RuntimeError(f"{schedule}: Inductor's auto-chunker chunked {n} graphs in the {where} run")
         python_level = schedule not in ("inductor", "inductor_chunker")
         rows[schedule] = {
-            "rss_peak_bytes": rss, "seconds": seconds[schedule], "loss": res["loss"].item(),
+            "rss_peak_bytes": rss[schedule], "seconds": seconds[schedule], "loss": res["loss"].item(),
             "live_peak_bytes": live_peak(schedule, h, w, labels, vocab_size=V, block=C) if python_level else None,
             "bound_bytes": bound_bytes(schedule, N=N, H=H, V=V, P=1, C=C) if python_level else None,
             "auto_chunked_graphs": chunked[schedule]}
-        print(f"  p1 {schedule:17s} rss {fmt_bytes(rss):>10s}  {fmt_seconds(seconds[schedule])}", flush=True)
+        print(f"  p1 {schedule:17s} rss {fmt_bytes(rss[schedule]):>10s}  {fmt_seconds(seconds[schedule])}", flush=True)
     return {"sizes": dict(cfg, T=min(N, liger_chunk_tokens(N, H, V))),
             "inputs_bytes": sum(t.nbytes for t in (h, w, labels)), "schedules": rows}
 
@@ -292,27 +298,33 @@ def run_p1(cfg: dict, repeats: int, scratch: Path) -> dict:
 P2_SCHEDULES = ("standard", "token_chunked", "ring_dtp")
 
 
-def p2_rank(rank: int, world: int, N: int, H: int, V: int, repeats: int) -> dict:
-    """(On each gloo rank) live-storage peak, barrier-synchronised median time, exactness vs the standard."""
+def p2_rank(rank: int, world: int, sizes: list[dict], repeats: int) -> list[dict]:
+    """(On each gloo rank) per size: live-storage peak, barrier-synchronised median time, exactness vs the standard."""
     group = dist.group.WORLD
-    h, w, labels = make_inputs(N, H, V, P=world, rank=rank)
-    steps = {s: make_step(s, h, w, labels, vocab_size=V, group=group) for s in P2_SCHEDULES}
-    ref = steps["standard"]()
-    for schedule, step in steps.items():  # also the warm-up
-        assert_same(f"rank {rank} {schedule}", step(), ref)
-    del ref
-    seconds = interleaved_medians(steps, repeats=repeats, warmup=0, sync=dist.barrier)
-    return {s: {"live_peak_bytes": live_peak(s, h, w, labels, vocab_size=V, group=group),
-                "seconds": seconds[s], "bound_bytes": bound_bytes(s, N=N, H=H, V=V, P=world)} for s in P2_SCHEDULES}
+    results = []
+    for cfg in sizes:
+        N, H, V = cfg["N"], cfg["H"], cfg["V"]
+        h, w, labels = make_inputs(N, H, V, P=world, rank=rank)
+        steps = {s: make_step(s, h, w, labels, vocab_size=V, group=group) for s in P2_SCHEDULES}
+        ref = steps["standard"]()
+        for schedule, step in steps.items():  # also the warm-up
+            assert_same(f"rank {rank} {schedule}", step(), ref)
+        del ref
+        seconds = interleaved_medians(steps, repeats=repeats, warmup=0, sync=dist.barrier)
+        results.append({s: {"live_peak_bytes": live_peak(s, h, w, labels, vocab_size=V, group=group),
+                            "seconds": seconds[s], "bound_bytes": bound_bytes(s, N=N, H=H, V=V, P=world)}
+                        for s in P2_SCHEDULES})
+    return results
 
 
 def run_p2(sizes: list[dict], repeats: int) -> list[dict]:
     """P = 2 gloo ranks at each size; peaks and bounds are the larger over ranks, times rank 0's."""
     from boundpass.testing.distributed import run_on_ranks
 
+    per_rank = run_on_ranks(p2_rank, 2, sizes, repeats, timeout_s=1200)
     out = []
-    for cfg in sizes:
-        ranks = run_on_ranks(p2_rank, 2, cfg["N"], cfg["H"], cfg["V"], repeats, timeout_s=900)
+    for i, cfg in enumerate(sizes):
+        ranks = [r[i] for r in per_rank]
         rows = {s: {"live_peak_bytes": max(r[s]["live_peak_bytes"] for r in ranks),
                     "bound_bytes": max(r[s]["bound_bytes"] for r in ranks),
                     "seconds": ranks[0][s]["seconds"]} for s in P2_SCHEDULES}
@@ -407,7 +419,9 @@ def render(data: dict) -> str:
           f"`python bench/vocab.py{' --quick' if data['quick'] else ''}` on torch {meta['torch']}, "
           f"{meta['nproc']} cores ({meta['processor']}), {meta['date_utc']}; wall time {data['wall_seconds']:.0f} s. "
           f"fp32 throughout. Every schedule's loss, dh and dW equal the standard schedule's (asserted). "
-          f"Times are medians of {data['repeats']} forward+backward steps after a warm-up.",
+          f"Times are medians of {data['repeats']} forward+backward steps after a warm-up, the schedules of a "
+          "section timed round-robin: this machine is shared, absolute times drift between runs (up to 2x), "
+          "ratios much less.",
           "",
           f"## P = 1, measured (real tensors, CPU): N={cfg['N']}, H={cfg['H']}, V={cfg['V']}, "
           f"Ring-DTP strip C={cfg['C']}",

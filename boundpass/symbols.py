@@ -41,3 +41,7 @@ def evaluate(expr: sympy.Expr, values: dict) -> int:
 R = sympy.Symbol("R", integer=True, nonnegative=True)    # routes this rank's experts received (realized)
 s_b = sympy.Symbol("s_b", integer=True, nonnegative=True)  # borrowed-expert weight slots per EP rank
 ALL.update({s.name: s for s in (R, s_b)})
+
+# SCO (selective checkpoint offload): a count that is 0 when the host budget fits no boundary
+L_off = sympy.Symbol("L_off", integer=True, nonnegative=True)  # checkpoint boundaries offloaded to the host
+ALL.update({s.name: s for s in (L_off,)})

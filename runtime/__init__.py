@@ -9,3 +9,4 @@ from boundpass.runtime.ring_dtp import (  # noqa: F401
 )
 from boundpass.runtime.offload_adamw import OffloadStreamAdamW  # noqa: F401
 from boundpass.runtime.pipelined_llep import llep, pipelined_llep, pipelined_llep_bound, standard_ep  # noqa: F401
+from boundpass.runtime.sco import apply_sco, sco_device_bound, sco_host_bound  # noqa: F401

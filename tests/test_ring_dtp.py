@@ -1,4 +1,8 @@
 """Ring-DTP runtime op: exactness vs the full-logits reference (1-4 gloo ranks), bounds both ways, bad input."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -222,9 +226,8 @@ def test_reference_bound_matches_measured_standard_schedule():
     assert tracker.peak_bytes() <= bound <= 1.25 * tracker.peak_bytes()
 
 
-@pytest.mark.parametrize("tokens,block", [(16_384, 0), (32_768, 0), (16_384, 4096), (32_768, 4096)])
-def test_bound_sound_and_tight_simulated_at_paper_scale(tokens, block):
-    """P = 8, H = 7,168, V = 200,000, fp32 (SPEC §2), rank 3 of 8 under fake tensors: nothing is allocated."""
+def _simulated_paper_peak(tokens: int, block: int) -> int:
+    """Live-storage peak of Ring-DTP fwd+bwd on rank 3 of 8 under fake tensors (H = 7,168, V = 200,000)."""
     from boundpass.simulate import simulated_rank
     P, H, V = 8, 7168, 200_000
     with simulated_rank(3, P, device="cpu") as sim:  # fake cuda lacks some CPU-build kernels (notes)
@@ -232,9 +235,25 @@ def test_bound_sound_and_tight_simulated_at_paper_scale(tokens, block):
         h = torch.empty(tokens, H, device=sim.device)
         w = torch.empty(stop - start, H, device=sim.device)
         labels = torch.zeros(tokens, dtype=torch.int64, device=sim.device)
-        branch = choose_branch(tokens, V, P)
-        measured = _measured_peak(h, w, labels, V, block, branch, token_counts=(tokens,) * P,
-                                  group_name=sim.group.group_name)
+        return _measured_peak(h, w, labels, V, block, choose_branch(tokens, V, P), token_counts=(tokens,) * P,
+                              group_name=sim.group.group_name)
+
+
+@pytest.mark.parametrize("tokens,block", [(16_384, 0), (32_768, 0), (16_384, 4096), (32_768, 4096)])
+def test_bound_sound_and_tight_simulated_at_paper_scale(tokens, block):
+    """P = 8, H = 7,168, V = 200,000, fp32 (SPEC §2): nothing is allocated.
+
+    Measured in a fresh interpreter: after other tests have compiled graphs in this process, the fake-tensor
+    peak of the same code reads one [N, H] buffer higher (seen after the dynamic-shape compile tests; cause not
+    yet found), and a bound test must not depend on test order.
+    """
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_ring_dtp as t; "
+            f"print(t._simulated_paper_peak({tokens}, {block}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    measured = int(out.stdout.strip().splitlines()[-1])
+    P, H, V = 8, 7168, 200_000
+    branch = choose_branch(tokens, V, P)
     values = ring_dtp.bound_values(torch.float32, N=tokens, H=H, V=V, P=P, C=block or None)
     bound = sym.evaluate(ring_dtp_bound(branch, mixed_precision=False), values)
     standard = sym.evaluate(ring_dtp.reference_bound(mixed_precision=False), values)
