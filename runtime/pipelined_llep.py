@@ -188,8 +188,10 @@ def _dest_order(topk_ids: Tensor, routes: ChunkedRoutes, rank: int) -> Tensor:
     """This rank's flattened route indices (t*k + slot) in destination-grouped order [T*k] (int64)."""
     by_expert = torch.argsort(topk_ids.reshape(-1), stable=True)  # torchtitan's local reorder
     segs = routes.expert_sorted[rank]
+    # output_size makes the length static: fake tensors (simulated ranks) refuse a data-dependent one
     dest = torch.repeat_interleave(torch.tensor([d for d, _, _ in segs], dtype=torch.int64),
-                                   torch.tensor([n for _, _, n in segs], dtype=torch.int64)).to(by_expert.device)
+                                   torch.tensor([n for _, _, n in segs], dtype=torch.int64),
+                                   output_size=topk_ids.numel()).to(by_expert.device)
     return by_expert[torch.argsort(dest, stable=True)]
 
 
