@@ -3,8 +3,8 @@
     python -m boundpass.recipes.demo                          # one process, Ring-DTP at P = 1
     torchrun --nproc-per-node 2 -m boundpass.recipes.demo     # two gloo ranks, Ring-DTP at P = 2
 
-It compiles model + torchtitan's loss with boundpass, prints the explain report, trains a few AdamW steps
-beside the uncompiled model (same weights, same batches) and prints both losses, measures the peak RSS of
+It compiles model + torchtitan's loss (and the AdamW optimizer) with boundpass, prints the explain report, trains a
+few steps beside the uncompiled model with torch AdamW (same weights, same batches) and prints both losses, measures the peak RSS of
 one training step with and without the rewrite (fresh subprocesses), and shows the fail-fast error of an
 infeasible budget.
 """
@@ -83,8 +83,12 @@ def main(argv=None) -> int:
     model = build_debug_moe("deepseek_v3", vocab_size=args.vocab, seq_len=args.seq)
     reference = copy.deepcopy(model)
     loss_fn = torchtitan_loss()
-    compiled = boundpass.compile(model, budget=args.budget, loss_fn=loss_fn, ring_group=group)
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=3e-4) for m in (model, reference)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=3e-4, foreach=False) for m in (model, reference)]
+    # the optimizer is budgeted too: its moments do not fit beside parameters and gradients, so boundpass
+    # swaps in OffloadStreamAdamW (state on the host, bit-identical updates); step compiled.optimizer
+    compiled = boundpass.compile(model, budget=args.budget, loss_fn=loss_fn, ring_group=group,
+                                 optimizer=optimizers[0])
+    optimizers[0] = compiled.optimizer
 
     _say(rank, f"\n== training {args.steps} steps: boundpass-compiled vs the uncompiled model (same weights, batches)")
     worst = 0.0
