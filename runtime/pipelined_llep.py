@@ -478,12 +478,16 @@ def standard_ep_bound() -> sympy.Expr:
 
     R is set by the router: up to E_p N k on a hot rank. Same counting as ``pipelined_llep_bound``
     (inputs, output and its gradient, input gradients); autograd keeps every received row until backward.
+    The N k returned rows are counted at the combine's width b_acc (= b for fp32/fp64 inputs): for bf16/fp16
+    the combine saves an fp32 copy of them, and its backward holds that copy, the fp32 output gradient and
+    the two fp32 products of the score multiply at once: 4 N k H b_acc, whatever R is (a cold rank too).
     """
     N, H, I, E, E_p, k, R = sym.N, sym.H, sym.I, sym.E, sym.E_p, sym.k, sym.R
-    b, b_idx = sym.b, sym.b_idx
+    b, b_acc, b_idx = sym.b, sym.b_acc, sym.b_idx
     inputs = N * H * b + N * k * (b_idx + b) + E / E_p * _expert_bytes()
-    saved = 2 * N * k * H * b + N * k * 2 * b_idx + R * (2 * H + 4 * I) * b  # rows out/back, received, MLP
-    return 2 * (inputs + saved) + 2 * N * H * b  # + grads of everything saved, output and its gradient
+    saved = N * k * 2 * b_idx + R * (2 * H + 4 * I) * b  # route order, received rows, MLP activations
+    combine = 4 * N * k * H * b_acc  # returned rows (as the combine saves them), their grad, 2 products
+    return 2 * (inputs + saved) + combine + 2 * N * H * b  # + grads of everything saved, output and its grad
 
 
 def llep_bound() -> sympy.Expr:

@@ -8,8 +8,9 @@ from boundpass import symbols as sym
 from boundpass.errors import BoundpassInputError
 from boundpass.memtrack import LiveStorageTracker
 from boundpass.runtime.llep_plan import ChunkedRoutes, plan_llep
-from boundpass.runtime.pipelined_llep import (bound_values, llep, num_chunks, pipelined_llep, pipelined_llep_backward,
-                                              pipelined_llep_bound, pipelined_llep_forward, standard_ep)
+from boundpass.runtime.pipelined_llep import (bound_values, llep, llep_bound, num_chunks, pipelined_llep,
+                                              pipelined_llep_backward, pipelined_llep_bound, pipelined_llep_forward,
+                                              standard_ep, standard_ep_bound)
 from boundpass.testing.distributed import run_on_ranks
 
 TOL = dict(rtol=1e-12, atol=1e-12)  # fp64: exact up to summation order
@@ -204,3 +205,54 @@ def test_bound_holds_for_every_routing_and_is_tight_under_adversarial_routing():
 
 def _measure_many(rank, world, cases):
     return [_measure_rank(rank, world, kind, alpha) for kind, alpha in cases]
+
+
+# ------------------------------------------------------------------------- reference-schedule bounds
+REF_SHAPE = dict(T=64, H=16, I=8, E=4, k=2)
+REF_SCHEDULES = (("standard_ep", standard_ep, dict()), ("llep", llep, dict(min_piece=2, imbalance_threshold=0.0)))
+
+
+def _reference_peaks_rank(rank, world, dtype):
+    """(schedule, routing, measured peak, bound at the realized R) of standard EP and LLEP on this rank.
+
+    Autograd forward + backward; x, ids, scores, experts and the output gradient are counted, as in the bound.
+    """
+    s = REF_SHAPE
+    e, out = s["E"] // world, []
+    for seed, kind in enumerate(ROUTINGS + ("adversarial",)):
+        g = torch.Generator().manual_seed(seed)  # every rank builds every rank's ids: R is known locally
+        ids = [torch.arange(s["k"]).repeat(s["T"], 1) if kind == "adversarial"
+               else _routing(kind, s["T"], s["E"], s["k"], g) for _ in range(world)]
+        counts = [torch.bincount(i.reshape(-1), minlength=s["E"]).tolist() for i in ids]
+        for name, fn, kw in REF_SCHEDULES:
+            if name == "llep":
+                plan = plan_llep(counts, **kw)
+                R = sum(n for _, _, n in ChunkedRoutes(counts, plan, 1).recv_runs(rank, 0))
+                expr, s_b = llep_bound(), len(plan.borrowed[rank])
+            else:
+                R = sum(row[rank * e + j] for row in counts for j in range(e))
+                expr, s_b = standard_ep_bound(), 0
+            x = torch.randn(s["T"], s["H"], generator=g).to(dtype)
+            scores = torch.rand(s["T"], s["k"], generator=g).to(dtype)
+            ws = [torch.randn(e, *shape, generator=g).to(dtype) for shape in ((s["I"], s["H"]), (s["H"], s["I"]),
+                                                                              (s["I"], s["H"]))]
+            grad = torch.randn(s["T"], s["H"], generator=g).to(dtype)
+            tracker = LiveStorageTracker().track_existing(x, ids[rank], scores, *ws, grad)
+            leaves = [t.requires_grad_() for t in (x, scores, *ws)]
+            with tracker:
+                y = fn(x, ids[rank], scores, *ws, dist.group.WORLD, **kw)
+                grads = torch.autograd.grad(y, leaves, grad, allow_unused=True)
+                del y, grads
+            bound = sym.evaluate(expr, bound_values(dtype, N=s["T"], H=s["H"], I=s["I"], E=s["E"], E_p=world,
+                                                    k=s["k"], s_b=s_b, R=R))
+            out.append((name, kind, R, tracker.peak_bytes(), bound))
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_standard_ep_and_llep_peaks_stay_under_their_bounds(dtype):
+    """Realized-R bounds hold on both ranks, every routing; bf16 includes the combine's fp32 temporaries."""
+    for rank, results in enumerate(run_on_ranks(_reference_peaks_rank, 2, dtype, timeout_s=60)):
+        for name, kind, R, measured, bound in results:
+            assert measured <= bound, (dtype, name, kind, rank, R, measured, bound)
