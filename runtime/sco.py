@@ -24,11 +24,12 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import sympy
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 
@@ -214,7 +215,12 @@ class SCOHandle:
         shape, stride, dtype, device = handle.like
         dst = torch.empty_strided(shape, stride, dtype=dtype, device=device)
         src = self._host_view(handle)
-        if self._stream is None:
+        if self._stream is None and isinstance(dst, FakeTensor):
+            # simulated ranks: there is no data to copy, and fake tensors must not be touched from the worker
+            # while the main thread is inside a fake kernel; the restored tensor is allocated (and tracked) now
+            done = Future()
+            done.set_result(None)
+        elif self._stream is None:
             done = self._worker.submit(_copy, dst, src)
         else:
             self._stream.wait_stream(torch.cuda.current_stream(device))
