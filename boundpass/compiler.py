@@ -16,7 +16,7 @@ from boundpass import symbols as sym
 from boundpass.bounds import BoundTerm, BudgetTable, largest_fitting, raise_infeasible
 from boundpass.errors import BoundpassError, BoundpassInputError
 from boundpass.explain import ExplainReport
-from boundpass.passes.optimizer_swap import DEFAULT_SLOTS, plan_optimizer
+from boundpass.passes.optimizer_swap import plan_optimizer
 from boundpass.passes.vocab_pass import VocabRewriteConfig, rewrite_vocab_regions
 from boundpass.runtime import ring_dtp
 from boundpass.units import parse_bytes
@@ -225,7 +225,7 @@ def _concrete(expr, shape_env) -> int:
 
 def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_block: int | None = None,
             max_tokens_per_rank: int | None = None, optimizer=None, offload_optimizer="auto",
-            optimizer_bucket: int | None = None, optimizer_slots: int = DEFAULT_SLOTS, host_budget=None,
+            optimizer_bucket: int | None = None, optimizer_slots: int | None = None, host_budget=None,
             inner: str = "aot_eager", fullgraph: bool = True, dynamic=False) -> BoundedModule:
     """Compile `model` (+ `loss_fn(model_out, labels, *loss_args)`) so every bounded region fits `budget` bytes.
 
@@ -234,7 +234,8 @@ def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_bl
     widest that fits). max_tokens_per_rank: the largest N any ring rank will hold (None: this rank's N).
     optimizer: a torch AdamW or torchtitan OptimizersContainer; offload_optimizer ("auto", True, False) swaps it
     for OffloadStreamAdamW (state migrated; step `compiled.optimizer` and build LR schedulers on it) with
-    buckets of optimizer_bucket elements (None: the largest that fits) and optimizer_slots staging slots.
+    buckets of optimizer_bucket elements (None: the largest that fits) and optimizer_slots staging slots (None: 2,
+    or 1 when two useful slots do not fit).
     Raises InfeasibleBudgetError here when the state alone cannot fit, else on the first call before any real
     compute.
     """
@@ -247,7 +248,8 @@ def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_bl
     for name, value in (("vocab_block", vocab_block), ("optimizer_bucket", optimizer_bucket)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise BoundpassInputError(f"{name} must be a positive int, got {value!r}")
-    if isinstance(optimizer_slots, bool) or not isinstance(optimizer_slots, int) or optimizer_slots < 1:
+    if optimizer_slots is not None and (isinstance(optimizer_slots, bool) or not isinstance(optimizer_slots, int)
+                                        or optimizer_slots < 1):
         raise BoundpassInputError(f"optimizer_slots must be a positive int, got {optimizer_slots!r}")
     if ring_group is not None and not dist.is_initialized():
         raise BoundpassInputError("ring_group given but torch.distributed is not initialised")

@@ -160,3 +160,16 @@ def test_torchtitan_optimizers_container_is_offloaded_in_place():
     before = model.lm_head.weight.detach().clone()
     container.step()
     assert not torch.equal(before, model.lm_head.weight)
+
+
+def test_slots_and_bucket_are_chosen_to_fit_what_is_left():
+    from boundpass.passes.optimizer_swap import plan_optimizer
+    model = TinyLM()  # 256,000 parameters
+    roomy = plan_optimizer(torch.optim.AdamW(model.parameters()), budget=PARAM_BYTES * 2 + 64 * 2**20,
+                           persistent=PARAM_BYTES * 2, offload=True)
+    assert (roomy.optimizer.staging_slots, roomy.optimizer.bucket_params) == (2, 256_000)
+    # 1 MiB left: two slots of 65,536 elements (2 MiB) do not fit, one slot of 65,536 does
+    tight = plan_optimizer(torch.optim.AdamW(model.parameters()), budget=PARAM_BYTES * 2 + 2**20,
+                           persistent=PARAM_BYTES * 2, offload=True)
+    assert (tight.optimizer.staging_slots, tight.optimizer.bucket_params) == (1, 2**20 // 16)
+    assert sum(t.value for t in tight.terms if t.kind == "step") <= 2**20

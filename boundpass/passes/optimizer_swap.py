@@ -18,8 +18,9 @@ from boundpass.runtime import offload_adamw as oa
 from boundpass.units import format_bytes
 
 OFFLOAD_CHOICES = ("auto", True, False)
-DEFAULT_SLOTS = 2
+DEFAULT_SLOTS = 2     # two slots suffice to overlap copy-in, update and write-back (SPEC §4)
 MAX_BUCKET = 1 << 24  # elements; beyond this a bucket only adds staging bytes, not speed
+MIN_OVERLAP_BUCKET = 1 << 16  # elements; below this per-bucket launch and copy latency dominates overlap
 
 
 @dataclass
@@ -55,10 +56,11 @@ def _refuse_stale_steps(old: torch.optim.Optimizer) -> None:
 
 
 def plan_optimizer(optimizer, *, budget: int, persistent: int, offload="auto", bucket: int | None = None,
-                   slots: int = DEFAULT_SLOTS, host_budget: int | None = None) -> OptimizerPlan:
+                   slots: int | None = None, host_budget: int | None = None) -> OptimizerPlan:
     """Decide offload (and β, S), migrate state if offloading, and return the optimizer's budget terms (bytes).
 
-    persistent: bytes already committed on the device (parameters + gradients).
+    persistent: bytes already committed on the device (parameters + gradients). slots None: S = 2, or S = 1
+    when what the budget leaves cannot hold two slots of useful size (no overlap, but it fits).
     """
     if offload not in OFFLOAD_CHOICES:
         raise BoundpassInputError(f"offload_optimizer must be one of {OFFLOAD_CHOICES}, got {offload!r}")
@@ -81,9 +83,11 @@ def plan_optimizer(optimizer, *, budget: int, persistent: int, offload="auto", b
         moments.knob = f"boundpass.compile(..., offload_optimizer=True) moves it to the host (saves {saves})"
         reason = "kept on device (asked)" if offload is False else "kept on device: it fits the budget"
         return OptimizerPlan(optimizer, False, reason, terms=[moments])
+    room = max(budget - persistent, 0) // (4 * 4)  # fp32 elements x 4 buffers per slot that fit what is left
+    if slots is None:
+        slots = DEFAULT_SLOTS if room >= DEFAULT_SLOTS * min(theta, MIN_OVERLAP_BUCKET) else 1
     if bucket is None:  # the largest bucket whose staging fits what parameters and gradients leave
-        room = max(budget - persistent, 0) // (slots * 4 * 4)
-        bucket = max(1, min(theta, MAX_BUCKET, room))
+        bucket = max(1, min(theta, MAX_BUCKET, room // slots))
     knobs = dict(bucket_params=bucket, staging_slots=slots)
     if hasattr(optimizer, "optimizers"):
         migrated = oa.offload_optimizers_container(optimizer, **knobs)  # in place: the container object stays
