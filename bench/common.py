@@ -84,6 +84,16 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def publish(name: str, data: dict, render, started: float) -> dict:
+    """Stamp the wall time (s) since ``started``, write docs/results/<name>.json + .md, print the markdown."""
+    data["wall_seconds"] = time.perf_counter() - started
+    markdown = render(data)
+    json_path, md_path = write_results(name, data, markdown)
+    print(markdown)
+    print(f"wrote {json_path.relative_to(REPO_ROOT)} and {md_path.relative_to(REPO_ROOT)}")
+    return data
+
+
 def write_results(name: str, data: dict, markdown: str, out_dir: Path = RESULTS_DIR) -> tuple[Path, Path]:
     """Write ``<name>.json`` and ``<name>.md`` into ``out_dir``; returns both paths."""
     out_dir.mkdir(parents=True, exist_ok=True)

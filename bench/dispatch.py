@@ -27,8 +27,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch
 import torch.distributed as dist
 
-from bench.common import REPO_ROOT, fmt_bytes, fmt_seconds, interleaved_medians, markdown_table, run_metadata, \
-    write_results
+from bench.common import fmt_bytes, fmt_seconds, interleaved_medians, markdown_table, publish, run_metadata
 from boundpass import symbols as sym
 from boundpass.memtrack import LiveStorageTracker
 from boundpass.runtime.llep_plan import ChunkedRoutes, plan_llep
@@ -465,12 +464,7 @@ def main(argv=None) -> dict:
             "sim_config": dict(PAPER, dtype=str(PAPER["dtype"]).replace("torch.", "")), "plan_args": PLAN,
             "real": real, "simulated": sim, "proxy_check": proxy_check}
     data["targets"] = check_targets(real, sim)
-    data["wall_seconds"] = time.perf_counter() - start
-    markdown = render(data)
-    json_path, md_path = write_results("dispatch", data, markdown)
-    print(markdown)
-    print(f"wrote {json_path.relative_to(REPO_ROOT)} and {md_path.relative_to(REPO_ROOT)}")
-    return data
+    return publish("dispatch", data, render, start)
 
 
 if __name__ == "__main__":

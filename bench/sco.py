@@ -33,7 +33,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from bench.common import REPO_ROOT, fmt_bytes, fmt_seconds, interleaved_medians, markdown_table, run_metadata, write_results
+from bench.common import fmt_bytes, fmt_seconds, interleaved_medians, markdown_table, publish, run_metadata
 from boundpass import symbols as sym
 from boundpass.runtime import apply_sco
 from boundpass.runtime.sco import bound_values, sco_device_bound, sco_host_bound
@@ -220,12 +220,7 @@ def main(argv=None) -> dict:
     real = run_real(**cfg)
     data = {"meta": run_metadata(), "quick": args.quick, "real": real, "simulated": sim}
     data["targets"] = check_targets(real, sim)
-    data["wall_seconds"] = time.perf_counter() - start
-    markdown = render(data)
-    json_path, md_path = write_results("sco", data, markdown)
-    print(markdown)
-    print(f"wrote {json_path.relative_to(REPO_ROOT)} and {md_path.relative_to(REPO_ROOT)}")
-    return data
+    return publish("sco", data, render, start)
 
 
 if __name__ == "__main__":

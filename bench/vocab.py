@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import (REPO_ROOT, fmt_bytes, fmt_seconds, markdown_table, interleaved_medians, run_metadata,
-                          write_results)
+                          publish)
 from boundpass import symbols as sym
 from boundpass.memtrack import LiveStorageTracker, rss_peak_in_subprocess
 from boundpass.runtime.ring_dtp import (bound_values, choose_branch, reference_bound, reference_loss,
@@ -508,12 +508,7 @@ def main(argv=None) -> dict:
     data = {"meta": run_metadata(), "quick": args.quick, "repeats": sizes["repeats"], "p1": p1, "p2": p2,
             "simulated": sim}
     data["targets"] = check_targets(p1, p2, sim)
-    data["wall_seconds"] = time.perf_counter() - start
-    markdown = render(data)
-    json_path, md_path = write_results("vocab", data, markdown)
-    print(markdown)
-    print(f"wrote {json_path.relative_to(REPO_ROOT)} and {md_path.relative_to(REPO_ROOT)}")
-    return data
+    return publish("vocab", data, render, start)
 
 
 if __name__ == "__main__":
