@@ -312,13 +312,17 @@ def pipelined_llep_forward(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1:
 
 
 def pipelined_llep_backward(grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor,
-                            w2: Tensor, w3: Tensor, counts: Tensor, group_name: str = "", cap: int = 1024,
+                            w2: Tensor, w3: Tensor, counts: Tensor | tuple[int, ...], group_name: str = "",
+                            cap: int = 1024,
                             alpha: float = 1.1, min_piece: int = 1024, imbalance_threshold: float = 1.3,
                             max_borrowed: int = -1, strided: bool = True) -> tuple[Tensor, ...]:
-    """Eager backward, recomputing every chunk (dispatch included): (dx, dscores, dw1, dw2, dw3)."""
+    """Eager backward, recomputing every chunk (dispatch included): (dx, dscores, dw1, dw2, dw3).
+
+    counts: the forward's route-count tensor, or the same counts as ints (simulated ranks: fake tensors hold no data).
+    """
+    counts = tuple(counts) if isinstance(counts, (tuple, list)) else tuple(counts.reshape(-1).tolist())
     grp, _, plan, routes, order = _pipelined_setup(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap, alpha,
-                                                   min_piece, imbalance_threshold, max_borrowed, strided,
-                                                   tuple(counts.reshape(-1).tolist()))
+                                                   min_piece, imbalance_threshold, max_borrowed, strided, counts)
     k, acc = topk_ids.shape[1], _acc_dtype(x.dtype)
     native = (w1, w2, w3)
     slots = _transfer_weights(grp, plan, native)  # borrowed again: nothing routing-sized is kept from forward
