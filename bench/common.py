@@ -84,6 +84,12 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def targets_section(targets: list[dict]) -> list[str]:
+    """Markdown lines of the "Targets" section: target, figures, met (a miss in bold)."""
+    rows = [[t["target"], t["figures"], "yes" if t["met"] else "**no**"] for t in targets]
+    return ["## Targets", "", markdown_table(["target", "figures", "met"], rows), ""]
+
+
 def publish(name: str, data: dict, render, started: float) -> dict:
     """Stamp the wall time (s) since ``started``, write docs/results/<name>.json + .md, print the markdown."""
     data["wall_seconds"] = time.perf_counter() - started

@@ -27,7 +27,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch
 import torch.distributed as dist
 
-from bench.common import fmt_bytes, fmt_seconds, interleaved_medians, markdown_table, publish, run_metadata
+from bench.common import (fmt_bytes, fmt_seconds, interleaved_medians, markdown_table, publish, run_metadata,
+                          targets_section)
 from boundpass import symbols as sym
 from boundpass.memtrack import LiveStorageTracker
 from boundpass.runtime.llep_plan import ChunkedRoutes, plan_llep
@@ -410,9 +411,7 @@ def render(data: dict) -> str:
             for sec_name, kind, r, s, p, b in _all_peaks(data) if p > b]
     md += ["Peaks above their sympy bound (any schedule, any section): "
            + ("; ".join(over) if over else "none") + ".", ""]
-    md += ["## Targets", "", markdown_table(["target", "figures", "met"],
-                                            [[t["target"], t["figures"], "yes" if t["met"] else "**no**"]
-                                             for t in data["targets"]]), ""]
+    md += targets_section(data["targets"])
     return "\n".join(md)
 
 

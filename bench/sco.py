@@ -33,7 +33,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from bench.common import fmt_bytes, fmt_seconds, interleaved_medians, markdown_table, publish, run_metadata
+from bench.common import (fmt_bytes, fmt_seconds, interleaved_medians, markdown_table, publish, run_metadata,
+                          targets_section)
 from boundpass import symbols as sym
 from boundpass.runtime import apply_sco
 from boundpass.runtime.sco import bound_values, sco_device_bound, sco_host_bound
@@ -200,9 +201,7 @@ def render(data: dict) -> str:
                                "restored live ≤"], rows), "",
                f"Monotone: {'yes' if s['monotone'] else 'NO'}. None → all offloaded: {fmt_bytes(s['none_peak'])} → "
                f"{fmt_bytes(s['all_peak'])}, a {s['reduction']:.1%} reduction of device boundary bytes.", ""]
-    md += ["## Targets", "", markdown_table(["target", "figures", "met"],
-                                            [[t["target"], t["figures"], "yes" if t["met"] else "**no**"]
-                                             for t in data["targets"]]), ""]
+    md += targets_section(data["targets"])
     md += ["Not covered: real CUDA device peak and step time (no GPU here; side-stream overlap untested), compiled "
            "models. Device boundary bytes are the boundaries only, not the whole activation peak.", ""]
     return "\n".join(md)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import (REPO_ROOT, fmt_bytes, fmt_seconds, markdown_table, interleaved_medians, run_metadata,
-                          publish)
+                          publish, targets_section)
 from boundpass import symbols as sym
 from boundpass.memtrack import LiveStorageTracker, rss_peak_in_subprocess
 from boundpass.runtime.ring_dtp import (bound_values, choose_branch, reference_bound, reference_loss,
@@ -485,9 +485,7 @@ def render(data: dict) -> str:
                f"{fmt_bytes(a['implied_paper_ring_dtp_bytes'])} (N={n})" for n, a in paper.items())
            + ", against our C=V/P peaks of " + ", ".join(
                f"{fmt_bytes(a['ring_dtp_bytes'])} (N={n})" for n, a in paper.items()) + ".", ""]
-    md += ["## Targets", "", markdown_table(["target", "figures", "met"],
-                                            [[t["target"], t["figures"], "yes" if t["met"] else "**no**"]
-                                             for t in data["targets"]]), ""]
+    md += targets_section(data["targets"])
     return "\n".join(md)
 
 
