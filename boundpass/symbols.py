@@ -45,3 +45,9 @@ ALL.update({s.name: s for s in (R, s_b)})
 # SCO (selective checkpoint offload): a count that is 0 when the host budget fits no boundary
 L_off = sympy.Symbol("L_off", integer=True, nonnegative=True)  # checkpoint boundaries offloaded to the host
 ALL.update({s.name: s for s in (L_off,)})
+
+# Attention under the MoP layout (sequence-to-head all-to-all over W ranks)
+A_q = sympy.Symbol("A_q", **_pos)      # attention query heads
+A_kv = sympy.Symbol("A_kv", **_pos)    # attention key/value heads (GQA: A_kv divides A_q)
+D_h = sympy.Symbol("D_h", **_pos)      # attention head dimension
+ALL.update({s.name: s for s in (A_q, A_kv, D_h)})
