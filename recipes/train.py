@@ -1,0 +1,54 @@
+"""Entry point: torchtitan's own `torchtitan.train.main`, with the boundpass section and (only without a GPU) CPU shims.
+
+    torchrun --nproc-per-node 2 -m boundpass.recipes.train --module boundpass.recipes \
+        --config deepseek_v3_debug_ep2 --boundpass.budget 2GiB
+
+`--module/--config` may also name any stock torchtitan config (`--module deepseek_v3 --config
+deepseek_v3_debugmodel`): its Trainer.Config is upgraded to BoundpassTrainer.Config with boundpass off, so the
+same command without `--boundpass.budget` trains exactly as torchtitan does. Configs that read torchtitan's
+test assets (`c4_test` + `./tests/assets/tokenizer`) are pointed at locally generated ones (recipes/assets.py).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+from boundpass.recipes import cpu_support
+
+
+def _config_manager_class():
+    from torchtitan.config import ConfigManager
+    from boundpass.recipes.assets import point_config_at_assets
+    from boundpass.recipes.trainer import upgrade_config
+
+    class BoundpassConfigManager(ConfigManager):
+        """ConfigManager that adds the boundpass section, local assets and CPU adaptations before tyro parses."""
+
+        def _load_config(self, args):
+            loaded, rest = super()._load_config(args)
+            loaded = upgrade_config(loaded)
+            if loaded.hf_assets_path == "./tests/assets/tokenizer" and not os.path.isdir(loaded.hf_assets_path):
+                point_config_at_assets(loaded)
+            cpu_support.adapt_config(loaded)
+            return loaded, rest
+
+    return BoundpassConfigManager
+
+
+def main() -> None:
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the datasets are local files: never reach the network
+    shims = cpu_support.apply_runtime_shims()
+    # torchtitan's router asks for fp32 autocast, which CPU autocast does not support; it only warns, every step.
+    warnings.filterwarnings("ignore", message="In CPU autocast")
+    import torchtitan.train as tt_train
+    from torchtitan.tools.logging import init_logger, logger
+
+    init_logger()
+    if shims:
+        logger.info(f"[boundpass] no GPU: CPU shims applied: {', '.join(shims)}")
+    tt_train.ConfigManager = _config_manager_class()
+    tt_train.main()
+
+
+if __name__ == "__main__":
+    main()
