@@ -16,6 +16,7 @@ from boundpass import symbols as sym
 from boundpass.bounds import BoundTerm, BudgetTable, largest_fitting, raise_infeasible
 from boundpass.errors import BoundpassError, BoundpassInputError
 from boundpass.explain import ExplainReport
+from boundpass.passes import sco_pass
 from boundpass.passes.optimizer_swap import plan_optimizer
 from boundpass.passes.vocab_pass import VocabRewriteConfig, rewrite_vocab_regions
 from boundpass.runtime import ring_dtp
@@ -30,8 +31,10 @@ class BoundedModule(nn.Module):
 
     def __init__(self, model: nn.Module, loss_fn, *, budget: int, ring_group, vocab_block: int | None,
                  max_tokens_per_rank: int | None, inner: str, fullgraph: bool, dynamic, state_terms, optimizer_plan,
-                 host_budget: int | None):
+                 host_budget: int | None, sco="auto"):
         super().__init__()
+        self.sco = sco                          # SCO mode; self.sco_plans: one per compiled graph
+        self.sco_plans: list = []
         self.model = model
         self.loss_fn = loss_fn
         self.budget = budget
@@ -78,6 +81,11 @@ class BoundedModule(nn.Module):
         table = report.table = BudgetTable(budget=self.budget, host_budget=self.host_budget)
         table.terms.extend(self.state_terms)
         report.optimizer = self.optimizer_plan
+        # SCO first: its boundary term is fixed by the host budget, the vocab strip then fits what is left
+        sco_plan = report.sco = sco_pass.plan_sco(gm, self.sco, table=table, budget=self.budget,
+                                                   host_budget=self.host_budget)
+        self.sco_plans.append(sco_plan)
+        partitioner = sco_pass.partition_fn(sco_plan, self.inner)
         for region in regions:
             if region.rewritten:
                 self._bound_vocab_region(gm, region, table, ring_size)
@@ -98,16 +106,19 @@ class BoundedModule(nn.Module):
                 record(graph, kwargs.get("is_backward", False))
                 return compile_fx_inner(graph, inputs, **kwargs)
             # Inductor runs its own aot_autograd with its decompositions; our op stays one opaque extern call.
-            return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+            patches = {} if partitioner is None else {"custom_partitioner_fn": partitioner}
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 
         def eager_compiler(is_backward):
             def compile_graph(graph, inputs):
                 record(graph, is_backward)
-                return make_boxed_func(graph.forward)
+                return sco_pass.eager_callable(graph)  # make_boxed_func, or boxed codegen after SCO
             return compile_graph
 
         # aot_autograd is required even for eager kernels: torchtitan's MoE mutates a buffer in forward.
-        return aot_autograd(fw_compiler=eager_compiler(False), bw_compiler=eager_compiler(True))(gm, example_inputs)
+        extra = {} if partitioner is None else {"partition_fn": partitioner}
+        return aot_autograd(fw_compiler=eager_compiler(False), bw_compiler=eager_compiler(True),
+                            **extra)(gm, example_inputs)
 
     def _bound_vocab_region(self, gm, region, table: BudgetTable, ring_size: int) -> None:
         """Choose the strip width C (and branch) for one region so the budget holds, or raise."""
@@ -226,7 +237,7 @@ def _concrete(expr, shape_env) -> int:
 def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_block: int | None = None,
             max_tokens_per_rank: int | None = None, optimizer=None, offload_optimizer="auto",
             optimizer_bucket: int | None = None, optimizer_slots: int | None = None, host_budget=None,
-            inner: str = "aot_eager", fullgraph: bool = True, dynamic=False) -> BoundedModule:
+            inner: str = "aot_eager", fullgraph: bool = True, dynamic=False, sco="auto") -> BoundedModule:
     """Compile `model` (+ `loss_fn(model_out, labels, *loss_args)`) so every bounded region fits `budget` bytes.
 
     budget / host_budget: per-rank device / host bytes ("60GiB", 2**30, ...). ring_group: the process group
@@ -236,6 +247,10 @@ def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_bl
     for OffloadStreamAdamW (state migrated; step `compiled.optimizer` and build LR schedulers on it) with
     buckets of optimizer_bucket elements (None: the largest that fits) and optimizer_slots staging slots (None: 2,
     or 1 when two useful slots do not fit).
+    sco ("auto", True, False): selective checkpoint offload of activation-checkpoint boundaries to host memory
+    (docs/sco.md). The host pool is what host_budget leaves after the optimizer's host terms; True offloads
+    the longest forward-order prefix of boundaries that fits it, "auto" the shortest prefix the device budget
+    needs (none when it fits), False none. Needs checkpointed blocks (e.g. torchtitan FullAC / SelectiveAC).
     Raises InfeasibleBudgetError here when the state alone cannot fit, else on the first call before any real
     compute.
     """
@@ -251,13 +266,15 @@ def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_bl
     if optimizer_slots is not None and (isinstance(optimizer_slots, bool) or not isinstance(optimizer_slots, int)
                                         or optimizer_slots < 1):
         raise BoundpassInputError(f"optimizer_slots must be a positive int, got {optimizer_slots!r}")
+    sco_pass.check_mode(sco)
     if ring_group is not None and not dist.is_initialized():
         raise BoundpassInputError("ring_group given but torch.distributed is not initialised")
     state_terms, plan = _state_terms(model, optimizer, budget=budget_bytes, host_budget=host_bytes,
                                      offload=offload_optimizer, bucket=optimizer_bucket, slots=optimizer_slots)
     return BoundedModule(model, loss_fn, budget=budget_bytes, ring_group=ring_group, vocab_block=vocab_block,
                          max_tokens_per_rank=max_tokens_per_rank, inner=inner, fullgraph=fullgraph,
-                         dynamic=dynamic, state_terms=state_terms, optimizer_plan=plan, host_budget=host_bytes)
+                         dynamic=dynamic, state_terms=state_terms, optimizer_plan=plan, host_budget=host_bytes,
+                         sco=sco)
 
 
 def explain(compiled: BoundedModule) -> ExplainReport:

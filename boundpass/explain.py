@@ -44,6 +44,8 @@ class ExplainReport:
                 lines.append(f"  SKIPPED   vocab  {r.module_path}: {r.reason}")
         if self.optimizer is not None:
             lines.append(f"  OPTIMIZER {type(self.optimizer.optimizer).__name__}: {self.optimizer.reason}")
+        if getattr(self, "sco", None) is not None:  # passes.sco_pass.SCOPlan: checkpoint boundary offload
+            lines += self.sco.lines()
         lines += ["", "bounds (bytes per rank):", self.table.render() if self.table else "  (none)"]
         if graph == "full":
             lines += ["", "rewritten graph (Dynamo, torch IR):", self.graph_code]

@@ -174,6 +174,12 @@ class SCOHandle:
             return _Resident(self, layer, t)
         handle = _Offloaded(self, layer, t)
         self._pool_user[layer] = weakref.ref(handle)
+        self._copy_out(handle, t)
+        self._log("offload", layer, nbytes)
+        return handle
+
+    def _copy_out(self, handle: "_Offloaded", t: Tensor) -> None:
+        """Copy boundary ``t`` into its layer's host buffer (on the side stream on CUDA)."""
         host = self._host_view(handle)
         if self._stream is None:
             _copy(host, t)
@@ -182,8 +188,6 @@ class SCOHandle:
             with torch.cuda.stream(self._stream):
                 host.copy_(t, non_blocking=True)
             t.record_stream(self._stream)
-        self._log("offload", layer, nbytes)
-        return handle
 
     def _unpack(self, packed):
         return packed.unpack() if isinstance(packed, (_Resident, _Offloaded)) else packed
@@ -323,3 +327,107 @@ def bound_values(*, N: int, H: int, b: int, L: int, host_budget: int) -> dict:
     """Concrete symbol values: tokens N, hidden H, bytes b, layers L; L_off from the greedy plan at host_budget."""
     return {sym.N: N, sym.H: H, sym.b: b, sym.L: L,
             sym.L_off: planned_offloaded_layers([N * H * b] * L, host_budget)}
+
+
+# ------------------------------------------------------------------------------------- compiled graphs
+# The compiler pass (boundpass/passes/sco_pass.py) rewrites the partitioned forward / backward graphs to
+# call these ops; the schedule, pool and ledger are the same SCOHandle machinery as the eager hooks.
+#
+#   forward   token = sco_offload(x_l, sco_id, l, offload)   offload: copy x_l into layer l's host buffer and
+#             save the 1-element token instead of x_l; keep (offload=False): x_l stays saved as usual and the
+#             token only lets the ledger see x_l's storage (its lifetime is measured, not assumed)
+#   backward  x_l = sco_reload(token, after, sco_id, l, shape, stride, dtype)   wait for layer l's prefetch
+#             (or copy now), start layer l-1's prefetch; ``after`` = one sco_done marker per consumer of
+#             layer l+1's boundary, so no legal schedule can run this reload before layer l+1's boundary is
+#             dead: ≤ 2 restored boundaries (this one and the prefetched l-1) are ever live
+#             d = sco_done(t)   an empty tensor that exists only once t (a consumer's output) exists
+
+_COMPILED: "weakref.WeakValueDictionary[int, CompiledSCO]" = weakref.WeakValueDictionary()
+_COMPILED_IDS = itertools.count()
+
+
+class CompiledSCO(SCOHandle):
+    """SCO for one compiled graph: the plan per layer (forward order), the host pool and the event log.
+
+    Referenced from the graph by ``sco_id``; whoever owns the compiled module keeps it alive.
+    """
+
+    def __init__(self, plan: list[bool], host_budget: int, device: torch.device):
+        super().__init__([], host_budget, torch.device(device))
+        self.plan = list(plan)                  # True: offload this layer's boundary
+        self.offloaded = list(plan)
+        self._handles: dict[int, _Offloaded] = {}  # forward -> backward, one per offloaded layer
+        self.sco_id = next(_COMPILED_IDS)
+        _COMPILED[self.sco_id] = self
+
+    def offload(self, x: Tensor, layer: int, offload: bool) -> Tensor:
+        nbytes = _nbytes(x)
+        self._track(x, layer, restored=False)
+        token = torch.full((1,), layer, dtype=torch.int64, device=x.device)
+        if not offload:
+            self._log("keep", layer, nbytes)
+            return token
+        if not self._reserve(layer, nbytes):
+            raise BoundpassInputError(
+                f"SCO: layer {layer}'s boundary ({nbytes} B) does not fit the host pool of {self.host_budget} B "
+                f"it was planned for (did the shapes change without a recompile?)")
+        handle = _Offloaded(self, layer, x)
+        self._pool_user[layer] = weakref.ref(handle)
+        self._handles[layer] = handle
+        # a graph dropped without backward drops its tokens: release the handle so the next forward may reuse
+        weakref.finalize(token.untyped_storage(), self._drop_handle, layer, weakref.ref(handle)).atexit = False
+        self._copy_out(handle, x)
+        self._log("offload", layer, nbytes)
+        return token
+
+    def _drop_handle(self, layer: int, ref) -> None:
+        with self._lock:
+            if ref() is not None and self._handles.get(layer) is ref():
+                del self._handles[layer]
+
+    def reload(self, layer: int) -> Tensor:
+        handle = self._handles.pop(layer, None)
+        if handle is None:
+            raise BoundpassInputError(f"SCO: no offloaded boundary waits for layer {layer}'s backward (a second "
+                                      f"backward through the same graph needs retain_graph without SCO)")
+        restored = self._restore(handle)
+        self._prefetch(layer - 1)
+        return restored
+
+
+def _compiled(sco_id: int) -> CompiledSCO:
+    runtime = _COMPILED.get(sco_id)
+    if runtime is None:
+        raise BoundpassInputError(f"SCO runtime {sco_id} is gone: the module boundpass compiled was freed")
+    return runtime
+
+
+@torch.library.custom_op("boundpass::sco_offload", mutates_args=())
+def sco_offload(x: Tensor, sco_id: int, layer: int, offload: bool) -> Tensor:
+    return _compiled(sco_id).offload(x, layer, offload)
+
+
+@sco_offload.register_fake
+def _(x, sco_id, layer, offload):
+    return x.new_empty((1,), dtype=torch.int64)
+
+
+@torch.library.custom_op("boundpass::sco_reload", mutates_args=())
+def sco_reload(token: Tensor, after: list[Tensor], sco_id: int, layer: int, shape: list[int], stride: list[int],
+               dtype: torch.dtype) -> Tensor:
+    return _compiled(sco_id).reload(layer)
+
+
+@sco_reload.register_fake
+def _(token, after, sco_id, layer, shape, stride, dtype):
+    return token.new_empty_strided(shape, stride, dtype=dtype)
+
+
+@torch.library.custom_op("boundpass::sco_done", mutates_args=())
+def sco_done(t: Tensor) -> Tensor:
+    return t.new_empty((0,))
+
+
+@sco_done.register_fake
+def _(t):
+    return t.new_empty((0,))

@@ -1,0 +1,466 @@
+"""SCO pass: offload activation-checkpoint boundaries of a compiled model to host memory under a host budget.
+
+Two stages, because the decision must come before any real compute and the rewrite needs the partitioned graphs:
+
+1. ``plan_sco`` (in ``boundpass.compile``'s backend, on the Dynamo graph): every
+   ``torch.ops.higher_order.tag_activation_checkpoint`` call is a checkpointed block; its first operand after
+   the body is the block input the checkpoint keeps for recomputation (its boundary). Walking the blocks in
+   forward order, the greedy prefix that fits the host pool (what the host budget leaves after the optimizer's
+   host terms) is the most SCO may offload — the same plan as the eager runtime (``planned_offloaded_layers``).
+   The device term N·H·b·Max(L − L_off, 2·Min(L_off, 1)) and the host term L_off·N·H·b go into the budget
+   table; an infeasible host or device budget raises InfeasibleBudgetError naming the knob.
+2. ``SCOPartitioner`` (AOTAutograd's ``partition_fn``; Inductor's ``config.custom_partitioner_fn``): runs the
+   stock partitioner, then finds each block's boundary in the joint graph (the region's one external,
+   computed, floating input; regions are the ``ac_graph_id`` groups, in forward order) among the saved
+   tensors and rewrites it:
+      forward   x_l saved  ->  token_l = boundpass::sco_offload(x_l, ...) saved instead (kept layers: x_l stays
+                saved and a token rides along so the ledger sees x_l's storage)
+      backward  x_l placeholder -> boundpass::sco_reload(token_l, after_l, ...), where after_l holds one
+                boundpass::sco_done(c) per consumer c of layer l+1's boundary (through views). The reload thus
+                data-depends on every use of the previous boundary: no topological reordering (Inductor's
+                scheduler, a peak-memory reorder, any pass) can hoist it before layer l+1's boundary is dead,
+                and the reload op itself starts layer l−1's prefetch, so ≤ 2 restored boundaries are live.
+   Regions whose boundary cannot be found or is not saved exactly once are left alone, with the reason.
+
+Runtime ops, host pool, prefetch and event log: ``boundpass.runtime.sco`` (CompiledSCO). See docs/sco.md.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+from boundpass import symbols as sym
+from boundpass.bounds import BoundTerm, BudgetTable, raise_infeasible
+from boundpass.errors import BoundpassInputError
+from boundpass.runtime import sco as sco_rt
+from boundpass.units import format_bytes
+
+SCO_CHOICES = ("auto", True, False)
+_PROCESS = uuid.uuid4().hex  # partitioner cache keys never match another process's graphs (their sco_id differ)
+_ALIASING = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default, torch.ops.aten.detach.default}
+
+
+@dataclass
+class SCORegion:
+    """One checkpointed block: where it is, its boundary, and what SCO decided for it."""
+    layer: int                      # forward order among eligible blocks (-1: not eligible)
+    module_path: str
+    boundary_bytes: int = 0
+    shape: tuple = ()
+    dtype: torch.dtype | None = None
+    offloaded: bool = False
+    reason: str = ""                # why it is kept / skipped ("" for an offloaded one)
+    joint_name: str = ""            # the boundary's node name in the joint / partitioned graphs (stage 2)
+
+    @property
+    def eligible(self) -> bool:
+        return self.layer >= 0
+
+
+@dataclass
+class SCOPlan:
+    """What SCO decided for one compiled graph (explain() prints ``lines()``)."""
+    mode: object
+    regions: list[SCORegion] = field(default_factory=list)
+    host_pool: int | None = None     # bytes the host budget leaves after the optimizer (None: not checked)
+    offloaded: int = 0               # L_off
+    reason: str = ""                 # why SCO offloads nothing at all ("" when it offloads)
+    runtime: sco_rt.CompiledSCO | None = None
+    rewritten: bool = False          # stage 2 ran and rewrote the partitioned graphs
+    rewrite_notes: list[str] = field(default_factory=list)
+
+    @property
+    def eligible(self) -> list[SCORegion]:
+        return [r for r in self.regions if r.eligible]
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(r.boundary_bytes for r in self.regions if r.offloaded)
+
+    def lines(self) -> list[str]:
+        head = (f"  SCO       mode={self.mode!r}: {len(self.eligible)} checkpointed blocks, {self.offloaded} "
+                f"boundaries offloaded ({format_bytes(self.offloaded_bytes)}), host pool "
+                + ("unchecked (no host_budget)" if self.host_pool is None else format_bytes(self.host_pool)))
+        out = [head + (f"; {self.reason}" if self.reason else "")]
+        for r in self.regions:
+            what = "OFFLOADED" if r.offloaded else ("KEPT     " if r.eligible else "SKIPPED  ")
+            size = f"{tuple(r.shape)} {r.dtype} {format_bytes(r.boundary_bytes)}" if r.shape else ""
+            out.append(f"    {what} sco   {r.module_path} boundary {size}" + (f": {r.reason}" if r.reason else ""))
+        out += [f"    note: {n}" for n in self.rewrite_notes]
+        return out
+
+
+# ------------------------------------------------------------------------------------------ stage 1: plan
+def _module_path(node: fx.Node) -> str:
+    from boundpass.passes.vocab_pass import _module_path as path
+    return path(node)
+
+
+def _is_param_placeholder(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "placeholder" and ("_parameters_" in node.name
+                                                                       or "_buffers_" in node.name)
+
+
+def find_checkpoint_regions(gm: fx.GraphModule) -> list[SCORegion]:
+    """Checkpointed blocks of a Dynamo graph in forward order, with their boundaries (or why not eligible)."""
+    regions = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.higher_order.tag_activation_checkpoint:
+            continue
+        path = _module_path(node)
+        operands = [a for a in node.args[1:] if isinstance(a, fx.Node)
+                    and isinstance(a.meta.get("example_value"), Tensor) and not _is_param_placeholder(a)]
+        region = SCORegion(layer=-1, module_path=path)
+        regions.append(region)
+        if not operands:
+            region.reason = "no activation operand (only parameters)"
+            continue
+        boundary = operands[0]
+        val = boundary.meta["example_value"]
+        region.shape, region.dtype = tuple(val.shape), val.dtype
+        if any(isinstance(d, torch.SymInt) for d in val.shape):
+            region.reason = "dynamic shape: SCO plans static boundary sizes (compile with dynamic=False)"
+            continue
+        region.boundary_bytes = val.numel() * val.element_size()
+        if not val.is_floating_point():
+            region.reason = f"boundary is {val.dtype}, not a floating activation"
+        elif boundary.op == "placeholder":
+            region.reason = "boundary is a graph input: the caller holds it, offloading would free nothing"
+        else:
+            region.layer = sum(r.eligible for r in regions)
+    return regions
+
+
+def _sco_term(plan: SCOPlan, offloaded: int) -> tuple[BoundTerm, BoundTerm]:
+    eligible = plan.eligible
+    widest = max(eligible, key=lambda r: r.boundary_bytes)  # non-uniform sizes: bound with the widest
+    hidden = int(widest.shape[-1])
+    values = {sym.N: max(widest.boundary_bytes // (hidden * widest.dtype.itemsize), 1), sym.H: hidden,
+              sym.b: widest.dtype.itemsize, sym.L: len(eligible), sym.L_off: offloaded}
+    host_bytes = sum(r.boundary_bytes for r in eligible[:offloaded])
+    device = BoundTerm(f"SCO checkpoint boundaries on device (L={len(eligible)}, L_off={offloaded})",
+                       sco_rt.sco_device_bound(), sym.evaluate(sco_rt.sco_device_bound(), values),
+                       kind="transient", where=eligible[0].module_path if len(eligible) == 1 else "",
+                       knob="boundpass.compile(..., host_budget=<larger>, sco=True) offloads more boundaries")
+    host = BoundTerm(f"SCO boundary pool on host (L_off={offloaded})", sco_rt.sco_host_bound(), host_bytes,
+                     kind="host", knob="boundpass.compile(..., host_budget=<larger>) or sco=False")
+    return device, host
+
+
+def plan_sco(gm: fx.GraphModule, mode, *, table: BudgetTable, budget: int, host_budget: int | None) -> SCOPlan:
+    """Decide L_off for this graph, add the SCO terms to ``table`` (raising when infeasible), build the runtime."""
+    plan = SCOPlan(mode=mode)
+    if mode is False:
+        plan.reason = "off (sco=False)"
+        return plan
+    plan.regions = find_checkpoint_regions(gm)
+    eligible = plan.eligible
+    if not plan.regions:
+        plan.reason = "no checkpointed blocks in the graph (apply activation checkpointing, e.g. torchtitan FullAC)"
+        return plan
+    if not eligible:
+        plan.reason = "no checkpointed block has an offloadable boundary"
+        return plan
+    optimizer_host = table.host_total
+    plan.host_pool = None if host_budget is None else max(host_budget - optimizer_host, 0)
+    pool = plan.host_pool if plan.host_pool is not None else sum(r.boundary_bytes for r in eligible)
+    most = sco_rt.planned_offloaded_layers([r.boundary_bytes for r in eligible], pool)
+    persistent, transient, step = (sum(t.value for t in table.terms if t.counted and t.kind == kind)
+                                   for kind in ("persistent", "transient", "step"))
+
+    def fits(count: int) -> bool:
+        device, _ = _sco_term(plan, count)
+        return persistent + max(transient + device.value, step) <= budget
+
+    if mode == "auto":  # the fewest boundaries that make the device budget fit (none when it fits already)
+        count = next((c for c in range(most + 1) if fits(c)), most)
+    else:
+        count = most
+    device, host = _sco_term(plan, count)
+    table.terms += [device, host]
+    if not fits(count):
+        needed = next((c for c in range(count, len(eligible) + 1) if fits(c)), None)
+        if needed is not None and needed > most:  # the host pool is what binds: name the host knob
+            need_bytes = sum(r.boundary_bytes for r in eligible[:needed])
+            host.value, host.name = need_bytes, f"SCO boundary pool on host (L_off={needed} needed)"
+            host.knob = (f"boundpass.compile(..., host_budget=<at least {format_bytes(need_bytes + optimizer_host)}>)"
+                         f": the device budget needs {needed} of {len(eligible)} boundaries offloaded, the host "
+                         f"pool ({format_bytes(pool)} after the optimizer) holds {most}")
+            device.knob = host.knob
+            raise_infeasible(table, host if host_budget is not None else device)
+        device.knob = (f"every boundary offloaded still leaves {format_bytes(device.value)} of boundaries on the "
+                       f"device: reduce tokens per rank N (shorter sequence / smaller micro-batch), "
+                       f"or raise the budget")
+        raise_infeasible(table, device, detail=f"at L_off={count} of L={len(eligible)}")
+    plan.offloaded = count
+    for region in eligible:
+        region.offloaded = region.layer < count
+        if not region.offloaded:
+            region.reason = ("the device budget fits without offloading it (sco='auto')" if mode == "auto"
+                             and count < most else "does not fit the host pool (the offloaded set is a prefix)")
+    if count == 0:
+        plan.reason = ("host budget fits none of the boundaries" if most == 0
+                       else "not needed: the device budget fits with every boundary on the device (sco='auto')")
+        return plan
+    device_obj = _boundary_device(gm)
+    plan.runtime = sco_rt.CompiledSCO([r.offloaded for r in eligible],
+                                      plan.host_pool if plan.host_pool is not None else plan.offloaded_bytes,
+                                      device_obj)
+    return plan
+
+
+def _boundary_device(gm) -> torch.device:
+    for node in gm.graph.nodes:
+        val = node.meta.get("example_value")
+        if isinstance(val, Tensor) and val.is_floating_point():
+            return val.device
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------- stage 2: rewrite
+class SCOPartitioner(CustomPartitionerFn):
+    """The stock partitioner, then the boundary offload/reload rewrite of ``plan`` (see the module docstring)."""
+
+    def __init__(self, plan: SCOPlan, base):
+        self.plan, self.base = plan, base
+        self._uuid = f"boundpass-sco-{_PROCESS}-{plan.runtime.sco_id}-{[r.offloaded for r in plan.regions]}"
+
+    def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs):
+        fw, bw = self.base(joint, joint_inputs, **kwargs)
+        rewrite_partitioned(self.plan, joint, fw, bw, kwargs["num_fwd_outputs"])
+        return fw, bw
+
+    def uuid(self):
+        return self._uuid
+
+    def __deepcopy__(self, memo):  # Inductor copies its config for the cache key; the plan and runtime are shared
+        return self
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _joint_boundaries(joint: fx.GraphModule) -> list[list[fx.Node]]:
+    """Per checkpoint region of the joint graph (forward order): its external, computed, floating inputs."""
+    members: dict[object, set] = {}
+    order = []
+    for node in joint.graph.nodes:
+        region = node.meta.get("ac_graph_id")
+        if region is None:
+            continue
+        if region not in members:
+            members[region] = set()
+            order.append(region)
+        members[region].add(node)
+    out = []
+    for region in order:
+        seen = []
+        for node in joint.graph.nodes:
+            if node not in members[region]:
+                continue
+            for arg in node.all_input_nodes:
+                val = _val(arg)
+                if (arg not in members[region] and arg not in seen and arg.op != "placeholder"
+                        and isinstance(val, Tensor) and val.is_floating_point()):
+                    seen.append(arg)
+        out.append(seen)
+    return out
+
+
+def _fake_call(fake_mode, target, *args):
+    def one(x):
+        return _val(x) if isinstance(x, fx.Node) else x
+    vals = [[one(a) for a in x] if isinstance(x, list) else one(x) for x in args]
+    with fake_mode:
+        return target(*vals)
+
+
+def _add(graph: fx.Graph, fake_mode, target, *args) -> fx.Node:
+    node = graph.call_function(target, tuple(args))
+    node.meta["val"] = _fake_call(fake_mode, target, *args)
+    return node
+
+
+def _consumers(node: fx.Node) -> list[fx.Node]:
+    """Nodes that read ``node``'s memory: its users, looking through views (a view keeps the storage alive)."""
+    out, stack, seen = [], list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen or user.op == "output":
+            continue
+        seen.add(user)
+        target = user.target
+        if isinstance(target, torch._ops.OpOverload) and (target.is_view or target in _ALIASING):
+            stack.extend(user.users)
+        else:
+            out.append(user)
+    return out
+
+
+def rewrite_partitioned(plan: SCOPlan, joint, fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> None:
+    """Rewrite the partitioned graphs in place for ``plan`` (regions that cannot be matched are kept, noted)."""
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    runtime = plan.runtime
+    eligible = plan.eligible
+    joint_regions = _joint_boundaries(joint)
+    all_regions = plan.regions
+    if len(joint_regions) != len(all_regions):
+        plan.rewrite_notes.append(f"the joint graph has {len(joint_regions)} checkpoint regions, the Dynamo graph "
+                                  f"{len(all_regions)}: nothing offloaded")
+        _keep_all(plan)
+        return
+    fw_nodes = {n.name: n for n in fw.graph.nodes}
+    bw_placeholders = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
+    out_node = fw.graph.find_nodes(op="output")[0]
+    outputs = list(out_node.args[0])
+    matched: dict[int, tuple[fx.Node, fx.Node]] = {}  # layer -> (fw node, bw placeholder)
+    for region, candidates in zip(all_regions, joint_regions):
+        if not region.eligible:
+            continue
+        fits = [c for c in candidates if _val(c).numel() * _val(c).element_size() == region.boundary_bytes]
+        why = ""
+        if len(fits) != 1:
+            why = f"{len(fits)} candidate boundaries of {region.boundary_bytes} B in the joint graph"
+        else:
+            name = fits[0].name
+            node, placeholder = fw_nodes.get(name), bw_placeholders.get(name)
+            slots = [i for i, o in enumerate(outputs) if o is node]
+            if node is None or placeholder is None or len(slots) != 1 or slots[0] < num_fwd_outputs:
+                why = "the partitioner does not save the boundary exactly once for backward"
+            else:
+                region.joint_name = name
+                matched[region.layer] = (node, placeholder)
+        if why:
+            plan.rewrite_notes.append(f"{region.module_path}: kept on device, {why}")
+    # the offloaded set must stay a prefix: stop at the first offloaded layer that could not be matched
+    for region in eligible:
+        if region.offloaded and region.layer not in matched:
+            for later in eligible[region.layer:]:
+                if later.offloaded:
+                    later.offloaded = False
+                    later.reason = "kept: an earlier boundary could not be matched in the partitioned graph"
+    runtime.plan = runtime.offloaded = [r.offloaded for r in eligible]
+    plan.offloaded = sum(runtime.plan)
+    if not matched:
+        return
+    fake_mode = next(_val(n) for n in fw.graph.nodes if isinstance(_val(n), Tensor)).fake_mode
+    offload_op, reload_op, done_op = (torch.ops.boundpass.sco_offload.default, torch.ops.boundpass.sco_reload.default,
+                                      torch.ops.boundpass.sco_done.default)
+    # forward: a token per matched boundary, right after it is produced
+    new_outputs = list(outputs)
+    restored: dict[int, fx.Node] = {}  # layer -> what backward reads for the boundary
+    inserts = []                       # (fw slot after which a kept token goes, bw placeholder after which)
+    for layer, (node, placeholder) in sorted(matched.items()):
+        offload = eligible[layer].offloaded
+        with fw.graph.inserting_after(node):
+            token = _add(fw.graph, fake_mode, offload_op, node, runtime.sco_id, layer, offload)
+        slot = new_outputs.index(node)
+        if offload:
+            new_outputs[slot] = token
+            placeholder.meta["val"] = token.meta["val"]
+        else:
+            inserts.append((node, token, placeholder))
+        restored[layer] = placeholder
+    for node, token, placeholder in inserts:  # kept: the token rides along as one more saved tensor
+        new_outputs.insert(new_outputs.index(node) + 1, token)
+        with bw.graph.inserting_after(placeholder):
+            extra = bw.graph.placeholder(f"sco_keep_token_{token.args[2]}")
+        extra.meta["val"] = token.meta["val"]
+    out_node.args = (tuple(new_outputs),)
+    # backward: reload each offloaded boundary after every consumer of the next layer's boundary
+    readers = {layer: _consumers(ph) for layer, ph in restored.items()}
+    downstream = {layer: _descendants(ph) for layer, ph in restored.items()}
+    for layer in sorted(matched, reverse=True):
+        if not eligible[layer].offloaded:
+            continue
+        placeholder = restored[layer]
+        users = list(placeholder.users)
+        val = _val(matched[layer][0])
+        after = []
+        ahead = [c for c in readers.get(layer + 1, []) if c not in downstream[layer]]
+        if len(ahead) < len(readers.get(layer + 1, [])):  # a reader that needs this boundary cannot precede it
+            plan.rewrite_notes.append(f"layer {layer}: {len(readers[layer + 1]) - len(ahead)} readers of the next "
+                                      f"boundary depend on this one and do not order its reload")
+        for consumer in ahead:
+            with bw.graph.inserting_after(consumer):
+                after.append(_add(bw.graph, fake_mode, done_op, consumer))
+        if layer + 1 < len(eligible) and layer + 1 not in readers:
+            plan.rewrite_notes.append(f"layer {layer}: the next boundary was not matched; its reload is ordered "
+                                      f"by data flow only")
+        first = min(users, key=_order(bw.graph)) if users else None
+        with bw.graph.inserting_before(first) if first is not None else bw.graph.inserting_after(placeholder):
+            reload = _add(bw.graph, fake_mode, reload_op, placeholder, after, runtime.sco_id, layer,
+                          list(val.shape), list(val.stride()), val.dtype)
+        placeholder.replace_all_uses_with(reload, delete_user_cb=lambda user: user is not reload)
+    stable_topological_sort(bw.graph)
+    for gm in (fw, bw):
+        gm.graph.lint()
+        gm.recompile()
+    plan.rewritten = True
+
+
+def _descendants(node: fx.Node) -> set:
+    out, stack = set(), [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in out:
+                out.add(user)
+                stack.append(user)
+    return out
+
+
+def _order(graph: fx.Graph):
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    return lambda n: index[n]
+
+
+def _keep_all(plan: SCOPlan) -> None:
+    for region in plan.eligible:
+        region.offloaded = False
+    plan.offloaded = 0
+    if plan.runtime is not None:
+        plan.runtime.plan = plan.runtime.offloaded = [False] * len(plan.eligible)
+
+
+# ----------------------------------------------------------------------------------- compiler plumbing
+def eager_callable(graph: fx.GraphModule):
+    """A boxed callable for the eager (aot_eager) inner compiler.
+
+    Graphs SCO rewrote run with the boxed calling convention (as torch's own aot_eager does), so each input —
+    a saved boundary among them — is freed after its last use instead of living until the graph returns.
+    """
+    from torch._functorch.aot_autograd import make_boxed_func
+    sco_ops = (torch.ops.boundpass.sco_reload.default, torch.ops.boundpass.sco_offload.default)
+    if not any(n.op == "call_function" and n.target in sco_ops for n in graph.graph.nodes):
+        return make_boxed_func(graph.forward)
+    from torch.fx.graph import _BoxedCodeGen
+    graph.graph.set_codegen(_BoxedCodeGen())
+    graph.recompile()
+
+    def run(args):
+        return graph(args)
+    run._boxed_call = True
+    return run
+
+
+def partition_fn(plan: SCOPlan | None, inner: str):
+    """The partition_fn to give aot_autograd (eager), or Inductor's custom_partitioner_fn; None: stock."""
+    if plan is None or plan.runtime is None:
+        return None
+    if inner == "inductor":
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        return SCOPartitioner(plan, min_cut_rematerialization_partition)
+    from torch._functorch.partitioners import default_partition
+    return SCOPartitioner(plan, default_partition)
+
+
+def check_mode(sco) -> None:
+    if sco not in SCO_CHOICES or (sco is not True and sco is not False and sco != "auto"):
+        raise BoundpassInputError(f"sco must be one of {SCO_CHOICES}, got {sco!r}")
