@@ -284,12 +284,17 @@ def _chunk(routes: ChunkedRoutes, order: Tensor, rank: int, j: int, k: int):
 def pipelined_llep_forward(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
                            group_name: str = "", cap: int = 1024, alpha: float = 1.1, min_piece: int = 1024,
                            imbalance_threshold: float = 1.3, max_borrowed: int = -1, strided: bool = True,
-                           counts: tuple[int, ...] = ()) -> tuple[Tensor, Tensor]:
-    """Eager forward: (output [T, H] in x's dtype, route counts [E_p, E] int64 for backward)."""
+                           counts: tuple[int, ...] = (), compute_dtype: torch.dtype | None = None
+                           ) -> tuple[Tensor, Tensor]:
+    """Eager forward: (output [T, H] in x's dtype, route counts [E_p, E] int64 for backward).
+
+    compute_dtype: dtype of the expert matmuls (None: x's). torchtitan's GroupedExperts casts rows and weights
+    to bf16 for its grouped mm and the result back to x's dtype; the compiler pass passes bf16 to match it.
+    """
     grp, counts, plan, routes, order = _pipelined_setup(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap,
                                                         alpha, min_piece, imbalance_threshold, max_borrowed,
                                                         strided, counts)
-    k, acc = topk_ids.shape[1], _acc_dtype(x.dtype)
+    k, acc, cd = topk_ids.shape[1], _acc_dtype(x.dtype), compute_dtype or x.dtype
     native = (w1, w2, w3)
     slots = _transfer_weights(grp, plan, native)
     scores = topk_scores.reshape(-1)
@@ -299,10 +304,13 @@ def pipelined_llep_forward(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1:
         rows = grp.all_to_all(x[tok], recv, send)
         routed = rows.new_empty(rows.shape)
         for sl, key in _blocks(runs, cap):  # one expert's rows, at most c: intermediates are [<= c, I]
-            a, (e1, e2, e3) = rows[sl], _weights_of(key, native, slots)
+            a, (e1, e2, e3) = rows[sl].to(cd), (w.to(cd) for w in _weights_of(key, native, slots))
             h = F.silu(torch.mm(a, e1.t()), inplace=True).mul_(torch.mm(a, e3.t()))
-            torch.mm(h, e2.t(), out=routed[sl])
-            del h
+            if cd == x.dtype:
+                torch.mm(h, e2.t(), out=routed[sl])
+            else:
+                routed[sl] = torch.mm(h, e2.t())
+            del h, a, e1, e2, e3
         del rows
         back = grp.all_to_all(routed, send, recv)
         del routed
@@ -315,7 +323,8 @@ def pipelined_llep_backward(grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_
                             w2: Tensor, w3: Tensor, counts: Tensor | tuple[int, ...], group_name: str = "",
                             cap: int = 1024,
                             alpha: float = 1.1, min_piece: int = 1024, imbalance_threshold: float = 1.3,
-                            max_borrowed: int = -1, strided: bool = True) -> tuple[Tensor, ...]:
+                            max_borrowed: int = -1, strided: bool = True,
+                            compute_dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
     """Eager backward, recomputing every chunk (dispatch included): (dx, dscores, dw1, dw2, dw3).
 
     counts: the forward's route-count tensor, or the same counts as ints (simulated ranks: fake tensors hold no data).
@@ -337,7 +346,8 @@ def pipelined_llep_backward(grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_
         drows, dsrows = torch.empty_like(rows), torch.empty_like(srows)
         for sl, key in _blocks(runs, cap):
             _expert_backward(rows[sl], grows[sl], srows[sl], _weights_of(key, native, slots),
-                             _weights_of(key, grads, slot_grads), drows[sl], dsrows[sl], acc)
+                             _weights_of(key, grads, slot_grads), drows[sl], dsrows[sl], acc,
+                             compute_dtype or x.dtype)
         del rows, grows, srows
         dx.index_add_(0, tok, grp.all_to_all(drows, send, recv))
         del drows
@@ -346,33 +356,49 @@ def pipelined_llep_backward(grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_
     return dx, dscores.view_as(topk_scores), *grads
 
 
-def _expert_backward(x, g, s, weights, dweights, dx_out, ds_out, acc) -> None:
-    """One expert's rows: recompute, then write dx [n, H] and dscore [n] and add into dw1/dw2/dw3 (in place)."""
-    w1, w2, w3 = weights
+def _expert_backward(x, g, s, weights, dweights, dx_out, ds_out, acc, cd) -> None:
+    """One expert's rows: recompute, then write dx [n, H] and dscore [n] and add into dw1/dw2/dw3 (in place).
+
+    cd: the matmul dtype. When it is x's, products accumulate in place (addmm_); when narrower (bf16, as
+    torchtitan's GroupedExperts), each product is formed in cd and added in x's dtype, which is what autograd
+    through torchtitan's casts computes.
+    """
+    narrow = cd != x.dtype
+    x = x.to(cd)
+    w1, w2, w3 = (w.to(cd) for w in weights)
     dw1, dw2, dw3 = dweights
+
+    def add_mm(out, a, b):
+        if narrow:
+            out.add_(torch.mm(a, b))
+        else:
+            out.addmm_(a, b)
+
     h1, h3 = torch.mm(x, w1.t()), torch.mm(x, w3.t())
-    sig = torch.sigmoid(h1)
     act = F.silu(h1)
     p = act * h3
     y = torch.mm(p, w2.t())
     ds_out.copy_((g.to(acc) * y.to(acc)).sum(1))  # combine: out += (y * score), score grad = <g, y>
     del y
-    dy = (g.to(acc) * s.to(acc).unsqueeze(1)).to(x.dtype)
-    dw2.addmm_(dy.t(), p)
+    dy = (g.to(acc) * s.to(acc).unsqueeze(1)).to(cd)
+    add_mm(dw2, dy.t(), p)
     del p
     dp = torch.mm(dy, w2)
     del dy
     dh3 = dp * act
     del act
-    dw3.addmm_(dh3.t(), x)
-    torch.mm(dh3, w3, out=dx_out)
+    add_mm(dw3, dh3.t(), x)
+    if narrow:
+        dx_out.copy_(torch.mm(dh3, w3))
+    else:
+        torch.mm(dh3, w3, out=dx_out)
     del dh3
-    dh1 = dp.mul_(h3)  # d act
+    dact = dp.mul_(h3)
     del h3
-    dh1.mul_(h1.mul_(1 - sig).add_(1).mul_(sig))  # silu'(z) = sig(z) (1 + z (1 - sig(z)))
-    del sig, h1
-    dw1.addmm_(dh1.t(), x)
-    dx_out.addmm_(dh1, w1)
+    dh1 = torch.ops.aten.silu_backward(dact, h1)  # what autograd runs for silu: one rounding in narrow dtypes
+    del dact, h1
+    add_mm(dw1, dh1.t(), x)
+    add_mm(dx_out, dh1, w1)
 
 
 # ---------------------------------------------------------------------------------------- custom ops
@@ -381,14 +407,15 @@ def _expert_backward(x, g, s, weights, dweights, dx_out, ds_out, acc) -> None:
 @torch.library.custom_op("boundpass::pipelined_llep_fwd", mutates_args=())
 def pipelined_llep_fwd(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
                        group_name: str, cap: int, alpha: float, min_piece: int, imbalance_threshold: float,
-                       max_borrowed: int, strided: bool, counts: list[int]) -> tuple[Tensor, Tensor]:
+                       max_borrowed: int, strided: bool, counts: list[int],
+                       compute_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return pipelined_llep_forward(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap, alpha, min_piece,
-                                  imbalance_threshold, max_borrowed, strided, tuple(counts))
+                                  imbalance_threshold, max_borrowed, strided, tuple(counts), compute_dtype)
 
 
 @pipelined_llep_fwd.register_fake
 def _(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap, alpha, min_piece, imbalance_threshold, max_borrowed,
-      strided, counts):
+      strided, counts, compute_dtype):
     size = _Group(group_name).size
     return torch.empty_like(x), x.new_empty((size, w1.shape[0] * size), dtype=torch.int64)
 
@@ -397,9 +424,9 @@ def _(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap, alpha, min_piece, i
 def pipelined_llep_bwd(grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor,
                        w3: Tensor, counts: Tensor, group_name: str, cap: int, alpha: float, min_piece: int,
                        imbalance_threshold: float, max_borrowed: int,
-                       strided: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                       strided: bool, compute_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return pipelined_llep_backward(grad_out, x, topk_ids, topk_scores, w1, w2, w3, counts, group_name, cap, alpha,
-                                   min_piece, imbalance_threshold, max_borrowed, strided)
+                                   min_piece, imbalance_threshold, max_borrowed, strided, compute_dtype)
 
 
 @pipelined_llep_bwd.register_fake
@@ -411,14 +438,14 @@ def _(grad_out, x, topk_ids, topk_scores, w1, w2, w3, counts, *args):
 def _setup_context(ctx, inputs, output):
     x, topk_ids, topk_scores, w1, w2, w3, *args = inputs
     ctx.save_for_backward(x, topk_ids, topk_scores, w1, w2, w3, output[1])
-    ctx.args = args[:-1]  # the counts come back from the forward's second output
+    ctx.args = args[:-2] + args[-1:]  # drop the counts: they come back as the forward's second output
 
 
 def _backward(ctx, grad_out, grad_counts):
     x, topk_ids, topk_scores, w1, w2, w3, counts = ctx.saved_tensors
     dx, ds, d1, d2, d3 = torch.ops.boundpass.pipelined_llep_bwd(grad_out, x, topk_ids, topk_scores, w1, w2, w3,
                                                                  counts, *ctx.args)
-    return (dx, None, ds, d1, d2, d3) + (None,) * 8
+    return (dx, None, ds, d1, d2, d3) + (None,) * 9
 
 
 pipelined_llep_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -432,16 +459,17 @@ def group_name_of(group) -> str:
 def pipelined_llep(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
                    group=None, *, cap: int, alpha: float = 1.1, min_piece: int = 1024,
                    imbalance_threshold: float = 1.3, max_borrowed: int | None = None, strided: bool = True,
-                   counts=()) -> Tensor:
+                   counts=(), compute_dtype: torch.dtype | None = None) -> Tensor:
     """Differentiable PipelinedLLEP through the custom op: [T, H]; ``cap`` = c tokens per source per chunk.
 
     ``max_borrowed`` (default e = E/E_p) is the number of borrowed-expert slots per rank, s_b in the bound.
     ``counts`` (flattened [E_p, E] route counts) skips the all-gather, e.g. for a simulated rank.
+    ``compute_dtype``: dtype of the expert matmuls (None: x's; torchtitan's GroupedExperts uses bf16).
     """
     slots = w1.shape[0] if max_borrowed is None else max_borrowed
     out, _ = torch.ops.boundpass.pipelined_llep_fwd(x, topk_ids, topk_scores, w1, w2, w3, group_name_of(group),
                                                     cap, alpha, min_piece, imbalance_threshold, slots, strided,
-                                                    list(counts))
+                                                    list(counts), compute_dtype or x.dtype)
     return out
 
 
@@ -450,7 +478,8 @@ def _expert_bytes():
     return 3 * sym.I * sym.H * sym.b  # w1, w2, w3 of one expert
 
 
-def pipelined_llep_bound(*, mixed_precision: bool) -> sympy.Expr:
+def pipelined_llep_bound(*, mixed_precision: bool, narrow_compute: bool = False,
+                         count_own_weights: bool = True) -> sympy.Expr:
     """Peak device bytes of one PipelinedLLEP forward + backward on a rank, from launch configuration only.
 
     Symbols: N (token ceiling per rank), H, I, E, E_p, k, c (tokens per source per chunk), s_b (borrowed
@@ -458,19 +487,27 @@ def pipelined_llep_bound(*, mixed_precision: bool) -> sympy.Expr:
     Counted: x, ids, scores, this rank's experts, output and its gradient, input gradients, and workspace.
     A chunk moves at most c k routes per source, so a rank receives at most E_p c k rows; experts run on
     blocks of at most c rows. ``mixed_precision``: inputs narrower than the fp32 combine (bf16/fp16).
+    ``narrow_compute``: expert matmuls in a narrower dtype than the input (torchtitan's bf16 grouped mm on an
+    fp32 model): one expert's cast weights and a block's cast rows / product are added (at b, an upper bound).
+    ``count_own_weights=False``: leave out this rank's own expert weights and their gradients (the compiler's
+    table already counts them as parameters and gradients); borrowed slots stay in.
     """
     N, H, I, E, E_p, k, c, s_b = sym.N, sym.H, sym.I, sym.E, sym.E_p, sym.k, sym.c, sym.s_b
     b, b_acc, b_idx = sym.b, sym.b_acc, sym.b_idx
     cast = 1 if mixed_precision else 0
+    narrow = 1 if narrow_compute else 0
     sent, received = c * k, E_p * c * k  # routes per chunk out of / into this rank, whatever the router does
-    weights = (E / E_p + s_b) * _expert_bytes()  # own experts + borrowed slots
+    own = E / E_p if count_own_weights else 0
+    weights = (own + s_b) * _expert_bytes()  # own experts + borrowed slots
     inputs = N * H * b + N * k * (b_idx + b) + weights
     plan = N * k * b_idx + 2 * E_p * E * b_idx  # destination-grouped route order, gathered counts
     setup = 3 * N * k * b_idx  # argsorts building the route order
     fwd_chunk = sent * b_idx + 2 * received * H * b + 2 * c * I * b  # rows in, rows out, one block's [c, I]
+    fwd_chunk += narrow * (_expert_bytes() + 2 * c * H * b)  # cast weights, cast rows, product before its cast
     fwd = inputs + plan + N * H * b + sympy.Max(setup, fwd_chunk)
     # backward block: h1, h3, sigmoid, silu, product, then y and the score-gradient product (or dh3)
     block_bwd = sympy.Max(5 * c * I * b + c * H * (b + b_acc + 2 * cast * b_acc), 6 * c * I * b)
+    block_bwd += narrow * (_expert_bytes() + I * H * b + 2 * c * H * b)  # casts, one weight-grad product, dx
     bwd_chunk = sent * b_idx + 3 * received * H * b + 2 * received * b + block_bwd  # x, grad, dx rows; scores
     grads = N * H * b + N * k * b + weights  # dx, dscores, dw (own + borrowed slots)
     bwd = inputs + plan + 2 * N * H * b + grads + sympy.Max(setup, bwd_chunk, _expert_bytes())

@@ -1,0 +1,279 @@
+"""Dispatch pass: find torchtitan's routed-experts region (token dispatch -> grouped experts -> combine) in a
+Dynamo graph and rewrite it to the PipelinedLLEP custom op, whose peak is fixed by launch configuration.
+
+The region is every node traced inside a `RoutedExperts` module (torchtitan `models/common/moe.py`): the local
+reorder, the count exchange and `.tolist()` host sync, the token all-to-all, the grouped SwiGLU experts, the
+combine all-to-all and the score-weighted scatter-add. Its interface is small and fixed: x, top-k scores, top-k
+expert ids and per-expert counts in; one [.., H] tensor out. The rewrite keeps that interface and replaces the
+body with `boundpass::pipelined_llep_fwd` (its backward comes from the op's registered autograd).
+
+What is checked before rewriting (each failure is a reported skip, never a silent one):
+- the module resolves, its dispatcher is torchtitan's `LocalTokenDispatcher` (EP = 1) or
+  `AllToAllTokenDispatcher` (EP > 1) exactly: subclasses (DeepEP, HybridEP, TorchAO padding) differ in what they
+  move and are not ours to reinterpret;
+- the experts are the SwiGLU grouped experts: three `_grouped_mm`s shaped silu(x w1) * (x w3) -> w2, no bias;
+  the dtype of their operands is the compute dtype the op reproduces (torchtitan casts to bf16);
+- the region has exactly the four activation inputs above, the three weights, and one output.
+Regions inside activation-checkpoint bodies (torchtitan FullAC / SelectiveAC) are found in the HOP subgraphs.
+"""
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from boundpass.runtime.pipelined_llep import group_name_of
+
+# PipelinedLLEP planner defaults (LLEP's public defaults: notes/llep.md §5); the cap c is set by the budget
+DEFAULT_ALPHA, DEFAULT_MIN_PIECE, DEFAULT_IMBALANCE = 1.1, 1024, 1.3
+
+
+@dataclass
+class DispatchRegion:
+    """One routed-experts region: where it is, and what happened to it."""
+    module_path: str
+    rewritten: bool
+    reason: str = ""
+    kind: str = "dispatch"
+    tokens: object = None            # T, tokens on this rank at the region (int or SymInt)
+    hidden: int = 0
+    inter: int = 0                   # expert intermediate size I
+    experts: int = 0                 # E (global)
+    local_experts: int = 0           # e = E / E_p
+    top_k: int = 0
+    ep_size: int = 1
+    group_name: str = ""
+    dtype: torch.dtype | None = None
+    compute_dtype: torch.dtype | None = None
+    cap: int = 0                     # c chosen by the budget
+    op_node: fx.Node | None = field(default=None, repr=False)
+
+    def describe(self) -> str:
+        if not self.rewritten:
+            return f"SKIPPED   dispatch {self.module_path}: {self.reason}"
+        return (f"REWRITTEN dispatch {self.module_path}: token dispatch -> grouped experts -> combine => "
+                f"boundpass::pipelined_llep (T={self.tokens}, H={self.hidden}, I={self.inter}, E={self.experts}, "
+                f"k={self.top_k}, E_p={self.ep_size}, {self.dtype}, experts in {self.compute_dtype}, c={self.cap})")
+
+
+def _stack(node: fx.Node) -> list[tuple[str, type]]:
+    return [(v[0], v[1]) for v in (node.meta.get("nn_module_stack") or {}).values()]
+
+
+def _routed_experts_classes():
+    from torchtitan.models.common.moe import RoutedExperts
+    return RoutedExperts
+
+
+def _region_key(node: fx.Node, routed_cls) -> str | None:
+    for path, cls in _stack(node):
+        if isinstance(cls, type) and issubclass(cls, routed_cls):
+            return path
+    return None
+
+
+def _resolve(root: torch.nn.Module, path: str):
+    """The module a Dynamo nn_module_stack path names, or None (closure paths of local_map wrappers)."""
+    if not path.startswith("L['self']") or "__" in path:
+        return None
+    mod = root
+    for tok in path[len("L['self']"):].replace("['", ".").replace("']", "").split("."):
+        if not tok:
+            continue
+        nxt = getattr(mod, tok, None) if not tok.isdigit() else None
+        if nxt is None and isinstance(mod, torch.nn.Module):
+            nxt = mod._modules.get(tok)
+        if nxt is None:
+            return None
+        mod = nxt
+    return mod
+
+
+def _find_module(root, stack, key, routed_cls):
+    """The RoutedExperts instance of a region: its own path, or the one child of the deepest resolvable parent."""
+    paths = [p for p, _ in stack]
+    upto = paths[: paths.index(key) + 1]
+    for path in reversed(upto):
+        mod = _resolve(root, path)
+        if mod is None:
+            continue
+        if isinstance(mod, routed_cls):
+            return mod
+        found = [m for m in mod.modules() if isinstance(m, routed_cls)]
+        return found[0] if len(found) == 1 else None
+    return None
+
+
+def _pretty(path: str) -> str:
+    for prefix in ("L['self'].model.", "L['self']."):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+    return re.sub(r"\.forward\.__closure__\[0\]\.cell_contents\.__self__", "", path).replace("['", ".").replace("']", "")
+
+
+def _val(node):
+    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
+
+
+def _is(node, kind, target) -> bool:
+    return isinstance(node, fx.Node) and node.op == kind and node.target == target
+
+
+def _weight_source(node: fx.Node, region: set) -> fx.Node | None:
+    """Walk a grouped-mm weight operand back through casts / transpose / to_local to its graph input."""
+    while isinstance(node, fx.Node) and node in region and node.op == "call_method" and node.target in (
+            "bfloat16", "float", "half", "to", "transpose", "to_local", "contiguous"):
+        node = node.args[0]
+    return node if isinstance(node, fx.Node) and node not in region else None
+
+
+def _match_experts(nodes: list[fx.Node], region: set):
+    """(w1, w2, w3 graph inputs, compute dtype) of a SwiGLU grouped-experts body, or (None, reason)."""
+    mms = [n for n in nodes if n.op == "call_function" and n.target is torch._grouped_mm]
+    if len(mms) != 3:
+        return None, f"expected the 3 grouped matmuls of SwiGLU experts, found {len(mms)}"
+    gate, up, down = mms
+    mul = down.args[0]
+    ok = (isinstance(mul, fx.Node) and mul.op == "call_function" and mul.target is operator.mul
+          and {a for a in mul.args if isinstance(a, fx.Node)} >= {up}
+          and any(_is(a, "call_function", F.silu) and a.args[0] is gate for a in mul.args))
+    if not ok or any(len(m.args) > 2 or m.kwargs.get("bias") is not None for m in mms if "offs" not in m.kwargs):
+        return None, "the experts are not silu(x w1) * (x w3) -> w2 (e.g. biases or another activation)"
+    weights = [_weight_source(m.args[1], region) for m in (gate, down, up)]
+    if any(w is None or w.op != "placeholder" for w in weights):
+        return None, "expert weights do not come straight from parameters"
+    return (tuple(weights), _val(gate.args[0]).dtype), ""
+
+
+def _classify_inputs(externals: list[fx.Node], weights: tuple, hidden: int):
+    """x, top-k scores, top-k ids from the region's non-weight inputs (counts are recomputed by the op)."""
+    x = scores = ids = None
+    for node in externals:
+        if node in weights:
+            continue
+        val = _val(node)
+        if not isinstance(val, torch.Tensor):
+            return None, f"unrecognised region input {node.name} ({type(val).__name__})"
+        if val.is_floating_point() and val.shape[-1] == hidden and x is None:
+            x = node
+        elif val.is_floating_point() and scores is None:
+            scores = node
+        elif not val.is_floating_point() and val.dim() >= 2 and ids is None:
+            ids = node
+        elif not val.is_floating_point() and val.dim() == 1:
+            continue  # per-expert counts: the op derives them from the ids
+        else:
+            return None, f"unrecognised region input {node.name} {tuple(val.shape)} {val.dtype}"
+    if x is None or scores is None or ids is None or _val(scores).shape != _val(ids).shape:
+        return None, "could not identify x, top-k scores and top-k ids among the region inputs"
+    return (x, scores, ids), ""
+
+
+def _graphs(gm: fx.GraphModule):
+    """The root graph and every subgraph body (activation-checkpoint HOPs keep theirs as submodules)."""
+    yield gm
+    for _, sub in gm.named_modules():
+        if sub is not gm and isinstance(sub, fx.GraphModule):
+            yield sub
+
+
+def rewrite_dispatch_regions(gm: fx.GraphModule, root: torch.nn.Module) -> list[DispatchRegion]:
+    """Rewrite every eligible routed-experts region (cap left at 0; the compiler sets it); return all found."""
+    try:
+        routed_cls = _routed_experts_classes()
+    except ImportError:  # no torchtitan: no torchtitan MoE regions to find
+        return []
+    regions = []
+    for graph_module in list(_graphs(gm)):
+        groups: dict[str, list[fx.Node]] = {}
+        for node in graph_module.graph.nodes:
+            if node.op in ("call_function", "call_method", "get_attr"):
+                key = _region_key(node, routed_cls)
+                if key is not None:
+                    groups.setdefault(key, []).append(node)
+        for key, nodes in groups.items():
+            region = _rewrite_one(graph_module, root, key, nodes, routed_cls)
+            regions.append(region)
+        graph_module.graph.lint()
+        graph_module.recompile()
+    return regions
+
+
+def _rewrite_one(gm, root, key, nodes, routed_cls) -> DispatchRegion:
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
+    path = _pretty(key)
+    skip = lambda why: DispatchRegion(module_path=path, rewritten=False, reason=why)  # noqa: E731
+    module = _find_module(root, _stack(nodes[0]), key, routed_cls)
+    if module is None:
+        return skip("could not resolve the RoutedExperts module from the graph")
+    dispatcher = module.token_dispatcher
+    if type(dispatcher) not in (LocalTokenDispatcher, AllToAllTokenDispatcher):
+        return skip(f"token dispatcher {type(dispatcher).__name__} is not one boundpass recognises "
+                    f"(LocalTokenDispatcher, AllToAllTokenDispatcher)")
+    region = set(nodes)
+    matched, reason = _match_experts(nodes, region)
+    if matched is None:
+        return skip(reason)
+    weights, compute_dtype = matched
+    externals = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in region))
+    w1_val = _val(weights[0])
+    local_w1 = w1_val.to_local() if hasattr(w1_val, "to_local") else w1_val
+    e, inter, hidden = (int(d) for d in local_w1.shape)
+    inputs, reason = _classify_inputs(externals, weights, hidden)
+    if inputs is None:
+        return skip(reason)
+    x, scores, ids = inputs
+    outputs = [n for n in nodes if any(u not in region for u in n.users)]
+    if len(outputs) != 1 or _val(outputs[0]) is None or _val(outputs[0]).shape != _val(x).shape:
+        return skip(f"the region has {len(outputs)} outputs; expected one shaped like its input x")
+    mesh = getattr(dispatcher, "ep_mesh", None)
+    group = mesh.get_group() if mesh is not None else None
+    ep_size = mesh.size() if mesh is not None else 1
+    num_experts = int(_val([n for n in externals if n not in inputs and n not in weights
+                            and _val(n).dim() == 1][0]).shape[0]) if any(
+        n not in inputs and n not in weights and _val(n).dim() == 1 for n in externals) else e * ep_size
+    if num_experts != e * ep_size:
+        return skip(f"{num_experts} experts routed but {e} local experts x EP {ep_size}")
+    x_val, k = _val(x), int(_val(ids).shape[-1])
+    group_name = group_name_of(group)
+    out_node = outputs[0]
+    first_user = min((u for u in out_node.users), key=lambda u: _order(gm.graph, u))
+    fake_mode = x_val.fake_mode
+    graph = gm.graph
+
+    def add(target, *node_args, kind="call_function"):
+        node = graph.create_node(kind, target, node_args)
+        node.meta["nn_module_stack"] = dict(out_node.meta.get("nn_module_stack", {}))
+        node.meta["stack_trace"] = out_node.meta.get("stack_trace")
+        vals = [(_val(a) if isinstance(a, fx.Node) else a) for a in node_args]
+        with fake_mode:
+            node.meta["example_value"] = (getattr(vals[0], target)(*vals[1:]) if kind == "call_method"
+                                          else target(*vals))
+        return node
+
+    with graph.inserting_before(first_user):
+        tokens = add("reshape", x, -1, hidden, kind="call_method")
+        flat_ids = add("reshape", ids, -1, k, kind="call_method")
+        flat_scores = add("reshape", scores, -1, k, kind="call_method")
+        local = [add("to_local", w, kind="call_method") if hasattr(_val(w), "to_local") else w for w in weights]
+        fused = add(torch.ops.boundpass.pipelined_llep_fwd.default, tokens, flat_ids, flat_scores, *local, group_name,
+                    0, DEFAULT_ALPHA, DEFAULT_MIN_PIECE, DEFAULT_IMBALANCE, e, True, [], compute_dtype)
+        out = add(operator.getitem, fused, 0)
+        out = add("view_as", out, x, kind="call_method")
+    out_node.replace_all_uses_with(out)
+    for node in reversed(nodes):  # consumers first; side-effect nodes (asserts, setitem) go with their region
+        graph.erase_node(node)
+    return DispatchRegion(module_path=path, rewritten=True, tokens=_val(tokens).shape[0], hidden=hidden, inter=inter,
+                          experts=e * ep_size, local_experts=e, top_k=k, ep_size=ep_size, group_name=group_name,
+                          dtype=x_val.dtype, compute_dtype=compute_dtype, op_node=fused)
+
+
+def _order(graph: fx.Graph, node: fx.Node) -> int:
+    for i, n in enumerate(graph.nodes):
+        if n is node:
+            return i
+    return -1
