@@ -17,8 +17,11 @@ from boundpass.bounds import BoundTerm, BudgetTable, largest_fitting, raise_infe
 from boundpass.errors import BoundpassError, BoundpassInputError
 from boundpass.explain import ExplainReport
 from boundpass.passes import sco_pass
+from boundpass.passes.dispatch_pass import rewrite_dispatch_regions
 from boundpass.passes.optimizer_swap import plan_optimizer
 from boundpass.passes.vocab_pass import VocabRewriteConfig, rewrite_vocab_regions
+from boundpass.runtime.pipelined_llep import bound_values as dispatch_bound_values
+from boundpass.runtime.pipelined_llep import pipelined_llep_bound, standard_ep_bound
 from boundpass.runtime import ring_dtp
 from boundpass.units import parse_bytes
 
@@ -31,8 +34,9 @@ class BoundedModule(nn.Module):
 
     def __init__(self, model: nn.Module, loss_fn, *, budget: int, ring_group, vocab_block: int | None,
                  max_tokens_per_rank: int | None, inner: str, fullgraph: bool, dynamic, state_terms, optimizer_plan,
-                 host_budget: int | None, sco="auto"):
+                 host_budget: int | None, sco="auto", dispatch: bool = True, dispatch_cap: int | None = None):
         super().__init__()
+        self.dispatch, self.dispatch_cap = dispatch, dispatch_cap  # PipelinedLLEP rewrite on/off, cap c (None: auto)
         self.sco = sco                          # SCO mode; self.sco_plans: one per compiled graph
         self.sco_plans: list = []
         self.model = model
@@ -78,6 +82,8 @@ class BoundedModule(nn.Module):
         # the pass rewrites every eligible region; the bounds below then fix each op's strip width and branch
         regions = rewrite_vocab_regions(gm, config)
         report.regions.extend(regions)
+        dispatch_regions = rewrite_dispatch_regions(gm, self) if self.dispatch else []
+        report.regions.extend(dispatch_regions)
         table = report.table = BudgetTable(budget=self.budget, host_budget=self.host_budget)
         table.terms.extend(self.state_terms)
         report.optimizer = self.optimizer_plan
@@ -86,9 +92,15 @@ class BoundedModule(nn.Module):
                                                    host_budget=self.host_budget)
         self.sco_plans.append(sco_plan)
         partitioner = sco_pass.partition_fn(sco_plan, self.inner)
+        # Dispatch and vocab share what state and SCO leave: the vocab strip may take at most half of that
+        # slack while a dispatch term exists (which keeps its minimum c=1 reserved meanwhile), then the
+        # dispatch cap c takes the widest that fits the rest.
+        dispatch = self._dispatch_bound([r for r in dispatch_regions if r.rewritten], table)
         for region in regions:
             if region.rewritten:
                 self._bound_vocab_region(gm, region, table, ring_size)
+        if dispatch is not None:
+            self._choose_dispatch_cap(dispatch, table)
         gm.recompile()
         report.graph_code = gm.print_readable(print_output=False)
 
@@ -120,6 +132,77 @@ class BoundedModule(nn.Module):
         return aot_autograd(fw_compiler=eager_compiler(False), bw_compiler=eager_compiler(True),
                             **extra)(gm, example_inputs)
 
+    def _dispatch_bound(self, regions, table: BudgetTable):
+        """Add the dispatch term at its minimum (c = 1) and the standard schedule it replaces; None: no region.
+
+        Layers run their dispatch one at a time and free it before the next, so one term covers all of them:
+        the regions of one graph share T, H, I, E, k and E_p (checked).
+        """
+        self._vocab_share = None
+        if not regions:
+            return None
+        first = regions[0]
+        shapes = {(str(r.tokens), r.hidden, r.inter, r.experts, r.top_k, r.ep_size, r.dtype, r.compute_dtype)
+                  for r in regions}
+        if len(shapes) != 1:
+            raise BoundpassInputError(f"MoE layers of one graph differ in dispatch shape {sorted(shapes)}; "
+                                      "boundpass bounds one dispatch term per graph")
+        shape_env = _shape_env(first.op_node)
+        tokens_here = _concrete(_as_expr(first.tokens), shape_env)
+        tokens = max(self.max_tokens_per_rank or 0, tokens_here)
+        values = dispatch_bound_values(first.dtype, N=tokens, H=first.hidden, I=first.inter, E=first.experts,
+                                      E_p=first.ep_size, k=first.top_k, s_b=first.local_experts)
+        values.pop(sym.c)
+        values.pop(sym.R)
+        mixed = torch.promote_types(first.dtype, torch.float32) != first.dtype
+        fixed = {s: values[s] for s in (sym.E, sym.E_p, sym.k, sym.s_b, sym.b, sym.b_acc, sym.b_idx)}
+        formula = pipelined_llep_bound(mixed_precision=mixed, narrow_compute=first.compute_dtype != first.dtype,
+                                               count_own_weights=False).subs(fixed)
+        where = f"{first.module_path} (+{len(regions) - 1} more MoE layers, one at a time)" if len(regions) > 1 \
+            else first.module_path
+        term = BoundTerm(_dispatch_term_name(first), formula, sym.evaluate(formula, {**values, sym.c: 1}),
+                         where=where, knob="")
+        table.terms.append(term)
+        worst = {**values, sym.R: first.ep_size * tokens * first.top_k, sym.c: 1}  # every route to this rank
+        ref = standard_ep_bound().subs(fixed)
+        table.terms.append(BoundTerm("dispatch, standard EP at worst-case routing (replaced)", ref,
+                                     sym.evaluate(ref, worst), counted=False, where=where,
+                                     knob="boundpass rewrites it"))
+        persistent, transient = (sum(t.value for t in table.terms if t.counted and t.kind == kind)
+                                 for kind in ("persistent", "transient"))
+        self._vocab_share = max(0, (self.budget - persistent - transient) // 2)
+        return _DispatchBound(regions, formula, values, tokens, term)
+
+    def _choose_dispatch_cap(self, dispatch: "_DispatchBound", table: BudgetTable) -> None:
+        """Set c on every dispatch op: the user's, or the widest whose term fits what the table leaves."""
+        self._vocab_share = None
+        term, tokens = dispatch.term, dispatch.tokens
+        table.terms.remove(term)
+        persistent, transient, step = (sum(t.value for t in table.terms if t.counted and t.kind == kind)
+                                       for kind in ("persistent", "transient", "step"))
+
+        def fits(cap: int) -> bool:
+            return persistent + max(transient + dispatch.cost(cap), step) <= self.budget
+
+        if self.dispatch_cap is not None:
+            cap = min(self.dispatch_cap, tokens)
+        else:
+            cap = largest_fitting(1, tokens, fits) or 1
+        term.value = dispatch.cost(cap)
+        table.terms.append(term)
+        term.knob = "boundpass.compile(..., dispatch_cap=c), more EP ranks, or fewer tokens per rank"
+        if not table.fits():
+            best = largest_fitting(1, tokens, fits)
+            if self.dispatch_cap is not None and best is not None:
+                term.knob = f"use dispatch_cap <= {best} (now {cap})"
+            else:
+                term.knob = (f"reduce tokens per rank N (now {tokens}) or raise the budget: even c=1 token per source "
+                             f"per chunk does not fit beside the other terms")
+            raise_infeasible(table, term, detail=f"at c={cap}, N={tokens}")
+        for region in dispatch.regions:
+            region.op_node.update_arg(7, cap)
+            region.cap = cap
+
     def _bound_vocab_region(self, gm, region, table: BudgetTable, ring_size: int) -> None:
         """Choose the strip width C (and branch) for one region so the budget holds, or raise."""
         tokens = _as_expr(region.tokens)
@@ -146,8 +229,11 @@ class BoundedModule(nn.Module):
         def cost(block: int) -> int:
             return sym.evaluate(formula, {**values, sym.C: block})
 
+        share = getattr(self, "_vocab_share", None)  # set while a dispatch term awaits its cap
+
         def fits(block: int) -> bool:
-            return persistent + max(transient + cost(block), step) <= self.budget
+            within_share = share is None or cost(block) <= share or block == min(MIN_VOCAB_BLOCK, shard_rows)
+            return within_share and persistent + max(transient + cost(block), step) <= self.budget
 
         name = f"vocab (Ring-DTP, {branch}, P={ring_size})"
         if self.vocab_block is not None:
@@ -183,6 +269,20 @@ class BoundedModule(nn.Module):
         region.op_node.update_arg(5, block)
         region.op_node.update_arg(7, branch)
         region.block, region.branch = block, branch
+
+
+class _DispatchBound:
+    """The dispatch term of a graph while its cap c is being chosen."""
+
+    def __init__(self, regions, formula, values, tokens, term):
+        self.regions, self.formula, self.values, self.tokens, self.term = regions, formula, values, tokens, term
+
+    def cost(self, cap: int) -> int:
+        return sym.evaluate(self.formula, {**self.values, sym.c: cap})
+
+
+def _dispatch_term_name(region) -> str:
+    return f"dispatch (PipelinedLLEP, E_p={region.ep_size}, k={region.top_k})"
 
 
 def _binding_state_term(table: BudgetTable, budget: int) -> BoundTerm:
@@ -237,7 +337,8 @@ def _concrete(expr, shape_env) -> int:
 def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_block: int | None = None,
             max_tokens_per_rank: int | None = None, optimizer=None, offload_optimizer="auto",
             optimizer_bucket: int | None = None, optimizer_slots: int | None = None, host_budget=None,
-            inner: str = "aot_eager", fullgraph: bool = True, dynamic=False, sco="auto") -> BoundedModule:
+            inner: str = "aot_eager", fullgraph: bool = True, dynamic=False, sco="auto", dispatch: bool = True,
+            dispatch_cap: int | None = None) -> BoundedModule:
     """Compile `model` (+ `loss_fn(model_out, labels, *loss_args)`) so every bounded region fits `budget` bytes.
 
     budget / host_budget: per-rank device / host bytes ("60GiB", 2**30, ...). ring_group: the process group
@@ -251,6 +352,9 @@ def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_bl
     (docs/sco.md). The host pool is what host_budget leaves after the optimizer's host terms; True offloads
     the longest forward-order prefix of boundaries that fits it, "auto" the shortest prefix the device budget
     needs (none when it fits), False none. Needs checkpointed blocks (e.g. torchtitan FullAC / SelectiveAC).
+    dispatch: rewrite torchtitan's routed-experts regions (token dispatch -> grouped experts -> combine) to
+    PipelinedLLEP, whose peak is set by launch configuration, not by the router (docs/pipelined_llep.md);
+    dispatch_cap: its per-source token cap per chunk c (None: the widest that fits the budget).
     Raises InfeasibleBudgetError here when the state alone cannot fit, else on the first call before any real
     compute.
     """
@@ -260,7 +364,8 @@ def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_bl
         raise BoundpassInputError(f"boundpass.compile expects an nn.Module, got {type(model).__name__}")
     if inner not in INNER_COMPILERS:
         raise BoundpassInputError(f"inner must be one of {INNER_COMPILERS}, got {inner!r}")
-    for name, value in (("vocab_block", vocab_block), ("optimizer_bucket", optimizer_bucket)):
+    for name, value in (("vocab_block", vocab_block), ("optimizer_bucket", optimizer_bucket),
+                        ("dispatch_cap", dispatch_cap)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise BoundpassInputError(f"{name} must be a positive int, got {value!r}")
     if optimizer_slots is not None and (isinstance(optimizer_slots, bool) or not isinstance(optimizer_slots, int)
@@ -274,7 +379,7 @@ def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_bl
     return BoundedModule(model, loss_fn, budget=budget_bytes, ring_group=ring_group, vocab_block=vocab_block,
                          max_tokens_per_rank=max_tokens_per_rank, inner=inner, fullgraph=fullgraph,
                          dynamic=dynamic, state_terms=state_terms, optimizer_plan=plan, host_budget=host_bytes,
-                         sco=sco)
+                         sco=sco, dispatch=bool(dispatch), dispatch_cap=dispatch_cap)
 
 
 def explain(compiled: BoundedModule) -> ExplainReport:

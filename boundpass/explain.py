@@ -37,7 +37,9 @@ class ExplainReport:
             lines.append("  (none found: no linear -> cross_entropy in the captured graph; is the loss compiled "
                          "together with the model? pass loss_fn= to boundpass.compile)")
         for r in self.regions:
-            if r.rewritten:
+            if hasattr(r, "describe"):  # passes other than the vocab pass describe their own regions
+                lines.append(f"  {r.describe()}")
+            elif r.rewritten:
                 lines.append(f"  REWRITTEN vocab  {r.module_path}: linear -> cross_entropy => boundpass::ring_dtp "
                              f"(N={r.tokens}, H={r.hidden}, V={r.vocab}, {r.dtype}, branch={r.branch}, C={r.block})")
             else:
