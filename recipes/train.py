@@ -35,6 +35,32 @@ def _config_manager_class():
     return BoundpassConfigManager
 
 
+def train_in_process(argv: list[str]):
+    """Parse `argv` exactly as the command line would be, build the trainer, train, close; returns the trainer.
+
+    For tests and benchmarks that run several trainings in one process (imports paid once). If
+    torch.distributed is already initialised (e.g. by boundpass.testing.distributed.run_on_ranks), torchtitan
+    reuses that process group.
+    """
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    cpu_support.apply_runtime_shims()
+    warnings.filterwarnings("ignore", message="In CPU autocast")
+    import torch
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
+    torch._dynamo.reset()  # a previous trainer's graphs must not be reused (they hold its modules)
+    # torchtitan's init_distributed does this, but skips it when the process group already exists
+    torch.autograd.set_multithreading_enabled(False)
+    config = _config_manager_class()().parse_args(list(argv))
+    trainer = config.build()
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return trainer
+
+
 def main() -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the datasets are local files: never reach the network
     shims = cpu_support.apply_runtime_shims()

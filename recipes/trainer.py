@@ -21,6 +21,7 @@ compile with `fullgraph=False`; Dynamo then hands boundpass one graph per region
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -65,6 +66,9 @@ class BoundpassConfig:
     (the only way to keep the vocab region in one graph under FSDP2). "auto": "head" when FSDP2-wrapped."""
     report: bool = True
     """Log boundpass's report (regions rewritten / skipped, bounds table) after the first step."""
+    record_losses: str | None = None
+    """Append each logged step's global loss and grad norm at full precision as JSON lines to this file
+    (rank 0). Works with boundpass off too: it is how stock and boundpass runs are compared step by step."""
 
     @property
     def active(self) -> bool:
@@ -97,8 +101,22 @@ class BoundpassTrainer(Trainer):
         if bp.active and bp.vocab and isinstance(config.loss, ChunkedLossWrapper.Config):
             config.loss = config.loss.loss_fn  # see the module docstring: a chunked eager backward cannot be captured
         super().__init__(config)
+        if bp.record_losses:
+            self._record_losses_to(bp.record_losses)
         if bp.active:
             self._enable_boundpass(bp)
+
+    def _record_losses_to(self, path: str) -> None:
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return
+        log = self.metrics_processor.log
+
+        def log_and_record(step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs):
+            with open(path, "a") as f:
+                f.write(json.dumps({"step": step, "loss": float(global_avg_loss), "max_loss": float(global_max_loss),
+                                    "grad_norm": float(grad_norm)}) + "\n")
+            return log(step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs)
+        self.metrics_processor.log = log_and_record
 
     # ---------------------------------------------------------------------------------------------- setup
     def _enable_boundpass(self, bp: BoundpassConfig) -> None:
@@ -140,6 +158,7 @@ class BoundpassTrainer(Trainer):
             states = getattr(self.checkpointer, "states", None)
             if isinstance(states, dict) and LR_SCHEDULER in states:
                 states[LR_SCHEDULER] = self.lr_schedulers
+            _load_optimizer_state_from_copies(self.optimizers)
         self.metrics_processor.optimizers = self.optimizers
         logger.info(f"[boundpass] on: budget {bp.budget}, vocab rewrite {'on' if bp.vocab else 'off'}, "
                     f"capture={capture}{' (model is FSDP2-wrapped)' if self.fsdp_wrapped else ''}, optimizer: "
@@ -199,6 +218,22 @@ class BoundpassTrainer(Trainer):
         if reports and reports[-1].table is not None:
             lines.append(reports[-1].table.render())
         return "\n".join(lines)
+
+
+def _load_optimizer_state_from_copies(container) -> None:
+    """Work around an aliasing bug between DCP and OffloadStreamAdamW on resume.
+
+    DCP loads a checkpoint in place into the tensors `container.state_dict()` returned, which for
+    OffloadStreamAdamW ARE its host state (views). `OffloadStreamAdamW.load_state_dict` then resets its moments to
+    zero before copying the "saved" values in, and so zeroes what it was about to load (measured: the first
+    step after resume matched, the second diverged; with torch AdamW both matched bitwise). Loading from copies
+    fixes it at the cost of one transient host copy of the optimizer state.
+    """
+    load = container.load_state_dict
+
+    def load_from_copies(state_dict):
+        return load({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()})
+    container.load_state_dict = load_from_copies
 
 
 def upgrade_config(config: Trainer.Config) -> BoundpassTrainer.Config:
