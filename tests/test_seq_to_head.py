@@ -1,0 +1,173 @@
+"""Sequence-to-head (Ulysses) attention: exact vs unsharded SDPA on 2 and 4 gloo ranks (fwd + bwd, causal,
+RoPE at global positions, GQA split and replicated), refusals, and its sympy bound measured both ways."""
+import pytest
+import torch
+
+from boundpass import symbols as sym
+from boundpass.errors import BoundpassInputError
+from boundpass.runtime.seq_to_head import (check_head_counts, seq_to_head_bound, shard_positions, shard_sequence)
+from boundpass.testing.distributed import run_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+# (B, L, A_q, A_kv, D, causal, rope, dtype): MHA, GQA split (A_kv % W == 0), GQA replicated (A_kv < W), MQA
+CASES = [
+    (1, 32, 8, 8, 16, True, True, "float64"),
+    (2, 32, 8, 4, 16, True, True, "float64"),
+    (2, 32, 8, 2, 16, True, False, "float64"),
+    (2, 32, 4, 1, 8, False, True, "float64"),
+    (2, 32, 8, 2, 16, True, True, "float32"),
+]
+TOL = {"float64": dict(rtol=1e-12, atol=1e-12), "float32": dict(rtol=1e-5, atol=1e-5)}
+# bound measured at these (B, L, A_q, A_kv, D, dtype): MHA, GQA split, GQA replicated, bf16 (fp32 lse)
+BOUND_CASES = [(1, 64, 8, 8, 16, "float64"), (2, 64, 8, 2, 16, "float64"), (2, 64, 4, 1, 32, "float64"),
+               (2, 64, 8, 8, 16, "bfloat16")]
+
+
+def _rope(x, positions):
+    """Rotary embedding of [B, L, heads, D] at integer positions [L] (the standard complex rotation)."""
+    D = x.shape[-1]
+    freqs = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    angles = positions.to(torch.float64)[:, None] * freqs[None]                       # [L, D/2]
+    rot = torch.polar(torch.ones_like(angles), angles)[None, :, None, :]                # [1, L, 1, D/2]
+    xc = torch.view_as_complex(x.to(torch.float64).reshape(*x.shape[:-1], D // 2, 2))
+    return torch.view_as_real(xc * rot).reshape(x.shape).to(x.dtype)
+
+
+def _problem(B, L, A_q, A_kv, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(B, L, A_q, D), (B, L, A_kv, D), (B, L, A_kv, D), (B, L, A_q, D)]
+    return [torch.randn(*s, generator=g, dtype=torch.float64).to(getattr(torch, dtype)) for s in shapes]
+
+
+def _sharded_vs_reference(rank, world, B, L, A_q, A_kv, D, causal, rope, dtype, positions="global"):
+    """Max |sharded - unsharded| over the output and dq/dk/dv of this rank's tokens (RoPE inside the graph)."""
+    import torch.distributed as dist
+    from boundpass.runtime.seq_to_head import sdpa_blnh, seq_to_head_attention
+    qf, kf, vf, gf = _problem(B, L, A_q, A_kv, D, dtype)
+    s = shard_sequence(L, rank, world)
+    q, k, v = (t[:, s].clone().requires_grad_() for t in (qf, kf, vf))
+    pos = shard_positions(L, rank, world)[0] if positions == "global" else torch.arange(L // world)
+    qr, kr = (_rope(q, pos), _rope(k, pos)) if rope else (q, k)
+    out = seq_to_head_attention(qr, kr, v, dist.group.WORLD, is_causal=causal)
+    out.backward(gf[:, s])
+    ref_in = [t.clone().requires_grad_() for t in (qf, kf, vf)]
+    full = torch.arange(L)
+    qr_f, kr_f = (_rope(ref_in[0], full), _rope(ref_in[1], full)) if rope else ref_in[:2]
+    ref = sdpa_blnh(qr_f, kr_f, ref_in[2], enable_gqa=A_q != A_kv, is_causal=causal)
+    ref.backward(gf)
+    pairs = [(out, ref[:, s]), (q.grad, ref_in[0].grad[:, s]), (k.grad, ref_in[1].grad[:, s]),
+             (v.grad, ref_in[2].grad[:, s])]
+    ok = all(torch.allclose(a, b, **TOL[dtype]) for a, b in pairs)
+    return ok, max((a - b).abs().max().item() for a, b in pairs)
+
+
+def _measure_bound(rank, world, B, L, A_q, A_kv, D, dtype):
+    """(peak, bound) bytes of one fwd + bwd on this rank; q/k/v, the output grad tracked from the start."""
+    import torch.distributed as dist
+    from boundpass.memtrack import LiveStorageTracker
+    from boundpass.runtime.seq_to_head import seq_to_head_attention
+    qf, kf, vf, gf = _problem(B, L, A_q, A_kv, D, dtype, seed=1)
+    s = shard_sequence(L, rank, world)
+    q, k, v, go = (t[:, s].clone() for t in (qf, kf, vf, gf))
+    for t in (q, k, v):
+        t.requires_grad_()
+    with LiveStorageTracker() as tracker:
+        tracker.track_existing(q, k, v, go)
+        out = seq_to_head_attention(q, k, v, dist.group.WORLD)
+        out.backward(go)
+    b = q.element_size()
+    bound = sym.evaluate(seq_to_head_bound(), dict(N=B * L // world, W=world, A_q=A_q, A_kv=A_kv, D_h=D, b=b,
+                                                    b_acc=4 if dtype == "bfloat16" else b))
+    return tracker.peak_bytes(), bound
+
+
+def _ragged(rank, world):
+    """Rank world-1 holds one token fewer: every rank must raise the same clear error (not a gloo error)."""
+    import torch.distributed as dist
+    from boundpass.runtime.seq_to_head import seq_to_head_attention
+    n = 8 - (rank == world - 1)
+    q, k, v = (torch.randn(1, n, 4, 8) for _ in range(3))
+    try:
+        seq_to_head_attention(q, k, v, dist.group.WORLD)
+    except BoundpassInputError as e:
+        return str(e)
+    return None
+
+
+def _all_on_ranks(rank, world, exact_cases, bound_cases):
+    """One process group per world size (spawning dominates the cost): every check of that size."""
+    return dict(exact=[_sharded_vs_reference(rank, world, *c) for c in exact_cases],
+                local_positions=_sharded_vs_reference(rank, world, *CASES[0][:-1], "float64", positions="local"),
+                bound=[_measure_bound(rank, world, *c) for c in bound_cases],
+                ragged=_ragged(rank, world))
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"W{w}")
+def ranks(request):
+    world = request.param
+    return world, run_on_ranks(_all_on_ranks, world, CASES, BOUND_CASES, timeout_s=240)
+
+
+def test_exact_vs_unsharded_sdpa(ranks):
+    world, results = ranks
+    for rank, res in enumerate(results):
+        for case, (ok, err) in zip(CASES, res["exact"]):
+            assert ok, f"W={world} rank {rank} {case}: max |sharded - reference| = {err:.3e}"
+
+
+def test_rope_needs_global_positions(ranks):
+    """Negative control: RoPE at shard-local positions differs from the reference (the test can fail)."""
+    world, results = ranks
+    assert not all(res["local_positions"][0] for res in results)
+    assert max(res["local_positions"][1] for res in results) > 1e-3
+
+
+def test_bound_both_ways(ranks):
+    world, results = ranks
+    for rank, res in enumerate(results):
+        for case, (peak, bound) in zip(BOUND_CASES, res["bound"]):
+            assert peak <= bound, f"W={world} rank {rank} {case}: measured {peak} B > bound {bound} B"
+            assert bound <= 1.25 * peak, f"W={world} rank {rank} {case}: bound {bound} B > 1.25 x {peak} B"
+
+
+def test_ragged_last_shard_refused_on_every_rank(ranks):
+    world, results = ranks
+    messages = [res["ragged"] for res in results]
+    assert all(m is not None and "ragged last shard" in m and f"W={world}" in m for m in messages), messages
+    assert len(set(messages)) == 1
+
+
+def test_head_counts():
+    assert check_head_counts(8, 8, 4) == 1       # split
+    assert check_head_counts(8, 2, 4) == 2       # each kv head replicated on 2 ranks
+    assert check_head_counts(16, 1, 8) == 8      # MQA
+    with pytest.raises(BoundpassInputError, match="A_q=6 is not a multiple of W=4"):
+        check_head_counts(6, 6, 4)
+    with pytest.raises(BoundpassInputError, match="cannot place A_kv=6 kv heads on W=4"):
+        check_head_counts(12, 6, 4)
+    with pytest.raises(BoundpassInputError, match="multiple of kv heads"):
+        check_head_counts(8, 3, 2)
+
+
+def test_shard_sequence_refuses_ragged():
+    assert shard_sequence(12, 2, 4) == slice(6, 9)
+    assert shard_positions(12, 3, 4).tolist() == [[9, 10, 11]]
+    with pytest.raises(BoundpassInputError, match="ragged.*pad or trim the sequence to 12 or 16"):
+        shard_sequence(13, 0, 4)
+
+
+def test_single_rank_is_plain_attention():
+    from boundpass.runtime.seq_to_head import sdpa_blnh, seq_to_head_attention
+    q, k, v, _ = _problem(2, 16, 4, 2, 8, "float64")
+    torch.testing.assert_close(seq_to_head_attention(q, k, v, None), sdpa_blnh(q, k, v, enable_gqa=True),
+                               rtol=0, atol=0)
+
+
+def test_bound_symbols_and_growth():
+    bound = seq_to_head_bound()
+    assert {s.name for s in bound.free_symbols} == {"N", "W", "A_q", "A_kv", "D_h", "b", "b_acc"}
+    at = dict(N=1024, W=8, A_q=32, A_kv=8, D_h=128, b=2, b_acc=4)
+    # linear in the per-rank tokens (no N x N term) and smaller without the caller's tensors
+    assert sym.evaluate(bound, {**at, "N": 2048}) == 2 * sym.evaluate(bound, at)
+    assert sym.evaluate(seq_to_head_bound(count_io=False), at) < sym.evaluate(bound, at)
