@@ -10,3 +10,4 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "runtime")) and 
 from boundpass.errors import BoundpassError, BoundpassInputError, InfeasibleBudgetError  # noqa: F401
 from boundpass.units import format_bytes, parse_bytes  # noqa: F401
 from boundpass.compiler import BoundedModule, compile, explain  # noqa: F401,E402
+from boundpass.plan import plan  # noqa: F401,E402

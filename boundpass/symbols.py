@@ -51,3 +51,8 @@ A_q = sympy.Symbol("A_q", **_pos)      # attention query heads
 A_kv = sympy.Symbol("A_kv", **_pos)    # attention key/value heads (GQA: A_kv divides A_q)
 D_h = sympy.Symbol("D_h", **_pos)      # attention head dimension
 ALL.update({s.name: s for s in (A_q, A_kv, D_h)})
+
+# Composed per-rank budget (boundpass/composed.py, boundpass/plan.py)
+Theta_blk = sympy.Symbol("Theta_blk", **_pos)  # non-routed-expert parameter elements of the largest block (ZeRO-3 gather)
+I_f = sympy.Symbol("I_f", **_pos)              # hidden size of a dense FFN / shared-experts MLP (0 cannot occur: ≥ 1)
+ALL.update({s.name: s for s in (Theta_blk, I_f)})

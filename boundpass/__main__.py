@@ -1,0 +1,60 @@
+"""`python -m boundpass plan ...`: the composed per-rank budget of a torchtitan MoE model, before launch."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from boundpass.composed import OPERATORS
+from boundpass.errors import BoundpassError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m boundpass")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="does this model fit per-rank memory at this launch (and what does)")
+    p.add_argument("model", help="torchtitan model package: deepseek_v3, qwen3, gpt_oss")
+    p.add_argument("flavor", help="e.g. 671B, 235B-A22B, 120b, debugmodel")
+    p.add_argument("--ranks", "-W", type=int, required=True, help="ranks W")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree E_p (divides W and E)")
+    p.add_argument("--ring", "-P", type=int, default=None, help="Ring-DTP ring degree P (default W)")
+    tokens = p.add_mutually_exclusive_group(required=True)
+    tokens.add_argument("--tokens-per-rank", "-N", type=int, help="per-rank token ceiling N")
+    tokens.add_argument("--context", type=int, help="tokens per sequence (N = context x global batch / W)")
+    p.add_argument("--global-batch", type=int, default=1, help="sequences per step (with --context)")
+    p.add_argument("--budget", default="139GiB", help="device bytes per rank, e.g. 139GiB")
+    p.add_argument("--host-budget", default=None, help="host bytes per rank, e.g. 256GiB (default: unlimited)")
+    p.add_argument("--operators", default=",".join(OPERATORS),
+                   help=f"comma-separated subset of {','.join(OPERATORS)}; 'none' = the baseline")
+    p.add_argument("--dtype", default="bf16", help="bf16 (default) or fp32")
+    p.add_argument("--chunk-cap", type=int, default=None, help="PipelinedLLEP c (tokens per source per chunk)")
+    p.add_argument("--vocab-block", type=int, default=None, help="Ring-DTP strip width C")
+    p.add_argument("--bucket", type=int, default=None, help="OffloadStreamAdamW bucket β (parameters)")
+    p.add_argument("--slots", type=int, default=2, help="OffloadStreamAdamW staging slots S")
+    p.add_argument("--routing", default="worst", choices=("worst", "balanced"),
+                   help="standard EP's received rows: worst case (E_p N k) or balanced (N k)")
+    p.add_argument("--no-trace", action="store_true", help="skip tracing torchtitan's blocks (bounds only)")
+    p.add_argument("--solve", action="store_true", help="also the largest context (or N) that fits")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from boundpass.plan import as_json, plan
+    ops = () if args.operators.strip().lower() in ("", "none") else tuple(
+        o.strip() for o in args.operators.split(",") if o.strip())
+    try:
+        result = plan(args.model, args.flavor, ranks=args.ranks, ep=args.ep, ring=args.ring,
+                      tokens_per_rank=args.tokens_per_rank, context=args.context, global_batch=args.global_batch,
+                      budget=args.budget, host_budget=args.host_budget, operators=ops, dtype=args.dtype,
+                      chunk_cap=args.chunk_cap, vocab_block=args.vocab_block, bucket=args.bucket, slots=args.slots,
+                      routing=args.routing, do_trace=not args.no_trace, solve=args.solve)
+    except BoundpassError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(as_json(result) if args.json else result.render())
+    return 0 if result.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""The composed per-rank budget of one training step (SPEC §5, MoP layout): every term a sympy formula.
+
+Layout: ZeRO-3 shards every parameter, gradient and optimizer state over the W ranks; experts are placed over
+E_p expert-parallel ranks (E/E_p per rank, each gathered from its ZeRO shards); attention runs under a
+sequence-to-head all-to-all over the W ranks; every block is activation-checkpointed (its input, the checkpoint
+boundary, is what a block keeps between forward and backward); the loss head runs over a ring of P ranks.
+Once the per-rank token ceiling N is set, every term is fixed by model + launch configuration.
+
+Phases (why the terms are not simply summed): the optimizer steps after backward freed its activations, and the
+loss head runs before (forward) or after (backward) any block's recomputation, never during one:
+
+    device peak = persistent + max(optimizer step, boundaries + gathered layer + max(layer, head))
+    layer       = attention + max(dense FFN, shared experts + router + expert dispatch)
+
+Each term's formula comes from the runtime module that owns it (imported, not copied): Ring-DTP / the full-logits
+reference (runtime/ring_dtp.py), PipelinedLLEP / standard EP / LLEP (runtime/pipelined_llep.py), SCO
+(runtime/sco.py), OffloadStreamAdamW / plain AdamW (runtime/offload_adamw.py), sequence-to-head attention
+(runtime/seq_to_head.py). The few terms no operator owns (gathered ZeRO-3 layer, dense FFN, router scores,
+parameters and gradients) are written here.
+
+``boundpass.compile`` can call ``compose(shape, launch, budget=..., host_budget=...)`` with a ModelShape read off
+the live model (``boundpass.plan.shape_of_module``) for its fail-fast check: the result is a BudgetTable.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from dataclasses import dataclass
+
+import sympy
+
+from boundpass import symbols as sym
+from boundpass.bounds import BoundTerm, BudgetTable
+from boundpass.errors import BoundpassInputError
+from boundpass.units import format_bytes
+
+# the modules, not the same-named functions boundpass.runtime re-exports
+oa = importlib.import_module("boundpass.runtime.offload_adamw")
+pl = importlib.import_module("boundpass.runtime.pipelined_llep")
+rd = importlib.import_module("boundpass.runtime.ring_dtp")
+sco = importlib.import_module("boundpass.runtime.sco")
+
+OPERATORS = ("ring_dtp", "pipelined_llep", "sco", "offload_adamw")
+DEFAULT_CHUNK_CAP = 4096        # tokens per source rank per PipelinedLLEP chunk (c)
+DEFAULT_VOCAB_BLOCK = 4096      # Ring-DTP strip width (C)
+DEFAULT_BUCKET = 1 << 24        # OffloadStreamAdamW bucket (β, parameters)
+DEFAULT_SLOTS = 2               # OffloadStreamAdamW staging slots (S)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the composed budget needs to know about a model (element counts, not bytes)."""
+    name: str
+    hidden: int            # H
+    vocab: int             # V
+    layers: int            # L (all blocks)
+    moe_layers: int        # blocks with routed experts
+    experts: int           # E
+    top_k: int             # k
+    expert_hidden: int     # I (an expert's MLP is ~3·I·H elements)
+    dense_hidden: int      # hidden size of the dense blocks' FFN (0: no dense block)
+    shared_hidden: int     # hidden size of the shared experts' MLP in a MoE block (0: none)
+    heads: int             # A_q
+    kv_heads: int          # A_kv
+    head_dim: int          # D_h (the larger of the qk and v head dims)
+    params: int            # Θ of the whole model
+    expert_params: int     # routed-expert elements over all blocks
+    block_params: int      # non-routed-expert elements of the largest block (what ZeRO-3 gathers per block)
+
+    @property
+    def dense_layers(self) -> int:
+        return self.layers - self.moe_layers
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Launch configuration of one rank: degrees, token ceiling, operators, knobs (None: the default)."""
+    ranks: int                      # W
+    ep: int                         # E_p
+    ring: int                       # P (Ring-DTP ring; the ZeRO-3 shard of the head when Ring-DTP is off)
+    tokens_per_rank: int            # N
+    operators: frozenset = frozenset(OPERATORS)
+    b: int = 2                      # bytes per element of weights / activations (bf16)
+    b_acc: int = 4                  # fp32 accumulation / master state
+    chunk_cap: int | None = None    # c
+    vocab_block: int | None = None  # C
+    bucket: int | None = None       # β
+    slots: int = DEFAULT_SLOTS      # S
+    borrowed_slots: int | None = None  # s_b (LLEP borrowed-weight slots per rank; None: E / E_p)
+    routing: str = "worst"          # standard EP only: "worst" (a hot rank receives E_p·N·k rows) or "balanced"
+
+
+def check_launch(shape: ModelShape, launch: Launch) -> None:
+    """Raise BoundpassInputError naming what to change when degrees do not divide or a knob is out of range."""
+    W, E_p, P = launch.ranks, launch.ep, launch.ring
+    for name, value in (("ranks W", W), ("expert-parallel degree E_p", E_p), ("ring degree P", P),
+                        ("tokens per rank N", launch.tokens_per_rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BoundpassInputError(f"{name} must be a positive int, got {value!r}")
+    if W % E_p:
+        raise BoundpassInputError(f"E_p = {E_p} does not divide W = {W} ranks: pick E_p among {_divisors(W)}")
+    if shape.moe_layers and shape.experts % E_p:
+        raise BoundpassInputError(f"E_p = {E_p} does not divide {shape.name}'s E = {shape.experts} experts: "
+                                  f"pick E_p among {[d for d in _divisors(W) if shape.experts % d == 0]}")
+    if W % P:
+        raise BoundpassInputError(f"ring degree P = {P} does not divide W = {W} ranks: pick P among {_divisors(W)}")
+    if shape.heads % W:
+        raise BoundpassInputError(f"sequence-to-head attention splits {shape.name}'s {shape.heads} query heads over "
+                                  f"W = {W} ranks: W must divide {shape.heads}")
+    unknown = set(launch.operators) - set(OPERATORS)
+    if unknown:
+        raise BoundpassInputError(f"unknown operators {sorted(unknown)}; known: {', '.join(OPERATORS)}")
+    if launch.routing not in ("worst", "balanced"):
+        raise BoundpassInputError(f"routing must be 'worst' or 'balanced', got {launch.routing!r}")
+    for name in ("chunk_cap", "vocab_block", "bucket", "slots", "borrowed_slots"):
+        value = getattr(launch, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < (
+                0 if name == "borrowed_slots" else 1)):
+            raise BoundpassInputError(f"{name} must be a positive int (or None for the default), got {value!r}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class ComposedBudget(BudgetTable):
+    """A BudgetTable whose device peak follows the phases of a training step (see the module docstring).
+
+    Term kinds: persistent, transient (live through forward + backward), layer (every block), dense (dense
+    blocks), moe (MoE blocks), head (loss head), step (optimizer step), host.
+    """
+
+    @property
+    def total(self) -> int:
+        s = self._sum
+        layer = s("layer") + max(s("dense"), s("moe"))
+        return s("persistent") + max(s("step"), s("transient") + max(layer, s("head")))
+
+    def binding(self) -> BoundTerm:
+        """The term to name when the budget is missed: the largest host term if the host is over, else the
+        largest device term in the phase that sets the peak."""
+        if not self.host_fits():
+            return max((t for t in self.terms if t.kind == "host" and t.counted), key=lambda t: t.value)
+        s = self._sum
+        phase = {"persistent"}
+        if s("step") >= s("transient") + max(s("layer") + max(s("dense"), s("moe")), s("head")):
+            phase |= {"step"}
+        else:
+            phase |= {"transient"}
+            if s("layer") + max(s("dense"), s("moe")) >= s("head"):
+                phase |= {"layer", "dense" if s("dense") > s("moe") else "moe"}
+            else:
+                phase |= {"head"}
+        return max((t for t in self.terms if t.counted and t.kind in phase), key=lambda t: t.value)
+
+
+def symbol_values(shape: ModelShape, launch: Launch, *, host_budget: int | None = None) -> dict:
+    """Every shared symbol at this launch: the values each term's formula is evaluated at."""
+    W, E_p, P, N = launch.ranks, launch.ep, launch.ring, launch.tokens_per_rank
+    theta = -(-shape.params // W)
+    v_shard = -(-shape.vocab // P)
+    values = {
+        sym.N: N, sym.N_max: N, sym.H: shape.hidden, sym.V: shape.vocab, sym.P: P, sym.W: W, sym.L: shape.layers,
+        sym.E: max(shape.experts, 1), sym.E_p: E_p, sym.k: max(shape.top_k, 1), sym.I: max(shape.expert_hidden, 1),
+        sym.I_f: max(shape.dense_hidden, shape.shared_hidden, 1),
+        sym.A_q: shape.heads, sym.A_kv: shape.kv_heads, sym.D_h: shape.head_dim,
+        sym.b: launch.b, sym.b_acc: launch.b_acc, sym.b_idx: 8,
+        sym.Theta: theta, sym.Theta_blk: shape.block_params,
+        sym.c: min(launch.chunk_cap or DEFAULT_CHUNK_CAP, N),
+        sym.C: min(launch.vocab_block or DEFAULT_VOCAB_BLOCK, v_shard),
+        sym.beta: max(1, min(launch.bucket or DEFAULT_BUCKET, theta)), sym.S: launch.slots,
+        sym.s_b: (shape.experts // E_p) if launch.borrowed_slots is None else launch.borrowed_slots,
+        sym.R: (E_p if launch.routing == "worst" else 1) * N * max(shape.top_k, 1),
+    }
+    values[sym.L_off] = offloaded_boundaries(shape, launch, host_budget) if "sco" in launch.operators else 0
+    return values
+
+
+def optimizer_host_bytes(shape: ModelShape, launch: Launch) -> int:
+    """Host bytes of OffloadStreamAdamW's state on one rank (0 when it is off)."""
+    if "offload_adamw" not in launch.operators:
+        return 0
+    return sym.evaluate(oa.offload_adamw_host_bound(), {sym.Theta: -(-shape.params // launch.ranks),
+                                                        sym.b_acc: launch.b_acc})
+
+
+def offloaded_boundaries(shape: ModelShape, launch: Launch, host_budget: int | None) -> int:
+    """L_off: boundaries SCO's greedy walk offloads with what the host budget leaves after the optimizer state."""
+    if host_budget is None:
+        return shape.layers
+    left = max(host_budget - optimizer_host_bytes(shape, launch), 0)
+    boundary = launch.tokens_per_rank * shape.hidden * launch.b
+    return sco.planned_offloaded_layers([boundary] * shape.layers, left)
+
+
+def attention_bound() -> sympy.Expr:
+    """Peak bytes of one sequence-to-head attention forward + backward (runtime/seq_to_head.py)."""
+    try:
+        from boundpass.runtime.seq_to_head import seq_to_head_bound
+    except ImportError:  # TODO(seq_to_head_bound): runtime/seq_to_head.py not present; same counting, written here
+        N, W, A_q, A_kv, D_h, b, b_acc = sym.N, sym.W, sym.A_q, sym.A_kv, sym.D_h, sym.b, sym.b_acc
+        q, kv_in, kv = N * A_q * D_h * b, N * A_kv * D_h * b, N * sympy.Max(A_kv, W) * D_h * b
+        return (2 * q + 2 * kv_in) * 2 + 2 * q + 2 * kv + N * A_q * b_acc + 2 * q + 2 * kv + 3 * sympy.Max(q, kv)
+    return seq_to_head_bound()
+
+
+def _terms(shape: ModelShape, launch: Launch) -> list[tuple[str, sympy.Expr, str, str]]:
+    """(name, formula, kind, knob) of every term at this launch; formulas in the shared symbols."""
+    ops = launch.operators
+    N, H, E, E_p, k, I, I_f = sym.N, sym.H, sym.E, sym.E_p, sym.k, sym.I, sym.I_f
+    b, b_acc, W, Theta = sym.b, sym.b_acc, sym.W, sym.Theta
+    mixed = launch.b < launch.b_acc
+    out = [("parameters (ZeRO-3 shard, Θ/W)", Theta * b, "persistent", "more ranks W (ZeRO-3 shards Θ/W)"),
+           ("gradients (ZeRO-3 shard)", Theta * b, "persistent", "more ranks W (ZeRO-3 shards Θ/W)")]
+    adamw = oa.reference_adamw_bound(mixed_precision=mixed) - 2 * Theta * b  # its master + moments, not weights/grads
+    if "offload_adamw" in ops:
+        out.append(("optimizer staging (OffloadStreamAdamW, S·β)", oa.offload_adamw_staging_bound(), "step",
+                    "a smaller bucket β (--bucket) or S = 1 (--slots)"))
+        out.append(("optimizer state on host (fp32 master, exp_avg, exp_avg_sq)", oa.offload_adamw_host_bound(),
+                    "host", "more ranks W or a larger host budget"))
+    else:
+        out.append(("optimizer state on device (AdamW master + moments)", adamw, "persistent",
+                    "enable offload_adamw (moves it to the host)"))
+    gather = sympy.Min(1, W - 1) * (3 * sym.Theta_blk * b + (E / E_p) * 3 * I * H * b * int(shape.moe_layers > 0))
+    out.append(("ZeRO-3 gathered block (current + prefetched + unsharded grads)", gather, "transient",
+                "fewer parameters per block; not a launch knob"))
+    out.append(("checkpoint boundaries (device) + SCO prefetch window", sco.sco_device_bound(), "transient",
+                "enable sco / a larger host budget (offloads more boundaries), or a shorter context"))
+    if "sco" in ops:
+        out.append(("checkpoint boundaries offloaded (SCO host pool)", sco.sco_host_bound(), "host",
+                    "a larger host budget, or a shorter context"))
+    out.append(("attention (sequence-to-head all-to-all)", attention_bound(), "layer",
+                "a shorter context or more ranks W"))
+    if shape.dense_layers:
+        out.append(("dense FFN activations (recompute, fwd + bwd)", 2 * N * (H + 3 * I_f) * b, "dense",
+                    "a shorter context"))
+    if shape.moe_layers:
+        if shape.shared_hidden:
+            out.append(("shared experts activations (fwd + bwd)", 2 * N * (H + 3 * I_f) * b, "moe",
+                        "a shorter context"))
+        out.append(("router scores (fp32, fwd + bwd)", 2 * N * E * b_acc, "moe", "a shorter context"))
+        if "pipelined_llep" in ops:
+            out.append(("expert dispatch (PipelinedLLEP, routing-independent)",
+                        pl.pipelined_llep_bound(mixed_precision=mixed), "moe",
+                        "a smaller chunk cap c (--chunk-cap) or fewer borrowed slots s_b"))
+        else:
+            out.append((f"expert dispatch (standard EP, {launch.routing}-case routing R)", pl.standard_ep_bound(),
+                        "moe", "enable pipelined_llep (a bound that does not depend on routing)"))
+    if "ring_dtp" in ops:
+        branch = rd.choose_branch(launch.tokens_per_rank, shape.vocab, launch.ring)
+        out.append((f"vocab projection + loss (Ring-DTP, move {branch})",
+                    rd.ring_dtp_bound(branch, mixed_precision=mixed, count_weight_shard=False), "head",
+                    "a smaller strip C (--vocab-block) or a larger ring P"))
+    else:
+        out.append(("vocab projection + loss (full logits)", rd.reference_bound(mixed_precision=mixed), "head",
+                     "enable ring_dtp (never materializes [N, V])"))
+    return out
+
+
+def compose(shape: ModelShape, launch: Launch, *, budget: int, host_budget: int | None = None,
+            fast: bool = False) -> ComposedBudget:
+    """The per-rank budget of one training step: every term's formula evaluated at this launch (bytes).
+
+    fast: evaluate through a cached float lambdification of each formula (for searches; ~1e-12 relative error)
+    instead of exact sympy substitution.
+    """
+    check_launch(shape, launch)
+    values = symbol_values(shape, launch, host_budget=host_budget)
+    table = ComposedBudget(budget=budget, host_budget=host_budget)
+    for name, formula, kind, knob in _terms(shape, launch):
+        value = _fast_value(formula, values) if fast else sym.evaluate(formula, values)
+        table.terms.append(BoundTerm(name, formula, value, knob=knob, kind=kind))
+    return table
+
+
+_LAMBDAS: dict = {}
+_ORDER = tuple(sym.ALL.values())
+
+
+def _fast_value(formula, values: dict) -> int:
+    key = sympy.srepr(formula)
+    fn = _LAMBDAS.get(key)
+    if fn is None:
+        fn = _LAMBDAS[key] = sympy.lambdify(_ORDER, formula, modules=[{"Max": max, "Min": min, "ceiling": math.ceil,
+                                                                        "floor": math.floor}, "math"])
+    return int(math.ceil(fn(*(values.get(s, 1) for s in _ORDER))))
+
+
+def total_formula(shape: ModelShape, launch: Launch, *, host_budget: int | None = None) -> sympy.Expr:
+    """The device peak as one sympy expression in N (every other symbol at its launch value)."""
+    values = symbol_values(shape, launch, host_budget=host_budget)
+    values.pop(sym.N)
+    values.pop(sym.N_max)
+    parts: dict[str, sympy.Expr] = {}
+    for _, formula, kind, _ in _terms(shape, launch):
+        expr = sympy.sympify(formula).subs(sym.N_max, sym.N).subs(values)
+        parts[kind] = parts.get(kind, sympy.Integer(0)) + expr
+    p = lambda kind: parts.get(kind, sympy.Integer(0))  # noqa: E731
+    return p("persistent") + sympy.Max(p("step"), p("transient") + sympy.Max(p("layer") + sympy.Max(p("dense"), p("moe")),
+                                                                             p("head")))
+
+
+def largest_tokens_per_rank(shape: ModelShape, launch: Launch, *, budget: int, host_budget: int | None = None,
+                            multiple: int = 1, limit: int = 1 << 34) -> int:
+    """Largest N (a multiple of ``multiple``) whose composed budget fits device and host; 0 if none does.
+
+    The device peak is monotone in N (every term is a sum of N-linear pieces, maxima of such, and ceilings; the
+    SCO host subset L_off shrinks as N grows, which moves bytes back to the device), so the inequality
+    total(N) ≤ budget is solved by bisection on its exact evaluation; the answer is checked at N and N + multiple.
+    """
+    def fits(units: int, fast: bool = True) -> bool:
+        trial = dataclasses.replace(launch, tokens_per_rank=units * multiple)
+        return compose(shape, trial, budget=budget, host_budget=host_budget, fast=fast).fits()
+
+    if not fits(1, fast=False):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi * multiple > limit:
+            return lo * multiple
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    while lo > 0 and not fits(lo, fast=False):  # exact check at the answer (float rounding at the edge)
+        lo -= 1
+    while fits(lo + 1, fast=False):
+        lo += 1
+    return lo * multiple
+
+
+def describe(table: ComposedBudget) -> str:
+    """One line: FITS / DOES NOT FIT, the peak against the budget, the binding term and its knob."""
+    verdict = "FITS" if table.fits() else "DOES NOT FIT"
+    bind = table.binding()
+    return (f"{verdict}: device peak {format_bytes(table.total)} of {format_bytes(table.budget)}"
+            + (f", host {format_bytes(table.host_total)} of {format_bytes(table.host_budget)}"
+               if table.host_budget is not None else "")
+            + f"; binding term: {bind.name} ({format_bytes(bind.value)}) — knob: {bind.knob}")

@@ -1,0 +1,356 @@
+"""`boundpass.plan`: does a torchtitan MoE model fit per-rank memory at this launch, before launch — and what fits.
+
+Method: read the model's shape off torchtitan's real model (built on ``meta``: parameter counts per block, expert
+shapes, heads); compose the per-rank budget (boundpass/composed.py: every term a sympy formula); then trace the
+real torchtitan blocks at this rank's token count under FakeTensorMode (nothing allocated) and put what the trace
+holds beside the bounds. Tracing covers one dense block (if the model has one), one MoE block and the loss head
+(final norm + lm_head + torchtitan's CrossEntropyLoss) on one rank; the model is composed from them by layer
+count. The trace runs torchtitan's own schedule on one rank (all experts local, every head, full logits, SDPA's
+CPU kernel), so its figures are the *reference* working sets of a layer and of the head, not the rewritten ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from boundpass import composed
+from boundpass.composed import OPERATORS, Launch, ModelShape
+from boundpass.errors import BoundpassInputError
+from boundpass.units import format_bytes, parse_bytes
+
+# torchtitan package -> its flavor table (read from the package at use; these are the MoE flavors we support)
+MODELS = {
+    "deepseek_v3": ("deepseekv3_configs", ("debugmodel", "16B", "236B", "671B")),
+    "qwen3": ("qwen3_configs", ("debugmodel_moe", "30B-A3B", "235B-A22B")),
+    "gpt_oss": ("gptoss_configs", ("debugmodel", "20b", "120b")),
+}
+DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
+
+
+@dataclass
+class PlanInput:
+    """Everything `plan` needs, validated before any model is built (units parsed into bytes / tokens)."""
+    model: str
+    flavor: str
+    ranks: int
+    ep: int
+    ring: int
+    tokens_per_rank: int
+    budget: int
+    host_budget: int | None
+    operators: frozenset
+    dtype: str = "bf16"
+    context: int | None = None
+    global_batch: int | None = None
+    chunk_cap: int | None = None
+    vocab_block: int | None = None
+    bucket: int | None = None
+    slots: int = 2
+    routing: str = "worst"
+
+
+@dataclass
+class PlanResult:
+    """The composed budget at this launch, the traced figures beside it, the verdict, and --solve's answer."""
+    inputs: PlanInput
+    shape: ModelShape
+    table: composed.ComposedBudget
+    traced: dict = field(default_factory=dict)      # term name -> traced bytes
+    trace_notes: list = field(default_factory=list)
+    solve: dict | None = None
+    search: dict | None = None
+    seconds: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.table.fits()
+
+    def to_json(self) -> dict:
+        t = self.table
+        bind = t.binding()
+        return {
+            "model": self.inputs.model, "flavor": self.inputs.flavor,
+            "launch": {k: (sorted(v) if isinstance(v, frozenset) else v)
+                       for k, v in dataclasses.asdict(self.inputs).items()},
+            "shape": dataclasses.asdict(self.shape),
+            "terms": [{"term": x.name, "kind": x.kind, "formula": str(x.formula), "bound_bytes": x.value,
+                       "traced_bytes": self.traced.get(x.name), "knob": x.knob,
+                       "share": x.value / ((t.host_budget or 0) if x.kind == "host" else t.budget)
+                       if (t.host_budget if x.kind == "host" else t.budget) else None} for x in t.terms],
+            "comparisons": {k: v for k, v in self.traced.items() if k.startswith("[")},
+            "device_peak_bytes": t.total, "budget_bytes": t.budget,
+            "host_bytes": t.host_total, "host_budget_bytes": t.host_budget,
+            "fits": self.fits, "binding_term": bind.name, "binding_knob": bind.knob,
+            "trace_notes": self.trace_notes, "solve": self.solve, "search": self.search, "seconds": self.seconds,
+        }
+
+    def render(self) -> str:
+        t = self.table
+        rows = [("term", "formula", "bound", "traced", "share")]
+        for x in t.terms:
+            limit = t.host_budget if x.kind == "host" else t.budget
+            share = f"{100 * x.value / limit:.1f}%" if limit else "-"
+            traced = self.traced.get(x.name)
+            text = str(x.formula)
+            rows.append((f"[{x.kind}] {x.name}", text if len(text) < 90 else text[:87] + "...",
+                         format_bytes(x.value), "-" if traced is None else format_bytes(traced), share))
+        for name, value in self.traced.items():
+            if name.startswith("["):
+                rows.append((name, "", format_bytes(value[0]), format_bytes(value[1]), ""))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        i = self.inputs
+        head = (f"boundpass plan: {i.model} {i.flavor} ({self.shape.params / 1e9:.1f}B params), W={i.ranks} "
+                f"E_p={i.ep} P={i.ring}, N={i.tokens_per_rank:,} tokens/rank"
+                + (f" (context {i.context:,} x batch {i.global_batch})" if i.context else "")
+                + f", {i.dtype}, operators: {', '.join(sorted(i.operators)) or 'none (baseline)'}")
+        out = [head, "", *lines, "", composed.describe(t)]
+        out += [f"note: {n}" for n in self.trace_notes]
+        if self.solve:
+            out.append(f"solve: largest {self.solve['what']} that fits: {self.solve['value']:,} "
+                       f"({self.solve['tokens_per_rank']:,} tokens/rank); {self.solve['next']:,} does not fit")
+        if self.search:
+            best = self.search.get("best")
+            out.append("search: " + (f"best {best['knobs']} at predicted step {best['step_seconds']:.3g} s "
+                                     f"(peak {format_bytes(best['peak_bytes'])})" if best else "nothing fits"))
+        return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------- inputs
+def _flavors(model: str) -> tuple[str, ...]:
+    if model not in MODELS:
+        raise BoundpassInputError(f"unknown model {model!r}; known torchtitan MoE models: {', '.join(MODELS)}")
+    return MODELS[model][1]
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BoundpassInputError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def make_input(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None = None,
+               tokens_per_rank: int | None = None, context: int | None = None, global_batch: int = 1,
+               budget="139GiB", host_budget=None, operators=OPERATORS, dtype: str = "bf16",
+               chunk_cap: int | None = None, vocab_block: int | None = None, bucket: int | None = None,
+               slots: int = 2, routing: str = "worst") -> PlanInput:
+    """Validate and normalise plan inputs (raises BoundpassInputError naming what to change; builds nothing)."""
+    if flavor not in _flavors(model):
+        raise BoundpassInputError(f"unknown flavor {flavor!r} of {model}; known: {', '.join(_flavors(model))}")
+    ranks = _positive_int("ranks (W)", ranks)
+    ep = _positive_int("ep (E_p)", ep)
+    ring = ranks if ring is None else _positive_int("ring (P)", ring)
+    for name, degree in (("E_p", ep), ("ring degree P", ring)):
+        if ranks % degree:
+            raise BoundpassInputError(f"{name} = {degree} does not divide W = {ranks} ranks: pick one of "
+                                      f"{[d for d in range(1, ranks + 1) if ranks % d == 0]}")
+    if dtype not in DTYPE_BYTES:
+        raise BoundpassInputError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    if (tokens_per_rank is None) == (context is None):
+        raise BoundpassInputError("give exactly one of tokens_per_rank (N) or context (tokens per sequence, "
+                                  "with global_batch sequences)")
+    if context is not None:
+        context = _positive_int("context", context)
+        global_batch = _positive_int("global_batch", global_batch)
+        if (context * global_batch) % ranks:
+            raise BoundpassInputError(f"context x global_batch = {context * global_batch:,} tokens do not split "
+                                      f"evenly over W = {ranks} ranks; use a multiple of {ranks}")
+        tokens_per_rank = context * global_batch // ranks
+    tokens_per_rank = _positive_int("tokens_per_rank (N)", tokens_per_rank)
+    ops = frozenset(operators)
+    if ops - set(OPERATORS):
+        raise BoundpassInputError(f"unknown operators {sorted(ops - set(OPERATORS))}; known: {', '.join(OPERATORS)}")
+    return PlanInput(model, flavor, ranks, ep, ring, tokens_per_rank, parse_bytes(budget, what="budget"),
+                     None if host_budget is None else parse_bytes(host_budget, what="host_budget"), ops, dtype,
+                     context, global_batch if context is not None else None, chunk_cap, vocab_block, bucket, slots,
+                     routing)
+
+
+def launch_of(inp: PlanInput, tokens_per_rank: int | None = None) -> Launch:
+    return Launch(ranks=inp.ranks, ep=inp.ep, ring=inp.ring, tokens_per_rank=tokens_per_rank or inp.tokens_per_rank,
+                  operators=inp.operators, b=DTYPE_BYTES[inp.dtype], b_acc=4, chunk_cap=inp.chunk_cap,
+                  vocab_block=inp.vocab_block, bucket=inp.bucket, slots=inp.slots, routing=inp.routing)
+
+
+# ------------------------------------------------------------------------------------------- the model
+def model_config(model: str, flavor: str, *, seq_len: int | None = None):
+    """torchtitan's model config of (model, flavor) with causal SDPA attention (the CPU-traceable kernel)."""
+    from boundpass.recipes.models import apply_cpu_device_fix
+    apply_cpu_device_fix()
+    package = importlib.import_module(f"torchtitan.models.{model}")
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    cfg = package.model_registry(flavor).model
+    for layer in cfg.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        if seq_len is not None:
+            layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=seq_len)
+    return cfg
+
+
+def _is_routed(name: str) -> bool:
+    return "routed_experts" in name
+
+
+def model_shape(model: str, flavor: str) -> ModelShape:
+    """Read the composed budget's ModelShape off torchtitan's real model, built on meta (< 3 s at 671B)."""
+    cfg = model_config(model, flavor)
+    with torch.device("meta"):
+        net = cfg.build()
+    return shape_of_module(net, name=f"{model} {flavor}", heads_config=cfg.layers[-1].attention,
+                           top_k=max((l.moe.router.top_k for l in cfg.layers if getattr(l, "moe", None)), default=0))
+
+
+def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int) -> ModelShape:
+    """ModelShape of a built torchtitan Decoder (meta or real): parameter counts per block, experts, heads."""
+    H = net.tok_embeddings.weight.shape[1]
+    V = net.lm_head.weight.shape[0]
+    blocks = list(net.layers.values())
+    moe, experts, expert_hidden, dense_hidden, shared_hidden, block_params, expert_params = 0, 0, 0, 0, 0, 0, 0
+    for blk in blocks:
+        params = dict(blk.named_parameters())
+        routed = {n: p for n, p in params.items() if _is_routed(n)}
+        block_params = max(block_params, sum(p.numel() for n, p in params.items() if not _is_routed(n)))
+        if routed:
+            moe += 1
+            count = sum(p.numel() for p in routed.values())
+            expert_params += count
+            experts = max(experts, next(iter(routed.values())).shape[0])
+            expert_hidden = max(expert_hidden, math.ceil(count / experts / (3 * H)))
+            shared = getattr(getattr(blk, "moe", None), "shared_experts", None)
+            if shared is not None:
+                shared_hidden = max(shared_hidden, shared.w1.weight.shape[0])
+        elif getattr(blk, "feed_forward", None) is not None:
+            dense_hidden = max(dense_hidden, blk.feed_forward.w1.weight.shape[0])
+    a = heads_config
+    heads = a.n_heads
+    kv_heads = getattr(a, "n_kv_heads", None) or heads
+    head_dim = getattr(a, "head_dim", None) or max(a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim)
+    return ModelShape(name=name, hidden=H, vocab=V, layers=len(blocks), moe_layers=moe, experts=experts,
+                      top_k=top_k, expert_hidden=expert_hidden, dense_hidden=dense_hidden, shared_hidden=shared_hidden,
+                      heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                      params=sum(p.numel() for p in net.parameters()), expert_params=expert_params,
+                      block_params=block_params)
+
+
+def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2) -> tuple[dict, list[str]]:
+    """Trace torchtitan's real blocks and head at `tokens` tokens under FakeTensorMode (nothing allocated).
+
+    Returns {"boundary": bytes a checkpointed block keeps (its input), "dense_block" / "moe_block": forward +
+    backward peak of one block above its input, "head": forward + backward peak of norm + lm_head + loss}, and
+    notes. Parameters are not counted (they are budgeted as persistent state); their gradients are.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from boundpass.memtrack import LiveStorageTracker
+    from boundpass.recipes.models import torchtitan_loss
+
+    cfg = model_config(model, flavor, seq_len=tokens)
+    dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
+    moe_at = next((i for i, l in enumerate(cfg.layers) if getattr(l, "moe", None) is not None), None)
+    dense_at = next((i for i, l in enumerate(cfg.layers) if getattr(l, "moe", None) is None), None)
+    out, notes = {}, []
+    previous = torch.get_default_dtype()
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"):
+        torch.set_default_dtype(dtype)
+        try:
+            for key, at in (("dense_block", dense_at), ("moe_block", moe_at)):
+                if at is None:
+                    continue
+                blk = cfg.layers[at].build()
+                x = torch.empty(1, tokens, cfg.dim, dtype=dtype, requires_grad=True)
+                with LiveStorageTracker() as tracker:
+                    y = blk(x, None, None)
+                    y.backward(torch.empty_like(y))
+                out[key] = tracker.peak_bytes()
+                out["boundary"] = x.numel() * x.element_size()
+                del blk, x, y
+            norm, head = cfg.norm.build(), cfg.lm_head.build()
+            h = torch.empty(1, tokens, cfg.dim, dtype=dtype, requires_grad=True)
+            labels = torch.zeros(1, tokens, dtype=torch.long)
+            with LiveStorageTracker() as tracker:
+                loss = torchtitan_loss()(head(norm(h)), labels, tokens)
+                (loss[0] if isinstance(loss, tuple) else loss).backward()
+            out["head"] = tracker.peak_bytes()
+        finally:
+            torch.set_default_dtype(previous)
+    if model == "deepseek_v3":
+        notes.append("trace: MLA's qk and v head dims differ, so SDPA's CPU path materializes the [N, N] scores per "
+                     "head; a GPU flash/flex kernel does not (the attention bound assumes a flash-style kernel)")
+    return out, notes
+
+
+# ------------------------------------------------------------------------------------------- plan
+def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None = None,
+         tokens_per_rank: int | None = None, context: int | None = None, global_batch: int = 1, budget="139GiB",
+         host_budget=None, operators=OPERATORS, dtype: str = "bf16", chunk_cap: int | None = None,
+         vocab_block: int | None = None, bucket: int | None = None, slots: int = 2, routing: str = "worst",
+         do_trace: bool = True, solve: bool = False) -> PlanResult:
+    """Compose the per-rank budget of (model, flavor) at this launch, trace it, and say whether it fits.
+
+    budget / host_budget: per-rank bytes ("139GiB"; host None = unlimited). operators: any of ring_dtp,
+    pipelined_llep, sco, offload_adamw (empty = the baseline: full logits, standard EP, no offload, ZeRO-3).
+    solve: also find the largest context (or N) that fits. do_trace: trace torchtitan's blocks (fake tensors).
+    """
+    start = time.perf_counter()
+    inp = make_input(model, flavor, ranks=ranks, ep=ep, ring=ring, tokens_per_rank=tokens_per_rank,
+                     context=context, global_batch=global_batch, budget=budget, host_budget=host_budget,
+                     operators=operators, dtype=dtype, chunk_cap=chunk_cap, vocab_block=vocab_block, bucket=bucket,
+                     slots=slots, routing=routing)
+    shape = model_shape(model, flavor)
+    launch = launch_of(inp)
+    table = composed.compose(shape, launch, budget=inp.budget, host_budget=inp.host_budget)  # checks degrees
+    result = PlanResult(inp, shape, table)
+    if do_trace:
+        traced, notes = trace(model, flavor, inp.tokens_per_rank, dtype_bytes=DTYPE_BYTES[dtype])
+        result.trace_notes += notes
+        _attach_trace(result, traced)
+    if solve:
+        result.solve = solve_context(inp, shape)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _attach_trace(result: PlanResult, traced: dict) -> None:
+    t, shape = result.table, result.shape
+    by_kind = lambda *kinds: sum(x.value for x in t.terms if x.kind in kinds)  # noqa: E731
+    for x in t.terms:
+        if x.name.startswith("checkpoint boundaries (device)"):
+            launch_values = composed.symbol_values(shape, launch_of(result.inputs), host_budget=t.host_budget)
+            resident = max(shape.layers - launch_values[composed.sym.L_off],
+                           2 * min(launch_values[composed.sym.L_off], 1))
+            result.traced[x.name] = traced["boundary"] * resident
+    if "moe_block" in traced:
+        result.traced["[layer, MoE block] bound: attention + shared + router + dispatch | traced: torchtitan block "
+                      "on one rank, E_p = 1"] = (by_kind("layer", "moe"), traced["moe_block"])
+    if "dense_block" in traced:
+        result.traced["[layer, dense block] bound: attention + dense FFN | traced: torchtitan block"] = (
+            by_kind("layer", "dense"), traced["dense_block"])
+    result.traced["[head] bound: vocab term | traced: norm + lm_head + torchtitan CrossEntropyLoss (P = 1)"] = (
+        by_kind("head"), traced["head"])
+
+
+def solve_context(inp: PlanInput, shape: ModelShape) -> dict:
+    """Largest context (with global_batch sequences), or largest N when given N, whose budget fits."""
+    launch = launch_of(inp)
+    if inp.context is not None:
+        per = inp.global_batch
+        # N = context·G / W must be an integer: context in multiples of W / gcd(W, G)
+        step = inp.ranks // math.gcd(inp.ranks, per)
+        n_step = step * per // inp.ranks
+        n = composed.largest_tokens_per_rank(shape, launch, budget=inp.budget, host_budget=inp.host_budget,
+                                             multiple=n_step)
+        value = n * inp.ranks // per
+        return {"what": "context (tokens per sequence)", "value": value, "tokens_per_rank": n,
+                "next": value + step, "global_batch": per}
+    n = composed.largest_tokens_per_rank(shape, launch, budget=inp.budget, host_budget=inp.host_budget)
+    return {"what": "tokens per rank N", "value": n, "tokens_per_rank": n, "next": n + 1}
+
+
+def as_json(result: PlanResult) -> str:
+    return json.dumps(result.to_json(), indent=2, default=str)
