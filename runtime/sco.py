@@ -431,3 +431,13 @@ def sco_done(t: Tensor) -> Tensor:
 @sco_done.register_fake
 def _(t):
     return t.new_empty((0,))
+
+
+def sco_compiled_device_bound() -> sympy.Expr:
+    """Peak device bytes of checkpoint boundaries in a graph SCO compiled: N·H·b · Max(L − L_off, Min(L_off, 2)).
+
+    Tighter than the eager hooks' bound by the last resident boundary: each sco_reload is ordered after every
+    reader of the next layer's boundary, so that boundary (resident or restored) is dead before the reload
+    allocates, and the window is the restored boundary plus at most one prefetched (none when L_off = 1).
+    """
+    return sym.N * sym.H * sym.b * sympy.Max(sym.L - sym.L_off, sympy.Min(sym.L_off, 2))

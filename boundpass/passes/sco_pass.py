@@ -7,8 +7,8 @@ Two stages, because the decision must come before any real compute and the rewri
    the body is the block input the checkpoint keeps for recomputation (its boundary). Walking the blocks in
    forward order, the greedy prefix that fits the host pool (what the host budget leaves after the optimizer's
    host terms) is the most SCO may offload — the same plan as the eager runtime (``planned_offloaded_layers``).
-   The device term N·H·b·Max(L − L_off, 2·Min(L_off, 1)) and the host term L_off·N·H·b go into the budget
-   table; an infeasible host or device budget raises InfeasibleBudgetError naming the knob.
+   The device term N·H·b·Max(L − L_off, Min(L_off, 2)) (sco_compiled_device_bound) and the host term
+   L_off·N·H·b go into the budget table; an infeasible host or device budget raises InfeasibleBudgetError naming the knob.
 2. ``SCOPartitioner`` (AOTAutograd's ``partition_fn``; Inductor's ``config.custom_partitioner_fn``): runs the
    stock partitioner, then finds each block's boundary in the joint graph (the region's one external,
    computed, floating input; regions are the ``ac_graph_id`` groups, in forward order) among the saved
@@ -42,6 +42,7 @@ from boundpass.units import format_bytes
 
 SCO_CHOICES = ("auto", True, False)
 _PROCESS = uuid.uuid4().hex  # partitioner cache keys never match another process's graphs (their sco_id differ)
+ORDER_RELOADS = True  # False only in tests: the negative control that shows what the ordering prevents
 _ALIASING = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default, torch.ops.aten.detach.default}
 
 
@@ -144,7 +145,7 @@ def _sco_term(plan: SCOPlan, offloaded: int) -> tuple[BoundTerm, BoundTerm]:
               sym.b: widest.dtype.itemsize, sym.L: len(eligible), sym.L_off: offloaded}
     host_bytes = sum(r.boundary_bytes for r in eligible[:offloaded])
     device = BoundTerm(f"SCO checkpoint boundaries on device (L={len(eligible)}, L_off={offloaded})",
-                       sco_rt.sco_device_bound(), sym.evaluate(sco_rt.sco_device_bound(), values),
+                       sco_rt.sco_compiled_device_bound(), sym.evaluate(sco_rt.sco_compiled_device_bound(), values),
                        kind="transient", where=eligible[0].module_path if len(eligible) == 1 else "",
                        knob="boundpass.compile(..., host_budget=<larger>, sco=True) offloads more boundaries")
     host = BoundTerm(f"SCO boundary pool on host (L_off={offloaded})", sco_rt.sco_host_bound(), host_bytes,
@@ -388,7 +389,7 @@ def rewrite_partitioned(plan: SCOPlan, joint, fw: fx.GraphModule, bw: fx.GraphMo
         if len(ahead) < len(readers.get(layer + 1, [])):  # a reader that needs this boundary cannot precede it
             plan.rewrite_notes.append(f"layer {layer}: {len(readers[layer + 1]) - len(ahead)} readers of the next "
                                       f"boundary depend on this one and do not order its reload")
-        for consumer in ahead:
+        for consumer in ahead if ORDER_RELOADS else []:
             with bw.graph.inserting_after(consumer):
                 after.append(_add(bw.graph, fake_mode, done_op, consumer))
         if layer + 1 < len(eligible) and layer + 1 not in readers:
