@@ -1,4 +1,4 @@
-"""SCO runtime: bit-exact gradients on torchtitan deepseek_v3 (FullAC, SelectiveAC), the plan, the host pool,
+"""SCO runtime: bit-exact gradients on torchtitan deepseek_v3 and qwen3 MoE (FullAC, SelectiveAC), the plan, the host pool,
 the ≤ 2 restored boundaries window, bounds both ways, monotone device bytes, bad input.
 
 Measured device bytes come from the handle's ledger: the storage sizes of the exact boundary tensors (block
@@ -80,6 +80,54 @@ def test_deepseek_grads_bit_exact_plan_pool_window_and_bound(deepseek_runs, poli
         assert kinds.count("offload") == count and kinds.count("keep") == L - count
         assert kinds.count("restore") == count
         assert got["events"][-1].device_boundary_bytes == 0  # every boundary and restored copy was freed
+
+
+QWEN_LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def qwen3_runs():
+    """qwen3 MoE debug model (64 experts, top-8, GQA) cut to 2 layers, FullAC, 0 / 1 / 2 offloaded (SelectiveAC on
+    qwen3 runs compiled, in test_compile_sco.py)."""
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    from boundpass.recipes.models import build_debug_moe
+    base = build_debug_moe("qwen3_moe", vocab_size=VOCAB, seq_len=SEQ)
+    for name in list(base.layers)[QWEN_LAYERS:]:
+        del base.layers[name]
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    boundary_bytes = BATCH * SEQ * base.tok_embeddings.embedding_dim * 4
+    runs = {}
+    for policy, counts in ((FullAC, (0, 1, QWEN_LAYERS)),):
+        model = copy.deepcopy(base)
+        policy(policy.Config()).apply(model)
+        ref = _step_grads(model, tokens)
+        for count in counts:
+            handle = apply_sco(model.layers, max(count * boundary_bytes, 0))
+            steps = []
+            for _ in range(STEPS):
+                handle.events.clear()
+                steps.append(dict(grads=_step_grads(model, tokens), offloaded=list(handle.offloaded),
+                                  offloaded_bytes=handle.offloaded_bytes(), pool=handle.host_pool_bytes,
+                                  peak=handle.peak_device_boundary_bytes(), restored=handle.peak_restored_live(),
+                                  end=handle.events[-1].device_boundary_bytes))
+            handle.remove()
+            runs[policy.__name__, count] = (ref, steps)
+    return runs, boundary_bytes, base.tok_embeddings.embedding_dim
+
+
+@pytest.mark.parametrize("policy,count", [("FullAC", 0), ("FullAC", 1), ("FullAC", QWEN_LAYERS)])
+def test_qwen3_grads_bit_exact_plan_pool_window_and_bound(qwen3_runs, policy, count):
+    runs, boundary_bytes, H = qwen3_runs
+    ref, steps = runs[policy, count]
+    values = bound_values(N=BATCH * SEQ, H=H, b=4, L=QWEN_LAYERS, host_budget=count * boundary_bytes)
+    bound = sym.evaluate(sco_device_bound(), values)
+    for got in steps:  # the same tokens every step: the pool must be reused, the grads identical each time
+        assert all(torch.equal(a, b) for a, b in zip(ref, got["grads"]))
+        assert got["offloaded"] == [i < count for i in range(QWEN_LAYERS)]
+        assert got["offloaded_bytes"] == got["pool"] == count * boundary_bytes
+        assert got["restored"] <= 2 and got["end"] == 0
+        assert got["peak"] <= bound <= 1.25 * got["peak"]
 
 
 def _mlp_stack(layers, width, seed=0):
