@@ -167,23 +167,23 @@ def test_bad_input_is_refused():
 BOUND_SHAPE = dict(T=64, H=16, I=8, E=4, k=2, cap=8)
 
 
-def _measure_rank(rank, world, kind, alpha):
+def _measure_rank(rank, world, kind, alpha, dtype=torch.float64, compute=None):
     """Live-storage peak of the eager forward then backward (inputs, output and its gradient counted)."""
     s = BOUND_SHAPE
     g = torch.Generator().manual_seed(rank)
     e = s["E"] // world
-    x = torch.randn(s["T"], s["H"], generator=g, dtype=torch.float64)
+    x = torch.randn(s["T"], s["H"], generator=g, dtype=torch.float64).to(dtype)
     ids = (torch.arange(s["k"]).repeat(s["T"], 1) if kind == "adversarial"  # every token to experts 0..k-1
            else _routing(kind, s["T"], s["E"], s["k"], g))
-    scores = torch.rand(s["T"], s["k"], generator=g, dtype=torch.float64)
-    ws = [torch.randn(e, *shape, generator=g, dtype=torch.float64) for shape in ((s["I"], s["H"]), (s["H"], s["I"]),
-                                                                                  (s["I"], s["H"]))]
-    grad = torch.randn(s["T"], s["H"], generator=g, dtype=torch.float64)
+    scores = torch.rand(s["T"], s["k"], generator=g, dtype=torch.float64).to(dtype)
+    ws = [torch.randn(e, *shape, generator=g, dtype=torch.float64).to(dtype)
+          for shape in ((s["I"], s["H"]), (s["H"], s["I"]), (s["I"], s["H"]))]
+    grad = torch.randn(s["T"], s["H"], generator=g, dtype=torch.float64).to(dtype)
     args = (dist.group.WORLD.group_name, s["cap"], alpha, 2, 0.0, e, True)
     tracker = LiveStorageTracker().track_existing(x, ids, scores, *ws, grad)
     with tracker, torch.no_grad():
-        out, counts = pipelined_llep_forward(x, ids, scores, *ws, *args)
-        grads = pipelined_llep_backward(grad, x, ids, scores, *ws, counts, *args)
+        out, counts = pipelined_llep_forward(x, ids, scores, *ws, *args, (), compute)
+        grads = pipelined_llep_backward(grad, x, ids, scores, *ws, counts, *args, compute)
         del grads
     return tracker.peak_bytes()
 
@@ -203,8 +203,21 @@ def test_bound_holds_for_every_routing_and_is_tight_under_adversarial_routing():
     assert bound <= 1.25 * peaks[0][-1], (peaks[0][-1], bound)
 
 
-def _measure_many(rank, world, cases):
-    return [_measure_rank(rank, world, kind, alpha) for kind, alpha in cases]
+def _measure_many(rank, world, cases, dtype=torch.float64, compute=None):
+    return [_measure_rank(rank, world, kind, alpha, dtype, compute) for kind, alpha in cases]
+
+
+@pytest.mark.distributed
+def test_bound_holds_with_bf16_expert_matmuls_on_fp32_inputs():
+    """torchtitan's experts run in bf16 on an fp32 model: the op casts per block; narrow_compute counts the casts."""
+    s, world = BOUND_SHAPE, 2
+    bound = sym.evaluate(pipelined_llep_bound(mixed_precision=False, narrow_compute=True),
+                         bound_values(torch.float32, N=s["T"], H=s["H"], I=s["I"], E=s["E"], E_p=world, k=s["k"],
+                                      c=s["cap"]))
+    cases = [("zipf", 1.1), ("adversarial", float(world))]
+    for rank_peaks in run_on_ranks(_measure_many, world, cases, torch.float32, torch.bfloat16, timeout_s=80):
+        for case, measured in zip(cases, rank_peaks):
+            assert measured <= bound, (case, measured, bound)
 
 
 # ------------------------------------------------------------------------- reference-schedule bounds

@@ -187,33 +187,63 @@ def rewrite_dispatch_regions(gm: fx.GraphModule, root: torch.nn.Module) -> list[
         routed_cls = _routed_experts_classes()
     except ImportError:  # no torchtitan: no torchtitan MoE regions to find
         return []
-    regions = []
+    # group by the module itself: one module can appear under several stack paths (wrappers, local_map)
+    groups: dict[object, list[tuple[fx.GraphModule, str, object, list[fx.Node]]]] = {}
     for graph_module in list(_graphs(gm)):
-        groups: dict[str, list[fx.Node]] = {}
+        modules: dict[str, object] = {}
+        here: dict[object, tuple] = {}
         for node in graph_module.graph.nodes:
-            if node.op in ("call_function", "call_method", "get_attr"):
-                key = _region_key(node, routed_cls)
-                if key is not None:
-                    groups.setdefault(key, []).append(node)
-        for key, nodes in groups.items():
-            region = _rewrite_one(graph_module, root, key, nodes, routed_cls)
-            regions.append(region)
+            if node.op not in ("call_function", "call_method", "get_attr"):
+                continue
+            key = _region_key(node, routed_cls)
+            if key is None:
+                continue
+            if key not in modules:
+                modules[key] = _find_module(root, _stack(node), key, routed_cls)
+            module = modules[key]
+            ident = id(module) if module is not None else key
+            here.setdefault(ident, (graph_module, key, module, []))[3].append(node)
+        for ident, group in here.items():
+            groups.setdefault(ident, []).append(group)
+    regions = []
+    for parts in groups.values():
+        graph_module, key, module, nodes = parts[0]
+        reason = _module_reason(module)
+        if reason:
+            regions.append(DispatchRegion(module_path=_pretty(key), rewritten=False, reason=reason))
+            continue
+        if len(parts) > 1:  # e.g. part of the experts traced into a nested HOP body: no single region to replace
+            regions.append(DispatchRegion(module_path=_pretty(key), rewritten=False,
+                                          reason=f"the region is split across {len(parts)} nested graphs"))
+            continue
+        regions.append(_rewrite_one(graph_module, key, module, nodes))
+    for graph_module in _graphs(gm):
         graph_module.graph.lint()
         graph_module.recompile()
     return regions
 
 
-def _rewrite_one(gm, root, key, nodes, routed_cls) -> DispatchRegion:
+def _module_reason(module) -> str:
+    """Why a RoutedExperts module's semantics are not the ones the op reproduces ('' when they are)."""
+    from torchtitan.models.common.moe import GroupedExperts
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
-    path = _pretty(key)
-    skip = lambda why: DispatchRegion(module_path=path, rewritten=False, reason=why)  # noqa: E731
-    module = _find_module(root, _stack(nodes[0]), key, routed_cls)
     if module is None:
-        return skip("could not resolve the RoutedExperts module from the graph")
+        return "could not resolve the RoutedExperts module from the graph"
     dispatcher = module.token_dispatcher
     if type(dispatcher) not in (LocalTokenDispatcher, AllToAllTokenDispatcher):
-        return skip(f"token dispatcher {type(dispatcher).__name__} is not one boundpass recognises "
-                    f"(LocalTokenDispatcher, AllToAllTokenDispatcher)")
+        return (f"token dispatcher {type(dispatcher).__name__} is not one boundpass recognises "
+                f"(LocalTokenDispatcher, AllToAllTokenDispatcher)")
+    experts = module.inner_experts
+    if not isinstance(experts, GroupedExperts) or type(experts).forward is not GroupedExperts.forward:
+        return (f"experts {type(experts).__name__} compute something other than torchtitan's SwiGLU "
+                f"GroupedExperts (e.g. biases or another activation)")
+    return ""
+
+
+def _rewrite_one(gm, key, module, nodes) -> DispatchRegion:
+    path = _pretty(key)
+    skip = lambda why: DispatchRegion(module_path=path, rewritten=False, reason=why)  # noqa: E731
+    dispatcher = module.token_dispatcher
     region = set(nodes)
     matched, reason = _match_experts(nodes, region)
     if matched is None:
