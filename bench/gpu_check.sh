@@ -2,7 +2,9 @@
 # Every GPU measurement of the project, in one run of under 8 minutes on one GPU:
 #   - Ring-DTP at P = 1 vs the standard schedule, the token-chunked (Liger-style) schedule and Inductor
 #     (+ auto-chunker): torch.cuda.max_memory_allocated and CUDA-event times (bench/gpu_vocab.py);
-#   - OffloadStreamAdamW (bench/gpu_optimizer.py).
+#   - OffloadStreamAdamW (bench/gpu_optimizer.py);
+#   - SCO checkpoint-boundary offload: device peak and step time vs host budget (bench/gpu_sco.py; it uses
+#     torchtitan's debug MoE when importable, else a torch-only stand-in, and says which).
 # Runs the package from source with the machine's own python3 and torch; torchtitan is not needed.
 # Results: $OUT/ if set, else bench/out/. `bash bench/gpu_check.sh --dry-run` checks it on a CPU.
 set -euo pipefail
@@ -28,5 +30,10 @@ vocab_rc=0
 timeout 320 python3 bench/gpu_vocab.py "$@" || vocab_rc=$?  # a failure here must not skip what follows
 # OffloadStreamAdamW: exactness on CUDA, link floor, (β, S) sweep vs serial CPU Adam; saves after each row
 timeout 120 python3 bench/gpu_optimizer.py "$@"
+# SCO: real device peak and step time vs the host budget, eager and compiled (bench/gpu_sco.py); it stops
+# starting variants after 100 s and saves after each sequence length; a failure here is reported in the exit code
+sco_rc=0
+timeout 150 python3 bench/gpu_sco.py "$@" || sco_rc=$?
+if [[ "$vocab_rc" == 0 && "$sco_rc" != 0 ]]; then vocab_rc=$sco_rc; fi
 echo "gpu_check: all GPU measurements done in $((SECONDS - start)) s; results in ${OUT:-bench/out}/"
 exit "$vocab_rc"

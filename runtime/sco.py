@@ -357,6 +357,10 @@ class CompiledSCO(SCOHandle):
         self.plan = list(plan)                  # True: offload this layer's boundary
         self.offloaded = list(plan)
         self._handles: dict[int, _Offloaded] = {}  # forward -> backward, one per offloaded layer
+        # Inductor reuses a dead buffer's memory in-graph (``buf7 = buf0  # reuse``) without the caching
+        # allocator, so record_stream cannot protect a boundary still being copied to the host: with this set,
+        # the compute stream waits for the D2H copy (the host thread does not). The pass sets it for Inductor.
+        self.offload_waits = False
         self.sco_id = next(_COMPILED_IDS)
         _COMPILED[self.sco_id] = self
 
@@ -377,6 +381,10 @@ class CompiledSCO(SCOHandle):
         # a graph dropped without backward drops its tokens: release the handle so the next forward may reuse
         weakref.finalize(token.untyped_storage(), self._drop_handle, layer, weakref.ref(handle)).atexit = False
         self._copy_out(handle, x)
+        if self._stream is not None and self.offload_waits:
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+            torch.cuda.current_stream(x.device).wait_event(copied)
         self._log("offload", layer, nbytes)
         return token
 

@@ -457,6 +457,7 @@ def partition_fn(plan: SCOPlan | None, inner: str):
         return None
     if inner == "inductor":
         from torch._functorch.partitioners import min_cut_rematerialization_partition
+        plan.runtime.offload_waits = True  # Inductor reuses buffers in-graph: see CompiledSCO.offload_waits
         return SCOPartitioner(plan, min_cut_rematerialization_partition)
     from torch._functorch.partitioners import default_partition
     return SCOPartitioner(plan, default_partition)
