@@ -240,21 +240,30 @@ def _terms(shape: ModelShape, launch: Launch) -> list[tuple[str, sympy.Expr, str
             out.append(("shared experts activations (fwd + bwd)", 2 * N * (H + 3 * I_f) * b, "moe",
                         "a shorter context"))
         out.append(("router scores (fp32, fwd + bwd)", 2 * N * E * b_acc, "moe", "a shorter context"))
+        # The runtime bounds count this rank's E/E_p experts and their gradients. Under ZeRO-3 (W > 1) those are
+        # the gathered, unsharded copies (transient); on one rank they are the parameters and gradients
+        # themselves, already persistent: subtract them there, or they would be counted twice.
+        own_experts = (1 - sympy.Min(1, W - 1)) * 2 * (E / E_p) * 3 * I * H * b
         if "pipelined_llep" in ops:
             out.append(("expert dispatch (PipelinedLLEP, routing-independent)",
-                        pl.pipelined_llep_bound(mixed_precision=mixed), "moe",
+                        pl.pipelined_llep_bound(mixed_precision=mixed) - own_experts, "moe",
                         "a smaller chunk cap c (--chunk-cap) or fewer borrowed slots s_b"))
         else:
-            out.append((f"expert dispatch (standard EP, {launch.routing}-case routing R)", pl.standard_ep_bound(),
-                        "moe", "enable pipelined_llep (a bound that does not depend on routing)"))
+            out.append((f"expert dispatch (standard EP, {launch.routing}-case routing R)",
+                        pl.standard_ep_bound() - own_experts, "moe",
+                        "enable pipelined_llep (a bound that does not depend on routing)"))
     if "ring_dtp" in ops:
         branch = rd.choose_branch(launch.tokens_per_rank, shape.vocab, launch.ring)
         out.append((f"vocab projection + loss (Ring-DTP, move {branch})",
                     rd.ring_dtp_bound(branch, mixed_precision=mixed, count_weight_shard=False), "head",
                     "a smaller strip C (--vocab-block) or a larger ring P"))
     else:
-        out.append(("vocab projection + loss (full logits)", rd.reference_bound(mixed_precision=mixed), "head",
-                     "enable ring_dtp (never materializes [N, V])"))
+        # reference_bound counts the head's weight shard (a parameter, persistent here) and, with no gather
+        # (P = 1), the whole weight's gradient (the persistent gradient): subtract both so neither counts twice
+        shard = sympy.ceiling(sym.V / sym.P) * H * b
+        out.append(("vocab projection + loss (full logits)",
+                    rd.reference_bound(mixed_precision=mixed) - shard * (2 - sympy.Min(1, sym.P - 1)), "head",
+                    "enable ring_dtp (never materializes [N, V])"))
     return out
 
 

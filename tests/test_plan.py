@@ -1,0 +1,146 @@
+"""boundpass.plan / the composed per-rank budget: prediction vs a measured training step, --solve, CLI, errors.
+
+Measured: one steady-state training step (the second: AdamW state exists) of torchtitan's real deepseek_v3 debug
+MoE model on CPU with real tensors, one rank, fp32, full activation checkpointing (torchtitan's FullAC), fused
+AdamW; peak = boundpass.memtrack.LiveStorageTracker's high-water mark of live tensor storages (parameters and
+buffers counted from the start), not RSS.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from boundpass import composed
+from boundpass.errors import BoundpassInputError
+from boundpass.plan import make_input, model_config, model_shape, plan, shape_of_module
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYERS, SEQ, VOCAB = 3, 1024, 2048  # one dense + two MoE blocks; batch 1 x 1024 tokens
+
+
+def _trimmed_debug_model():
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    from boundpass.recipes.models import build_debug_moe
+    model = build_debug_moe("deepseek_v3", vocab_size=VOCAB, seq_len=SEQ)
+    for name in list(model.layers)[LAYERS:]:
+        del model.layers[name]
+    FullAC(FullAC.Config()).apply(model)
+    return model
+
+
+def _measured_step_peak(model) -> int:
+    from boundpass.memtrack import LiveStorageTracker
+    from boundpass.recipes.models import torchtitan_loss
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    loss_fn = torchtitan_loss()
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (1, SEQ), generator=gen)
+    labels = torch.randint(0, VOCAB, (1, SEQ), generator=gen)
+
+    def step():
+        loss = loss_fn(model(tokens), labels, SEQ)
+        (loss[0] if isinstance(loss, tuple) else loss).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with LiveStorageTracker() as tracker:
+        tracker.track_existing(*model.parameters(), *model.buffers())
+        step()                 # first step allocates AdamW's state
+        tracker.reset_peak()
+        step()                 # steady state: what the composed budget predicts
+    return tracker.peak_bytes()
+
+
+def test_predicted_peak_is_within_10_percent_of_measured_and_never_below():
+    model = _trimmed_debug_model()
+    cfg = model_config("deepseek_v3", "debugmodel")
+    shape = shape_of_module(model, name="deepseek_v3 debug (3 blocks)", heads_config=cfg.layers[-1].attention,
+                            top_k=cfg.layers[-1].moe.router.top_k)
+    assert (shape.layers, shape.moe_layers, shape.vocab) == (LAYERS, LAYERS - 1, VOCAB)
+    launch = composed.Launch(ranks=1, ep=1, ring=1, tokens_per_rank=SEQ, operators=frozenset(), b=4, b_acc=4)
+    table = composed.compose(shape, launch, budget=2**40)
+    predicted = table.total
+    measured = _measured_step_peak(model)
+    print(f"predicted {predicted} B, measured {measured} B, ratio {predicted / measured:.4f}")
+    assert measured <= predicted <= 1.10 * measured
+    # the state terms are exact: 16 bytes per fp32 parameter with AdamW (weights, grads, two moments)
+    params = sum(p.numel() for p in model.parameters())
+    assert sum(t.value for t in table.terms if t.kind == "persistent") == 16 * params
+
+
+def test_model_shape_of_the_config_matches_the_built_model():
+    from boundpass.recipes.models import build_debug_moe
+    shape = model_shape("deepseek_v3", "debugmodel")
+    built = build_debug_moe("deepseek_v3")
+    assert shape.params == sum(p.numel() for p in built.parameters()) == 33_014_016
+    assert (shape.layers, shape.moe_layers, shape.experts, shape.top_k, shape.dense_hidden) == (6, 5, 8, 3, 1024)
+
+
+def test_solve_gives_a_context_that_fits_and_the_next_size_up_does_not():
+    result = plan("deepseek_v3", "debugmodel", ranks=2, ep=2, context=4096, budget="900MiB", host_budget="1GiB",
+                  dtype="fp32", do_trace=False, solve=True)
+    answer = result.solve
+    assert answer["value"] > 0 and answer["next"] > answer["value"]
+    inp = result.inputs
+    shape = result.shape
+    for context, fits in ((answer["value"], True), (answer["next"], False)):
+        n = context * inp.global_batch // inp.ranks
+        table = composed.compose(shape, composed.Launch(ranks=2, ep=2, ring=2, tokens_per_rank=n, b=4),
+                                 budget=inp.budget, host_budget=inp.host_budget)
+        assert table.fits() is fits, (context, table.total, inp.budget)
+
+
+def test_operators_only_lower_the_bound_and_the_binding_term_names_a_knob():
+    kw = dict(ranks=8, ep=8, context=65_536, budget="139GiB", host_budget="256GiB", do_trace=False)
+    base = plan("gpt_oss", "120b", operators=(), **kw)
+    full = plan("gpt_oss", "120b", **kw)
+    assert full.table.total < base.table.total
+    assert not base.fits  # 117B params on 8 ranks: AdamW state alone is over 139 GiB
+    bind = base.table.binding()
+    assert bind.name.startswith("optimizer state on device") and "offload_adamw" in bind.knob
+
+
+def test_cli_json_parses_and_exit_code_says_fit():
+    cmd = [sys.executable, "-m", "boundpass", "plan", "deepseek_v3", "debugmodel", "-W", "1", "-N", "256",
+           "--budget", "2GiB", "--dtype", "fp32", "--operators", "none", "--json", "--solve"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["fits"] is True and data["device_peak_bytes"] <= data["budget_bytes"]
+    names = [t["term"] for t in data["terms"]]
+    assert any(n.startswith("vocab projection + loss (full logits)") for n in names)
+    traced = {t["term"]: t["traced_bytes"] for t in data["terms"]}
+    boundary = next(n for n in names if n.startswith("checkpoint boundaries (device)"))
+    assert traced[boundary] == 6 * 256 * 256 * 4  # 6 blocks keep their [256, 256] fp32 input
+    assert data["solve"]["value"] >= 256
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(model="llama9", flavor="x"), "unknown model"),
+    (dict(flavor="700B"), "unknown flavor"),
+    (dict(ep=3), "E_p = 3 does not divide W = 16"),
+    (dict(ring=5), "ring degree P = 5 does not divide"),
+    (dict(context=1000), "do not split evenly over W = 16"),
+    (dict(budget="139 GiBs"), "unknown unit"),
+    (dict(operators=("ring_dtp", "zero_bubble")), "unknown operators"),
+    (dict(tokens_per_rank=4096), "exactly one of"),
+])
+def test_bad_input_is_refused_before_any_model_is_built(kwargs, match):
+    args = dict(model="deepseek_v3", flavor="671B", ranks=16, ep=8, context=65_536)
+    args.update(kwargs)
+    with pytest.raises(BoundpassInputError, match=match):
+        make_input(args.pop("model"), args.pop("flavor"), **args)
+
+
+def test_degree_that_does_not_divide_the_experts_or_heads_is_refused():
+    with pytest.raises(BoundpassInputError, match="does not divide gpt_oss 120b's E = 128"):
+        plan("gpt_oss", "120b", ranks=256, ep=256, context=2**20, do_trace=False)
+    with pytest.raises(BoundpassInputError, match="W must divide 64"):
+        plan("gpt_oss", "120b", ranks=128, ep=8, context=2**20, do_trace=False)
