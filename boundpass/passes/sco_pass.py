@@ -74,6 +74,9 @@ class SCOPlan:
     runtime: sco_rt.CompiledSCO | None = None
     rewritten: bool = False          # stage 2 ran and rewrote the partitioned graphs
     rewrite_notes: list[str] = field(default_factory=list)
+    terms: tuple | None = field(default=None, repr=False)   # (device, host) BoundTerms in ``table``
+    table: BudgetTable | None = field(default=None, repr=False)
+    budget: int = 0
 
     @property
     def eligible(self) -> list[SCORegion]:
@@ -184,6 +187,7 @@ def plan_sco(gm: fx.GraphModule, mode, *, table: BudgetTable, budget: int, host_
         count = most
     device, host = _sco_term(plan, count)
     table.terms += [device, host]
+    plan.terms, plan.table, plan.budget = (device, host), table, budget
     if not fits(count):
         needed = next((c for c in range(count, len(eligible) + 1) if fits(c)), None)
         if needed is not None and needed > most:  # the host pool is what binds: name the host knob
@@ -348,7 +352,8 @@ def rewrite_partitioned(plan: SCOPlan, joint, fw: fx.GraphModule, bw: fx.GraphMo
                     later.offloaded = False
                     later.reason = "kept: an earlier boundary could not be matched in the partitioned graph"
     runtime.plan = runtime.offloaded = [r.offloaded for r in eligible]
-    plan.offloaded = sum(runtime.plan)
+    if sum(runtime.plan) < plan.offloaded:
+        _replan(plan, sum(runtime.plan))
     if not matched:
         return
     fake_mode = next(_val(n) for n in fw.graph.nodes if isinstance(_val(n), Tensor)).fake_mode
@@ -425,9 +430,22 @@ def _order(graph: fx.Graph):
 def _keep_all(plan: SCOPlan) -> None:
     for region in plan.eligible:
         region.offloaded = False
-    plan.offloaded = 0
     if plan.runtime is not None:
         plan.runtime.plan = plan.runtime.offloaded = [False] * len(plan.eligible)
+    _replan(plan, 0)
+
+
+def _replan(plan: SCOPlan, offloaded: int) -> None:
+    """The partitioned graph allowed fewer offloads than planned: correct the terms, fail if the budget breaks."""
+    plan.offloaded = offloaded
+    if plan.terms is None:
+        return
+    device, host = _sco_term(plan, offloaded)
+    for old, new in zip(plan.terms, (device, host)):
+        old.name, old.value = new.name, new.value
+    if not plan.table.fits():
+        plan.terms[0].knob = "the partitioned graph keeps these boundaries on the device (see explain notes)"
+        raise_infeasible(plan.table, plan.terms[0], detail=f"at L_off={offloaded} (planned more)")
 
 
 # ----------------------------------------------------------------------------------- compiler plumbing
