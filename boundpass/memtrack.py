@@ -40,7 +40,8 @@ def _leaf_tensors(tree: Any) -> list[torch.Tensor]:
         if is_traceable_wrapper_subclass(t):
             # A wrapper's own storage is a placeholder; the memory lives in its inner tensors.
             attrs, _ = t.__tensor_flatten__()
-            stack.extend(getattr(t, a) for a in attrs)
+            # (DTensor in torch 2.13 also lists its DeviceMesh among the attributes: keep tensors only)
+            stack.extend(x for a in attrs if isinstance(x := getattr(t, a), torch.Tensor))
         else:
             out.append(t)
     return out

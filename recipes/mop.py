@@ -23,6 +23,9 @@ from boundpass.errors import BoundpassInputError
 from boundpass.recipes.models import MODELS, apply_cpu_device_fix, debug_moe_config
 from boundpass.runtime.seq_to_head import SeqToHeadAttention, check_head_counts, shard_positions, shard_sequence
 
+# torchtitan reads its device type once, at import: fix it before anything imports torchtitan (no-op on GPUs)
+apply_cpu_device_fix()
+
 __all__ = ["mop_config", "apply_seq_to_head", "parallelize_mop", "shard_batch", "attention_heads"]
 
 
@@ -68,11 +71,12 @@ def apply_seq_to_head(model: torch.nn.Module, group) -> None:
         block.attention.inner_attention = SeqToHeadAttention(inner, group)
 
 
-def parallelize_mop(model: torch.nn.Module, cfg, *, world: int):
+def parallelize_mop(model: torch.nn.Module, cfg, *, world: int, ac_config=None):
     """Apply the MoP layout to a materialised model (same values on every rank); returns (model, parallel_dims).
 
     torchtitan's own parallelize function does EP + FSDP2; this adds sequence-to-head attention and the
-    sum-reduction of gradients. Activation checkpointing and compile are left to the caller (off here).
+    sum-reduction of gradients. ``ac_config``: torchtitan's activation checkpointing config (e.g.
+    ``FullAC.Config()``), applied by the same parallelize function; None: off. Compile stays off.
     """
     import torch.distributed as dist
     from torchtitan.distributed import ParallelDims
@@ -80,13 +84,19 @@ def parallelize_mop(model: torch.nn.Module, cfg, *, world: int):
     if not dist.is_initialized() or dist.get_world_size() != world:
         raise BoundpassInputError(f"parallelize_mop needs an initialised process group of {world} ranks")
     from torchtitan.distributed import utils as dist_utils
+    from torchtitan.tools import utils as tt_utils
+
+    if tt_utils.device_type == "cuda" and not torch.cuda.is_available():
+        raise BoundpassInputError("torchtitan was imported before boundpass.recipes.mop on a machine without CUDA, "
+                                  "so its device type is 'cuda'; import boundpass.recipes.mop (or call "
+                                  "boundpass.recipes.models.apply_cpu_device_fix()) before importing torchtitan")
 
     dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)  # what torchtitan's Trainer does first
     dims = ParallelDims.from_config(cfg.parallelism, world)
     dims.build_mesh()
     apply_seq_to_head(model, dims.get_mesh("fsdp").get_group())
     cfg.model_spec.parallelize_fn(model, parallel_dims=dims, training=cfg.training, parallelism=cfg.parallelism,
-                                  compile_config=cfg.compile, ac_config=None, dump_folder=cfg.dump_folder)
+                                  compile_config=cfg.compile, ac_config=ac_config, dump_folder=cfg.dump_folder)
     from torch.distributed.fsdp import FSDPModule
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -11,6 +11,8 @@ expert matmuls in bf16, so each rank's partial expert-weight gradient is rounded
 5e-3. Losses (global, all-reduced) within 1e-5 relative. A wrong position, head, shard or expert placement
 gives O(1) differences.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -29,11 +31,33 @@ def _batch(step):
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
 
 
+def _local(t):
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _composed_bound(model, cfg, world, ep):
+    """The composed per-rank budget (boundpass.composed) of this launch: standard EP, full logits, AdamW on the
+    device, every block checkpointed, fp32 (b = b_acc = 4)."""
+    import importlib
+    composed, plan = importlib.import_module("boundpass.composed"), importlib.import_module("boundpass.plan")
+    shape = plan.shape_of_module(model, name=NAME, heads_config=cfg.model_spec.model.layers[0].attention,
+                                 top_k=cfg.model_spec.model.layers[1].moe.router.top_k)
+    launch = composed.Launch(ranks=world, ep=ep, ring=world, tokens_per_rank=BATCH * SEQ // world,
+                             operators=frozenset(), b=4, b_acc=4)
+    return composed.compose(shape, launch, budget=1 << 40).total
+
+
 def _train(rank, world, ep):
-    """STEPS AdamW steps; returns (global loss per step, full weights on rank 0, layout facts)."""
+    """STEPS AdamW steps; returns (global loss per step, full weights on rank 0, layout facts).
+
+    Under the layout every block is checkpointed (torchtitan's FullAC, recompute is the same arithmetic) and
+    the last step runs under a LiveStorageTracker that counts this rank's parameter shards, optimizer state
+    and buffers from the start: facts["peak"] is the rank's measured peak of one whole training step."""
     import torch.distributed as dist
+    from boundpass.memtrack import LiveStorageTracker
     from boundpass.recipes.models import torchtitan_loss
     from boundpass.recipes.mop import mop_config, parallelize_mop, shard_batch
+    from torchtitan.distributed.activation_checkpoint import FullAC
     cfg = mop_config(NAME, world=world, ep=ep, seq_len=SEQ, vocab_size=VOCAB)
     with torch.device("meta"):
         model = cfg.model_spec.model.build()
@@ -45,9 +69,10 @@ def _train(rank, world, ep):
     model.train()
     facts = {}
     if world > 1:
-        parallelize_mop(model, cfg, world=world)
+        facts["bound"] = _composed_bound(model, cfg, world, ep)
+        parallelize_mop(model, cfg, world=world, ac_config=FullAC.Config())
         routed = model.layers["1"].moe.routed_experts
-        facts = dict(ep=routed.token_dispatcher.ep_mesh.size(), experts=routed.inner_experts.w1_EFD.shape[0],
+        facts.update(ep=routed.token_dispatcher.ep_mesh.size(), experts=routed.inner_experts.w1_EFD.shape[0],
                      attention={type(b.attention.inner_attention).__name__ for b in model.layers.values()})
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     loss_fn = torchtitan_loss()
@@ -57,15 +82,23 @@ def _train(rank, world, ep):
         positions = None
         if world > 1:
             tokens, labels, positions = shard_batch(tokens, labels, rank, world)
-        loss, _ = loss_fn(model(tokens, positions=positions), labels, torch.tensor(BATCH * SEQ))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        measure = world > 1 and step == STEPS - 1
+        with LiveStorageTracker() if measure else contextlib.nullcontext() as tracker:
+            if measure:  # persistent state counted from the start
+                state = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
+                tracker.track_existing(*map(_local, [*model.parameters(), *model.buffers(), *state]))
+            loss, _ = loss_fn(model(tokens, positions=positions), labels, torch.tensor(BATCH * SEQ))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        if measure:
+            facts["peak"] = tracker.peak_bytes()
         total = loss.detach().clone()
         if world > 1:
             dist.all_reduce(total)  # each rank's loss is its tokens' share of the global mean
         losses.append(total.item())
-    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    weights = {n.replace("_checkpoint_wrapped_module.", ""):  # FullAC's wrapper adds a level to the names
+               (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                for n, p in model.named_parameters()}
     return losses, (weights if rank == 0 else None), facts
 
@@ -82,6 +115,13 @@ def test_layout_is_what_it_says(runs):
     facts = mop[0][2]
     assert facts["attention"] == {"SeqToHeadAttention"}
     assert facts["ep"] == 2 and facts["experts"] == 8
+
+
+def test_per_rank_peak_within_composed_budget(runs):
+    """Measured per-rank peak of a training step (W = 4, E_p = 2) <= the composed budget of the layout."""
+    _, mop = runs
+    for rank, (_, _, facts) in enumerate(mop):
+        assert 0 < facts["peak"] <= facts["bound"], f"rank {rank}: peak {facts['peak']} B > bound {facts['bound']} B"
 
 
 def test_mop_matches_single_rank(runs):
