@@ -21,11 +21,18 @@ class ExplainReport:
 
     @property
     def matched(self) -> list:
+        """Rewritten regions of every pass (each region has a ``kind``: "vocab", "dispatch")."""
         return [r for r in self.regions if r.rewritten]
 
     @property
     def skipped(self) -> list:
         return [r for r in self.regions if not r.rewritten]
+
+    def rewritten_of(self, kind: str) -> list:
+        return [r for r in self.matched if r.kind == kind]
+
+    def skipped_of(self, kind: str) -> list:
+        return [r for r in self.skipped if r.kind == kind]
 
     def __str__(self) -> str:
         return self.text(graph="full")

@@ -71,7 +71,7 @@ def test_compiled_loss_and_grads_equal_uncompiled(loss_fn, dtype, inner):
     torch.testing.assert_close(loss, want, **tol)
     for name, grad in _grads(model).items():
         torch.testing.assert_close(grad, dict(reference.named_parameters())[name].grad, **tol)
-    assert [r.module_path for r in boundpass.explain(compiled).matched] == ["model.lm_head"]
+    assert [r.module_path for r in boundpass.explain(compiled).rewritten_of("vocab")] == ["model.lm_head"]
 
 
 def test_rewritten_graphs_hold_no_logits_sized_tensor():
@@ -112,8 +112,8 @@ def test_unrewritable_regions_are_skipped_with_a_reason(loss_fn, reason):
     want = loss_fn(model(_batch(200)[0]), _batch(200)[1])
     torch.testing.assert_close(out, want)
     report = boundpass.explain(compiled)
-    assert not report.matched and len(report.skipped) == 1
-    assert reason in report.skipped[0].reason
+    assert not report.rewritten_of("vocab") and len(report.skipped_of("vocab")) == 1
+    assert reason in report.skipped_of("vocab")[0].reason
     assert "SKIPPED" in str(report) and reason in str(report)
 
 
@@ -122,19 +122,19 @@ def test_bf16_logits_without_upcast_are_skipped():
     compiled = boundpass.compile(model, budget="1GiB",
                                  loss_fn=lambda lg, y: F.cross_entropy(lg.flatten(0, 1), y.flatten(0, 1)))
     compiled(*_batch(200))
-    assert "would change the numerics" in boundpass.explain(compiled).skipped[0].reason
+    assert "would change the numerics" in boundpass.explain(compiled).skipped_of("vocab")[0].reason
 
 
 def test_fp64_logits_downcast_to_fp32_are_skipped():
     compiled = boundpass.compile(TinyLM(200, dtype=torch.float64), budget="1GiB", loss_fn=titan_style_ce)
     compiled(*_batch(200))
-    assert "would change the numerics" in boundpass.explain(compiled).skipped[0].reason
+    assert "would change the numerics" in boundpass.explain(compiled).skipped_of("vocab")[0].reason
 
 
 def test_bias_is_skipped():
     compiled = boundpass.compile(TinyLM(200, bias=True), budget="1GiB", loss_fn=titan_style_ce)
     compiled(*_batch(200))
-    assert "bias" in boundpass.explain(compiled).skipped[0].reason
+    assert "bias" in boundpass.explain(compiled).skipped_of("vocab")[0].reason
 
 
 def test_strip_width_is_chosen_to_fit_the_budget():
@@ -143,11 +143,11 @@ def test_strip_width_is_chosen_to_fit_the_budget():
     tokens, labels = _batch(vocab, batch=8, seq=512)
     roomy = boundpass.compile(model, budget="4GiB", loss_fn=titan_style_ce)
     roomy(tokens, labels)
-    assert boundpass.explain(roomy).matched[0].block == vocab
+    assert boundpass.explain(roomy).rewritten_of("vocab")[0].block == vocab
     tight = boundpass.compile(model, budget="100MiB", loss_fn=titan_style_ce)
     loss = tight(tokens, labels)
     report = boundpass.explain(tight)
-    assert 128 <= report.matched[0].block < vocab and report.table.fits()
+    assert 128 <= report.rewritten_of("vocab")[0].block < vocab and report.table.fits()
     torch.testing.assert_close(loss, titan_style_ce(model(tokens), labels), rtol=1e-5, atol=1e-3)
 
 
@@ -222,7 +222,7 @@ def test_dynamic_tokens_recheck_the_budget_when_they_grow():
     strips = []
     for seq in (64, 1000):
         compiled(*_batch(vocab, batch=2, seq=seq))
-        strips.append(boundpass.explain(compiled).matched[0].block)
+        strips.append(boundpass.explain(compiled).rewritten_of("vocab")[0].block)
         assert boundpass.explain(compiled).table.fits()
     assert strips[1] < strips[0], "a larger N must recompile with a narrower strip, not reuse the wider one"
     compiles = len(compiled.reports)
@@ -261,7 +261,7 @@ def _compiled_on_ring(rank, world, vocab):
         for p in module.parameters():
             dist.all_reduce(p.grad)
     errors = [(p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())]
-    return (loss - want).abs().item(), max(errors), boundpass.explain(compiled).matched[0].branch
+    return (loss - want).abs().item(), max(errors), boundpass.explain(compiled).rewritten_of("vocab")[0].branch
 
 
 @pytest.mark.distributed

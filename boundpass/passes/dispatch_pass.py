@@ -141,7 +141,7 @@ def _match_experts(nodes: list[fx.Node], region: set):
     ok = (isinstance(mul, fx.Node) and mul.op == "call_function" and mul.target is operator.mul
           and {a for a in mul.args if isinstance(a, fx.Node)} >= {up}
           and any(_is(a, "call_function", F.silu) and a.args[0] is gate for a in mul.args))
-    if not ok or any(len(m.args) > 2 or m.kwargs.get("bias") is not None for m in mms if "offs" not in m.kwargs):
+    if not ok or any(len(m.args) > 3 or m.kwargs.get("bias") is not None for m in mms):
         return None, "the experts are not silu(x w1) * (x w3) -> w2 (e.g. biases or another activation)"
     weights = [_weight_source(m.args[1], region) for m in (gate, down, up)]
     if any(w is None or w.op != "placeholder" for w in weights):
@@ -263,9 +263,8 @@ def _rewrite_one(gm, key, module, nodes) -> DispatchRegion:
     mesh = getattr(dispatcher, "ep_mesh", None)
     group = mesh.get_group() if mesh is not None else None
     ep_size = mesh.size() if mesh is not None else 1
-    num_experts = int(_val([n for n in externals if n not in inputs and n not in weights
-                            and _val(n).dim() == 1][0]).shape[0]) if any(
-        n not in inputs and n not in weights and _val(n).dim() == 1 for n in externals) else e * ep_size
+    counts = [n for n in externals if n not in inputs and n not in weights]  # per-expert route counts [E]
+    num_experts = int(_val(counts[0]).shape[0]) if counts else e * ep_size
     if num_experts != e * ep_size:
         return skip(f"{num_experts} experts routed but {e} local experts x EP {ep_size}")
     x_val, k = _val(x), int(_val(ids).shape[-1])

@@ -30,6 +30,7 @@ class VocabRegion:
     module_path: str
     rewritten: bool
     reason: str = ""
+    kind: str = "vocab"
     tokens: object = None          # N (int or SymInt) of the rewritten op
     hidden: int = 0
     vocab: int = 0
