@@ -71,7 +71,7 @@ def apply_seq_to_head(model: torch.nn.Module, group) -> None:
         block.attention.inner_attention = SeqToHeadAttention(inner, group)
 
 
-def parallelize_mop(model: torch.nn.Module, cfg, *, world: int, ac_config=None):
+def parallelize_mop(model: torch.nn.Module, cfg, *, world: int, ac_config=None, sequence_to_head: bool = True):
     """Apply the MoP layout to a materialised model (same values on every rank); returns (model, parallel_dims).
 
     torchtitan's own parallelize function does EP + FSDP2; this adds sequence-to-head attention and the
@@ -94,7 +94,8 @@ def parallelize_mop(model: torch.nn.Module, cfg, *, world: int, ac_config=None):
     dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)  # what torchtitan's Trainer does first
     dims = ParallelDims.from_config(cfg.parallelism, world)
     dims.build_mesh()
-    apply_seq_to_head(model, dims.get_mesh("fsdp").get_group())
+    if sequence_to_head:
+        apply_seq_to_head(model, dims.get_mesh("fsdp").get_group())
     cfg.model_spec.parallelize_fn(model, parallel_dims=dims, training=cfg.training, parallelism=cfg.parallelism,
                                   compile_config=cfg.compile, ac_config=ac_config, dump_folder=cfg.dump_folder)
     from torch.distributed.fsdp import FSDPModule
