@@ -94,13 +94,14 @@ def _dispatch_regions(compiled):
 
 # --------------------------------------------------------------------------------------------- EP = 1
 @pytest.mark.parametrize("name,layers,ac", [("deepseek_v3", 3, None), ("deepseek_v3", 3, "full"),
-                                            ("qwen3_moe", 2, None)])
+                                            ("deepseek_v3", 3, "selective"), ("qwen3_moe", 2, None)])
 def test_rewrite_matches_torchtitan(name, layers, ac):
-    """Balanced, then all-tokens-to-the-same-experts routing through one compiled graph; FullAC bodies too."""
+    """Balanced, then all-tokens-to-the-same-experts routing through one compiled graph; FullAC / SelectiveAC too."""
     model = _cut(build_debug_moe(name, vocab_size=VOCAB, seq_len=SEQ), layers)
-    if ac == "full":
-        from torchtitan.distributed.activation_checkpoint import FullAC
-        FullAC(FullAC.Config()).apply(model)
+    if ac is not None:
+        from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+        policy = FullAC if ac == "full" else SelectiveAC
+        policy(policy.Config()).apply(model)
     ref = copy.deepcopy(model)
     compiled = boundpass.compile(model, budget="4GiB", loss_fn=_ce)
     tokens, labels = _batch()
