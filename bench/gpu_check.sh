@@ -35,5 +35,43 @@ timeout 120 python3 bench/gpu_optimizer.py "$@"
 sco_rc=0
 timeout 150 python3 bench/gpu_sco.py "$@" || sco_rc=$?
 if [[ "$vocab_rc" == 0 && "$sco_rc" != 0 ]]; then vocab_rc=$sco_rc; fi
+
+# --- torchtitan recipe (issue 7): one GPU, EP = 1, stock torchtitan vs --boundpass.budget, same seed -------------
+# torchtitan's own trainer through boundpass.recipes.train (no CPU shims on a GPU: FlexAttention, CUDA). Losses at
+# full precision in recipe_{stock,boundpass}.jsonl, logs beside them; 2 x 90 s at most. Needs torchtitan.
+recipe_rc=0
+recipe_out="${OUT:-bench/out}"
+mkdir -p "$recipe_out"
+if python3 -c 'import torchtitan' 2>/dev/null; then
+    recipe_dir="$(mktemp -d)"
+    recipe_steps=10 recipe_seq=4096
+    if [[ "${1:-}" == "--dry-run" ]]; then recipe_steps=2 recipe_seq=128; fi
+    for variant in stock boundpass; do
+        extra=()
+        [[ $variant == boundpass ]] && extra=(--boundpass.budget 8GiB)
+        rm -f "$recipe_out/recipe_$variant.jsonl"
+        timeout 90 python3 -m torch.distributed.run --nproc-per-node 1 -m boundpass.recipes.train \
+            --module boundpass.recipes --config deepseek_v3_debug --training.steps "$recipe_steps" \
+            --training.seq_len "$recipe_seq" --dump_folder "$recipe_dir/$variant" \
+            --boundpass.record_losses "$recipe_out/recipe_$variant.jsonl" "${extra[@]}" \
+            > "$recipe_out/recipe_$variant.log" 2>&1 || recipe_rc=$?
+    done
+    rm -rf "$recipe_dir"
+    python3 - "$recipe_out" <<'PY' || recipe_rc=$?
+import json, sys
+out = sys.argv[1]
+runs = {v: [json.loads(l) for l in open(f"{out}/recipe_{v}.jsonl")] for v in ("stock", "boundpass")}
+for s, b in zip(runs["stock"], runs["boundpass"]):
+    print(f"gpu_check recipe: step {s['step']:3d} stock {s['loss']:.6f} boundpass {b['loss']:.6f} "
+          f"rel {abs(b['loss'] - s['loss']) / abs(s['loss']):.1e}")
+if len(runs["stock"]) != len(runs["boundpass"]) or not runs["stock"]:
+    sys.exit("gpu_check recipe: the two runs logged different step counts")
+PY
+    grep -h "\[boundpass\]" "$recipe_out/recipe_boundpass.log" | head -20 || true
+else
+    echo "gpu_check: torchtitan not importable: recipe run skipped" >&2
+fi
+
 echo "gpu_check: all GPU measurements done in $((SECONDS - start)) s; results in ${OUT:-bench/out}/"
-exit "$vocab_rc"
+[[ "$vocab_rc" != 0 ]] && exit "$vocab_rc"
+exit "$recipe_rc"

@@ -22,6 +22,11 @@ Config adaptations (per config, before the Trainer is built):
 - attention: FlexAttention has no CPU backward, varlen attention no CPU kernel. We swap each layer's inner
   attention to causal SDPA, the swap torchtitan's own graph_trainer tests use
   (`build_decoder_config_for_backend`). SDPA is causal-only: it drops gpt_oss's sinks and sliding window.
+  MLA (deepseek_v3) has a value head dim (128) below its query/key head dim (192); torch's CPU flash kernel
+  needs them equal, so SDPA would fall back to the math kernel and hold [heads, L, L] scores: memory
+  quadratic in L, which no GPU run has (FlexAttention is memory-efficient). `ValuePaddedSDPA` pads V with
+  zero columns to the q/k head dim and drops them from the output: softmax(QK^T)[V, 0] = [softmax(QK^T)V, 0],
+  exact, and the CPU flash kernel (memory linear in L) runs.
 - CUDA graphs: `training.disable_cuda_graphs` (the default wraps the step in `wrap_with_cuda_graph`).
 - SPMD backend: the default `spmd_types` cannot run multi-rank on gloo (uneven all-to-all, and torch 2.13's
   `fully_shard` error with dp > 1); `partial_dtensor` works.
@@ -81,8 +86,8 @@ def adapt_config(config) -> list[str]:
     """Per-config CPU adaptations (attention swap, CUDA graphs off, partial_dtensor); none on a GPU."""
     if gpu_present():
         return []
-    from torchtitan.models.common.attention import ScaledDotProductAttention
     done = []
+    ScaledDotProductAttention = _value_padded_sdpa()
     model_cfg = config.model_spec.model
     swapped = 0
     for layer in getattr(model_cfg, "layers", []):
@@ -91,7 +96,7 @@ def adapt_config(config) -> list[str]:
             attention.inner_attention = ScaledDotProductAttention.Config()
             swapped += 1
     if swapped:
-        done.append(f"attention->sdpa x{swapped}")
+        done.append(f"attention->sdpa (value-padded) x{swapped}")
     if not config.training.disable_cuda_graphs:
         config.training.disable_cuda_graphs = True
         done.append("disable_cuda_graphs")
@@ -99,6 +104,35 @@ def adapt_config(config) -> list[str]:
         config.parallelism.spmd_backend = "partial_dtensor"
         done.append("spmd_backend=partial_dtensor")
     return done
+
+
+_VALUE_PADDED_SDPA = None
+
+
+def _value_padded_sdpa():
+    """torchtitan's SDPA inner attention, with V zero-padded to the q/k head dim (see the module docstring)."""
+    global _VALUE_PADDED_SDPA
+    if _VALUE_PADDED_SDPA is not None:
+        return _VALUE_PADDED_SDPA
+    from dataclasses import dataclass
+
+    import torch.nn.functional as F
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    class ValuePaddedSDPA(ScaledDotProductAttention):
+        @dataclass(kw_only=True, slots=True)
+        class Config(ScaledDotProductAttention.Config):
+            pass
+
+        def forward(self, q_BLNH, k_BLNH, v_BLNH, **kwargs):
+            value_dim, qk_dim = v_BLNH.shape[-1], q_BLNH.shape[-1]
+            if value_dim >= qk_dim:
+                return super().forward(q_BLNH, k_BLNH, v_BLNH, **kwargs)
+            out = super().forward(q_BLNH, k_BLNH, F.pad(v_BLNH, (0, qk_dim - value_dim)), **kwargs)
+            return out[..., :value_dim].contiguous()
+
+    _VALUE_PADDED_SDPA = ValuePaddedSDPA
+    return ValuePaddedSDPA
 
 
 class CPUMemoryMonitor:
