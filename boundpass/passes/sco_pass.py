@@ -198,9 +198,10 @@ def plan_sco(gm: fx.GraphModule, mode, *, table: BudgetTable, budget: int, host_
                          f"pool ({format_bytes(pool)} after the optimizer) holds {most}")
             device.knob = host.knob
             raise_infeasible(table, host if host_budget is not None else device)
-        device.knob = (f"every boundary offloaded still leaves {format_bytes(device.value)} of boundaries on the "
-                       f"device: reduce tokens per rank N (shorter sequence / smaller micro-batch), "
-                       f"or raise the budget")
+        floor = _sco_term(plan, len(eligible))[0].value
+        device.knob = (f"every boundary offloaded still leaves {format_bytes(floor)} of boundaries on the "
+                       f"device (the prefetch window): reduce tokens per rank N (shorter sequence / "
+                       f"smaller micro-batch), or raise the budget")
         raise_infeasible(table, device, detail=f"at L_off={count} of L={len(eligible)}")
     plan.offloaded = count
     for region in eligible:
