@@ -34,13 +34,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="standard EP's received rows: worst case (E_p N k) or balanced (N k)")
     p.add_argument("--no-trace", action="store_true", help="skip tracing torchtitan's blocks (bounds only)")
     p.add_argument("--solve", action="store_true", help="also the largest context (or N) that fits")
+    p.add_argument("--search", action="store_true",
+                   help="choose E_p, P, c, beta, S and the SCO subset at the least predicted step time")
+    p.add_argument("--flops", type=float, default=400e12, help="--search: sustained FLOP/s per rank")
+    p.add_argument("--link-intra", type=float, default=400e9, help="--search: bytes/s per rank inside a node")
+    p.add_argument("--link-inter", type=float, default=50e9, help="--search: bytes/s per rank across nodes")
+    p.add_argument("--host-link", type=float, default=50e9, help="--search: bytes/s per rank host <-> device")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="--search: ranks per node")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from boundpass.plan import as_json, plan
+    from boundpass.plan import CostModel, as_json, plan
     ops = () if args.operators.strip().lower() in ("", "none") else tuple(
         o.strip() for o in args.operators.split(",") if o.strip())
     try:
@@ -48,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
                       tokens_per_rank=args.tokens_per_rank, context=args.context, global_batch=args.global_batch,
                       budget=args.budget, host_budget=args.host_budget, operators=ops, dtype=args.dtype,
                       chunk_cap=args.chunk_cap, vocab_block=args.vocab_block, bucket=args.bucket, slots=args.slots,
-                      routing=args.routing, do_trace=not args.no_trace, solve=args.solve)
+                      routing=args.routing, do_trace=not args.no_trace, solve=args.solve,
+                      search=CostModel(flops=args.flops, link_intra=args.link_intra, link_inter=args.link_inter,
+                                       host_link=args.host_link, gpus_per_node=args.gpus_per_node)
+                      if args.search else None)
     except BoundpassError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

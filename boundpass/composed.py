@@ -10,7 +10,7 @@ Phases (why the terms are not simply summed): the optimizer steps after backward
 loss head runs before (forward) or after (backward) any block's recomputation, never during one:
 
     device peak = persistent + max(optimizer step, boundaries + gathered layer + max(layer, head))
-    layer       = attention + max(dense FFN, shared experts + router + expert dispatch)
+    layer       = attention + block glue + max(dense FFN, shared experts + router + expert dispatch)
 
 Each term's formula comes from the runtime module that owns it (imported, not copied): Ring-DTP / the full-logits
 reference (runtime/ring_dtp.py), PipelinedLLEP / standard EP / LLEP (runtime/pipelined_llep.py), SCO
@@ -24,6 +24,7 @@ the live model (``boundpass.plan.shape_of_module``) for its fail-fast check: the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 from dataclasses import dataclass
@@ -89,6 +90,7 @@ class Launch:
     slots: int = DEFAULT_SLOTS      # S
     borrowed_slots: int | None = None  # s_b (LLEP borrowed-weight slots per rank; None: E / E_p)
     routing: str = "worst"          # standard EP only: "worst" (a hot rank receives E_p·N·k rows) or "balanced"
+    sco_max_layers: int | None = None  # SCO host subset: offload at most this many boundaries (None: all that fit)
 
 
 def check_launch(shape: ModelShape, launch: Launch) -> None:
@@ -113,10 +115,10 @@ def check_launch(shape: ModelShape, launch: Launch) -> None:
         raise BoundpassInputError(f"unknown operators {sorted(unknown)}; known: {', '.join(OPERATORS)}")
     if launch.routing not in ("worst", "balanced"):
         raise BoundpassInputError(f"routing must be 'worst' or 'balanced', got {launch.routing!r}")
-    for name in ("chunk_cap", "vocab_block", "bucket", "slots", "borrowed_slots"):
+    for name in ("chunk_cap", "vocab_block", "bucket", "slots", "borrowed_slots", "sco_max_layers"):
         value = getattr(launch, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < (
-                0 if name == "borrowed_slots" else 1)):
+                0 if name in ("borrowed_slots", "sco_max_layers") else 1)):
             raise BoundpassInputError(f"{name} must be a positive int (or None for the default), got {value!r}")
 
 
@@ -163,7 +165,7 @@ def symbol_values(shape: ModelShape, launch: Launch, *, host_budget: int | None 
     values = {
         sym.N: N, sym.N_max: N, sym.H: shape.hidden, sym.V: shape.vocab, sym.P: P, sym.W: W, sym.L: shape.layers,
         sym.E: max(shape.experts, 1), sym.E_p: E_p, sym.k: max(shape.top_k, 1), sym.I: max(shape.expert_hidden, 1),
-        sym.I_f: max(shape.dense_hidden, shape.shared_hidden, 1),
+        sym.I_f: max(shape.dense_hidden, 1), sym.I_s: max(shape.shared_hidden, 1),
         sym.A_q: shape.heads, sym.A_kv: shape.kv_heads, sym.D_h: shape.head_dim,
         sym.b: launch.b, sym.b_acc: launch.b_acc, sym.b_idx: 8,
         sym.Theta: theta, sym.Theta_blk: shape.block_params,
@@ -191,7 +193,8 @@ def offloaded_boundaries(shape: ModelShape, launch: Launch, host_budget: int | N
         return shape.layers
     left = max(host_budget - optimizer_host_bytes(shape, launch), 0)
     boundary = launch.tokens_per_rank * shape.hidden * launch.b
-    return sco.planned_offloaded_layers([boundary] * shape.layers, left)
+    fitting = sco.planned_offloaded_layers([boundary] * shape.layers, left)
+    return fitting if launch.sco_max_layers is None else min(fitting, launch.sco_max_layers)
 
 
 def attention_bound() -> sympy.Expr:
@@ -205,12 +208,24 @@ def attention_bound() -> sympy.Expr:
     return seq_to_head_bound()
 
 
-def _terms(shape: ModelShape, launch: Launch) -> list[tuple[str, sympy.Expr, str, str]]:
-    """(name, formula, kind, knob) of every term at this launch; formulas in the shared symbols."""
-    ops = launch.operators
+def _terms(shape: ModelShape, launch: Launch) -> tuple:
+    """(name, formula, kind, knob, float function) of every term at this launch; formulas in the shared symbols."""
+    branch = rd.choose_branch(launch.tokens_per_rank, shape.vocab, launch.ring) if "ring_dtp" in launch.operators \
+        else ""
+    return _term_formulas(shape.dense_layers > 0, shape.moe_layers > 0, shape.shared_hidden > 0,
+                          frozenset(launch.operators), launch.routing, launch.b < launch.b_acc, branch)
+
+
+@functools.lru_cache(maxsize=None)
+def _term_formulas(has_dense: bool, has_moe: bool, has_shared: bool, ops: frozenset, routing: str, mixed: bool,
+                   branch: str) -> tuple:
+    out = _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch)
+    return tuple((name, formula, kind, knob, _lambdify(formula)) for name, formula, kind, knob in out)
+
+
+def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch) -> list:
     N, H, E, E_p, k, I, I_f = sym.N, sym.H, sym.E, sym.E_p, sym.k, sym.I, sym.I_f
     b, b_acc, W, Theta = sym.b, sym.b_acc, sym.W, sym.Theta
-    mixed = launch.b < launch.b_acc
     out = [("parameters (ZeRO-3 shard, Θ/W)", Theta * b, "persistent", "more ranks W (ZeRO-3 shards Θ/W)"),
            ("gradients (ZeRO-3 shard)", Theta * b, "persistent", "more ranks W (ZeRO-3 shards Θ/W)")]
     adamw = oa.reference_adamw_bound(mixed_precision=mixed) - 2 * Theta * b  # its master + moments, not weights/grads
@@ -222,7 +237,7 @@ def _terms(shape: ModelShape, launch: Launch) -> list[tuple[str, sympy.Expr, str
     else:
         out.append(("optimizer state on device (AdamW master + moments)", adamw, "persistent",
                     "enable offload_adamw (moves it to the host)"))
-    gather = sympy.Min(1, W - 1) * (3 * sym.Theta_blk * b + (E / E_p) * 3 * I * H * b * int(shape.moe_layers > 0))
+    gather = sympy.Min(1, W - 1) * (3 * sym.Theta_blk * b + (E / E_p) * 3 * I * H * b * int(has_moe))
     out.append(("ZeRO-3 gathered block (current + prefetched + unsharded grads)", gather, "transient",
                 "fewer parameters per block; not a launch knob"))
     out.append(("checkpoint boundaries (device) + SCO prefetch window", sco.sco_device_bound(), "transient",
@@ -232,12 +247,14 @@ def _terms(shape: ModelShape, launch: Launch) -> list[tuple[str, sympy.Expr, str
                     "a larger host budget, or a shorter context"))
     out.append(("attention (sequence-to-head all-to-all)", attention_bound(), "layer",
                 "a shorter context or more ranks W"))
-    if shape.dense_layers:
+    out.append(("block glue (norm outputs, residual sum, their grads; rstd)", 6 * N * H * b + 2 * N * b_acc, "layer",
+                "a shorter context"))
+    if has_dense:
         out.append(("dense FFN activations (recompute, fwd + bwd)", 2 * N * (H + 3 * I_f) * b, "dense",
                     "a shorter context"))
-    if shape.moe_layers:
-        if shape.shared_hidden:
-            out.append(("shared experts activations (fwd + bwd)", 2 * N * (H + 3 * I_f) * b, "moe",
+    if has_moe:
+        if has_shared:
+            out.append(("shared experts activations (fwd + bwd)", 2 * N * (H + 3 * sym.I_s) * b, "moe",
                         "a shorter context"))
         out.append(("router scores (fp32, fwd + bwd)", 2 * N * E * b_acc, "moe", "a shorter context"))
         # The runtime bounds count this rank's E/E_p experts and their gradients. Under ZeRO-3 (W > 1) those are
@@ -249,11 +266,11 @@ def _terms(shape: ModelShape, launch: Launch) -> list[tuple[str, sympy.Expr, str
                         pl.pipelined_llep_bound(mixed_precision=mixed) - own_experts, "moe",
                         "a smaller chunk cap c (--chunk-cap) or fewer borrowed slots s_b"))
         else:
-            out.append((f"expert dispatch (standard EP, {launch.routing}-case routing R)",
+            out.append((f"expert dispatch (standard EP, {routing}-case routing R)",
                         pl.standard_ep_bound() - own_experts, "moe",
                         "enable pipelined_llep (a bound that does not depend on routing)"))
+    out.append(("final norm (fp32 upcast + output, fwd + bwd)", N * H * (b + b_acc), "head", "a shorter context"))
     if "ring_dtp" in ops:
-        branch = rd.choose_branch(launch.tokens_per_rank, shape.vocab, launch.ring)
         out.append((f"vocab projection + loss (Ring-DTP, move {branch})",
                     rd.ring_dtp_bound(branch, mixed_precision=mixed, count_weight_shard=False), "head",
                     "a smaller strip C (--vocab-block) or a larger ring P"))
@@ -277,23 +294,19 @@ def compose(shape: ModelShape, launch: Launch, *, budget: int, host_budget: int 
     check_launch(shape, launch)
     values = symbol_values(shape, launch, host_budget=host_budget)
     table = ComposedBudget(budget=budget, host_budget=host_budget)
-    for name, formula, kind, knob in _terms(shape, launch):
-        value = _fast_value(formula, values) if fast else sym.evaluate(formula, values)
+    args = tuple(values.get(s, 1) for s in _ORDER) if fast else None
+    for name, formula, kind, knob, fn in _terms(shape, launch):
+        value = int(math.ceil(fn(*args))) if fast else sym.evaluate(formula, values)
         table.terms.append(BoundTerm(name, formula, value, knob=knob, kind=kind))
     return table
 
 
-_LAMBDAS: dict = {}
 _ORDER = tuple(sym.ALL.values())
 
 
-def _fast_value(formula, values: dict) -> int:
-    key = sympy.srepr(formula)
-    fn = _LAMBDAS.get(key)
-    if fn is None:
-        fn = _LAMBDAS[key] = sympy.lambdify(_ORDER, formula, modules=[{"Max": max, "Min": min, "ceiling": math.ceil,
-                                                                        "floor": math.floor}, "math"])
-    return int(math.ceil(fn(*(values.get(s, 1) for s in _ORDER))))
+def _lambdify(formula):
+    return sympy.lambdify(_ORDER, formula, modules=[{"Max": max, "Min": min, "ceiling": math.ceil,
+                                                     "floor": math.floor}, "math"])
 
 
 def total_formula(shape: ModelShape, launch: Launch, *, host_budget: int | None = None) -> sympy.Expr:
@@ -302,7 +315,7 @@ def total_formula(shape: ModelShape, launch: Launch, *, host_budget: int | None 
     values.pop(sym.N)
     values.pop(sym.N_max)
     parts: dict[str, sympy.Expr] = {}
-    for _, formula, kind, _ in _terms(shape, launch):
+    for _, formula, kind, _, _ in _terms(shape, launch):
         expr = sympy.sympify(formula).subs(sym.N_max, sym.N).subs(values)
         parts[kind] = parts.get(kind, sympy.Integer(0)) + expr
     p = lambda kind: parts.get(kind, sympy.Integer(0))  # noqa: E731

@@ -243,7 +243,7 @@ def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2) -> tupl
 
     Returns {"boundary": bytes a checkpointed block keeps (its input), "dense_block" / "moe_block": forward +
     backward peak of one block above its input, "head": forward + backward peak of norm + lm_head + loss}, and
-    notes. Parameters are not counted (they are budgeted as persistent state); their gradients are.
+    notes. Parameters and their gradients are left out (budgeted as persistent state): activations only.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -267,7 +267,8 @@ def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2) -> tupl
                 with LiveStorageTracker() as tracker:
                     y = blk(x, None, None)
                     y.backward(torch.empty_like(y))
-                out[key] = tracker.peak_bytes()
+                # less the block's weight gradients: they are the persistent gradients term, not activations
+                out[key] = tracker.peak_bytes() - sum(p.numel() for p in blk.parameters()) * x.element_size()
                 out["boundary"] = x.numel() * x.element_size()
                 del blk, x, y
             norm, head = cfg.norm.build(), cfg.lm_head.build()
@@ -276,7 +277,8 @@ def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2) -> tupl
             with LiveStorageTracker() as tracker:
                 loss = torchtitan_loss()(head(norm(h)), labels, tokens)
                 (loss[0] if isinstance(loss, tuple) else loss).backward()
-            out["head"] = tracker.peak_bytes()
+            out["head"] = tracker.peak_bytes() - sum(p.numel() * p.element_size() for m in (norm, head)
+                                                     for p in m.parameters())
         finally:
             torch.set_default_dtype(previous)
     if model == "deepseek_v3":
@@ -290,12 +292,13 @@ def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None =
          tokens_per_rank: int | None = None, context: int | None = None, global_batch: int = 1, budget="139GiB",
          host_budget=None, operators=OPERATORS, dtype: str = "bf16", chunk_cap: int | None = None,
          vocab_block: int | None = None, bucket: int | None = None, slots: int = 2, routing: str = "worst",
-         do_trace: bool = True, solve: bool = False) -> PlanResult:
+         do_trace: bool = True, solve: bool = False, search: CostModel | bool | None = None) -> PlanResult:
     """Compose the per-rank budget of (model, flavor) at this launch, trace it, and say whether it fits.
 
     budget / host_budget: per-rank bytes ("139GiB"; host None = unlimited). operators: any of ring_dtp,
     pipelined_llep, sco, offload_adamw (empty = the baseline: full logits, standard EP, no offload, ZeRO-3).
     solve: also find the largest context (or N) that fits. do_trace: trace torchtitan's blocks (fake tensors).
+    search: True or a CostModel: choose (E_p, P, c, β, S, SCO subset) at the least predicted step time.
     """
     start = time.perf_counter()
     inp = make_input(model, flavor, ranks=ranks, ep=ep, ring=ring, tokens_per_rank=tokens_per_rank,
@@ -312,27 +315,32 @@ def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None =
         _attach_trace(result, traced)
     if solve:
         result.solve = solve_context(inp, shape)
+    if search:
+        result.search = search_knobs(inp, shape, search if isinstance(search, CostModel) else None)
     result.seconds = time.perf_counter() - start
     return result
 
 
 def _attach_trace(result: PlanResult, traced: dict) -> None:
-    t, shape = result.table, result.shape
-    by_kind = lambda *kinds: sum(x.value for x in t.terms if x.kind in kinds)  # noqa: E731
+    """Put the traced figures beside the bounds: boundaries per term; a block and the head against the bound of
+    the same (reference) schedule on one rank (W = E_p = P = 1, no operator, balanced routing R = N·k)."""
+    t, shape, inp = result.table, result.shape, result.inputs
+    values = composed.symbol_values(shape, launch_of(inp), host_budget=t.host_budget)
     for x in t.terms:
         if x.name.startswith("checkpoint boundaries (device)"):
-            launch_values = composed.symbol_values(shape, launch_of(result.inputs), host_budget=t.host_budget)
-            resident = max(shape.layers - launch_values[composed.sym.L_off],
-                           2 * min(launch_values[composed.sym.L_off], 1))
+            resident = max(shape.layers - values[composed.sym.L_off], 2 * min(values[composed.sym.L_off], 1))
             result.traced[x.name] = traced["boundary"] * resident
+    one_rank = dataclasses.replace(launch_of(inp), ranks=1, ep=1, ring=1, operators=frozenset(), routing="balanced")
+    ref = composed.compose(shape, one_rank, budget=t.budget)
+    by_kind = lambda *kinds: sum(x.value for x in ref.terms if x.kind in kinds)  # noqa: E731
     if "moe_block" in traced:
-        result.traced["[layer, MoE block] bound: attention + shared + router + dispatch | traced: torchtitan block "
-                      "on one rank, E_p = 1"] = (by_kind("layer", "moe"), traced["moe_block"])
+        result.traced["[MoE block, one rank] bound: attention + glue + shared + router + standard EP (R = N k) | "
+                      "traced: torchtitan block fwd + bwd"] = (by_kind("layer", "moe"), traced["moe_block"])
     if "dense_block" in traced:
-        result.traced["[layer, dense block] bound: attention + dense FFN | traced: torchtitan block"] = (
-            by_kind("layer", "dense"), traced["dense_block"])
-    result.traced["[head] bound: vocab term | traced: norm + lm_head + torchtitan CrossEntropyLoss (P = 1)"] = (
-        by_kind("head"), traced["head"])
+        result.traced["[dense block, one rank] bound: attention + glue + dense FFN | traced: torchtitan block "
+                      "fwd + bwd"] = (by_kind("layer", "dense"), traced["dense_block"])
+    result.traced["[head, one rank] bound: full logits (P = 1) | traced: norm + lm_head + torchtitan "
+                  "CrossEntropyLoss fwd + bwd"] = (by_kind("head"), traced["head"])
 
 
 def solve_context(inp: PlanInput, shape: ModelShape) -> dict:
@@ -350,6 +358,107 @@ def solve_context(inp: PlanInput, shape: ModelShape) -> dict:
                 "next": value + step, "global_batch": per}
     n = composed.largest_tokens_per_rank(shape, launch, budget=inp.budget, host_budget=inp.host_budget)
     return {"what": "tokens per rank N", "value": n, "tokens_per_rank": n, "next": n + 1}
+
+
+# ------------------------------------------------------------------------------------------- --search
+@dataclass(frozen=True)
+class CostModel:
+    """Inputs of --search's step-time model (per rank): FLOP/s and link bandwidths in bytes/s, latencies in s."""
+    flops: float = 400e12            # sustained bf16 FLOP/s of one rank (H200 dense peak ~989e12 at ~40% MFU)
+    link_intra: float = 400e9        # bytes/s per rank inside a node (NVLink)
+    link_inter: float = 50e9         # bytes/s per rank across nodes (400 Gb/s NIC)
+    host_link: float = 50e9          # bytes/s per rank host <-> device (PCIe 5 x16, one direction)
+    gpus_per_node: int = 8
+    chunk_latency: float = 30e-6     # fixed cost of one PipelinedLLEP chunk stage (launch + collective setup)
+    bucket_latency: float = 50e-6    # fixed cost of one OffloadStreamAdamW bucket
+
+
+def step_seconds(shape: ModelShape, launch: Launch, context: int, cost: CostModel, l_off: int) -> dict:
+    """Predicted step time (s) of one rank and its parts, for comparing knob settings (not an absolute forecast).
+
+    compute    8·Θ_active·N + 8·L·T²·A_q·D_h / W FLOPs: forward, recompute (full AC) and a 2x backward of the
+               matmuls, plus causal attention over the whole sequence T with A_q/W heads on this rank
+    ep         dispatch + combine all-to-alls, 6 per MoE block (fwd, recompute, bwd), N·k·H·b·(E_p-1)/E_p bytes each
+               over NVLink if E_p fits a node else the NIC; PipelinedLLEP overlaps all but one of its K = N/c
+               chunks with expert compute and pays chunk_latency per chunk stage
+    ring       Ring-DTP moves min(N, V/P)·H·b per round, P-1 rounds, forward + backward (x3), not overlapped
+    zero3      3·Θ·b·(W-1)/W bytes (gather, re-gather, reduce-scatter); hidden behind compute when shorter
+    sco        L_off·N·H·b each way over the host link; hidden behind the recompute of the offloaded blocks
+    optimizer  OffloadStreamAdamW: 12·Θ/W bytes each way over the host link (S >= 2 overlaps the three stages;
+               S = 1 runs them in series: x2), plus bucket_latency per bucket of β parameters
+    """
+    W, E_p, P, N, b = launch.ranks, launch.ep, launch.ring, launch.tokens_per_rank, launch.b
+    ops = launch.operators
+    active = shape.params - shape.expert_params + shape.moe_layers * shape.top_k * 3 * shape.expert_hidden * shape.hidden
+    compute = (8 * active * N + 8 * shape.layers * context * context * shape.heads * shape.head_dim / W) / cost.flops
+    ep_link = cost.link_intra if E_p <= cost.gpus_per_node else cost.link_inter
+    a2a = 6 * shape.moe_layers * N * shape.top_k * shape.hidden * b * (E_p - 1) / E_p / ep_link
+    if "pipelined_llep" in ops:
+        chunks = -(-N // min(launch.chunk_cap or composed.DEFAULT_CHUNK_CAP, N))
+        ep = a2a / chunks + 3 * shape.moe_layers * chunks * cost.chunk_latency
+    else:
+        ep = a2a
+    ring_link = cost.link_intra if P <= cost.gpus_per_node else cost.link_inter
+    ring = 3 * (P - 1) * min(N, -(-shape.vocab // P)) * shape.hidden * b / ring_link if "ring_dtp" in ops else 0.0
+    zero3 = max(0.0, 3 * shape.params * b * (W - 1) / W / (cost.link_inter if W > cost.gpus_per_node
+                                                            else cost.link_intra) - compute)
+    per_block = compute / max(shape.layers, 1)
+    sco_copy = l_off * N * shape.hidden * b / cost.host_link
+    sco_time = max(0.0, sco_copy - l_off * per_block / 2)  # overlap with the recompute (about half a block's work)
+    optimizer = 0.0
+    if "offload_adamw" in ops:
+        theta = -(-shape.params // W)
+        bucket = max(1, min(launch.bucket or composed.DEFAULT_BUCKET, theta))
+        optimizer = 12 * theta / cost.host_link * (1 if launch.slots >= 2 else 2) + \
+            -(-theta // bucket) * cost.bucket_latency
+    parts = {"compute": compute, "ep": ep, "ring": ring, "zero3_exposed": zero3, "sco_exposed": sco_time,
+             "optimizer": optimizer}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def search_knobs(inp: PlanInput, shape: ModelShape, cost: CostModel | None = None) -> dict:
+    """Choose (E_p, P, c, β, S, SCO host subset) that fit the budgets at the least predicted step time."""
+    cost = cost or CostModel()
+    W, N = inp.ranks, inp.tokens_per_rank
+    context = inp.context or N * W
+    base = launch_of(inp)
+    eps = [d for d in range(1, W + 1) if W % d == 0 and (not shape.moe_layers or shape.experts % d == 0)]
+    rings = [d for d in range(1, W + 1) if W % d == 0]
+    caps = sorted({min(c, N) for c in (1024, 2048, 4096, 8192, 16384)})
+    buckets = (1 << 20, 1 << 22, 1 << 24, 1 << 26)
+    l_all = composed.offloaded_boundaries(shape, dataclasses.replace(base, sco_max_layers=None), inp.host_budget) \
+        if "sco" in inp.operators else 0
+    subsets = sorted({0, l_all // 4, l_all // 2, 3 * l_all // 4, l_all}) if "sco" in inp.operators else [0]
+    tried, best = 0, None
+    for ep in eps:
+        for ring in rings:
+            for cap in (caps if "pipelined_llep" in inp.operators else [caps[-1]]):
+                for bucket in (buckets if "offload_adamw" in inp.operators else [buckets[-1]]):
+                    for slots in ((1, 2) if "offload_adamw" in inp.operators else (2,)):
+                        for l_off in subsets:
+                            launch = dataclasses.replace(base, ep=ep, ring=ring, chunk_cap=cap, bucket=bucket,
+                                                         slots=slots, sco_max_layers=l_off)
+                            tried += 1
+                            table = composed.compose(shape, launch, budget=inp.budget, host_budget=inp.host_budget,
+                                                     fast=True)
+                            if not table.fits():
+                                continue
+                            l_used = composed.symbol_values(shape, launch, host_budget=inp.host_budget)[
+                                composed.sym.L_off]
+                            t = step_seconds(shape, launch, context, cost, l_used)
+                            if best is None or t["total"] < best[0]["total"]:
+                                best = (t, launch, table.total)
+    out = {"cost_model": dataclasses.asdict(cost), "candidates": tried, "best": None}
+    if best is not None:
+        t, launch, _ = best
+        exact = composed.compose(shape, launch, budget=inp.budget, host_budget=inp.host_budget)  # exact re-check
+        if exact.fits():
+            out["best"] = {"knobs": {"E_p": launch.ep, "P": launch.ring, "c": launch.chunk_cap, "beta": launch.bucket,
+                                     "S": launch.slots, "sco_max_layers": launch.sco_max_layers},
+                           "step_seconds": t["total"], "parts": t, "peak_bytes": exact.total,
+                           "host_bytes": exact.host_total}
+    return out
 
 
 def as_json(result: PlanResult) -> str:

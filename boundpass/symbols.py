@@ -54,5 +54,6 @@ ALL.update({s.name: s for s in (A_q, A_kv, D_h)})
 
 # Composed per-rank budget (boundpass/composed.py, boundpass/plan.py)
 Theta_blk = sympy.Symbol("Theta_blk", **_pos)  # non-routed-expert parameter elements of the largest block (ZeRO-3 gather)
-I_f = sympy.Symbol("I_f", **_pos)              # hidden size of a dense FFN / shared-experts MLP (0 cannot occur: ≥ 1)
-ALL.update({s.name: s for s in (Theta_blk, I_f)})
+I_f = sympy.Symbol("I_f", **_pos)              # hidden size of the dense blocks' FFN
+I_s = sympy.Symbol("I_s", **_pos)              # hidden size of a MoE block's shared-experts MLP
+ALL.update({s.name: s for s in (Theta_blk, I_f, I_s)})

@@ -144,3 +144,20 @@ def test_degree_that_does_not_divide_the_experts_or_heads_is_refused():
         plan("gpt_oss", "120b", ranks=256, ep=256, context=2**20, do_trace=False)
     with pytest.raises(BoundpassInputError, match="W must divide 64"):
         plan("gpt_oss", "120b", ranks=128, ep=8, context=2**20, do_trace=False)
+
+
+def test_search_picks_knobs_that_fit_and_reports_none_when_nothing_can():
+    from boundpass.plan import CostModel
+    kw = dict(ranks=2, context=8192, host_budget="1GiB", dtype="fp32", do_trace=False)
+    result = plan("deepseek_v3", "debugmodel", ep=2, budget="2GiB", search=CostModel(), **kw)
+    best = result.search["best"]
+    assert best is not None and result.search["candidates"] > 1
+    knobs = best["knobs"]
+    launch = composed.Launch(ranks=2, ep=knobs["E_p"], ring=knobs["P"], tokens_per_rank=4096, b=4,
+                             chunk_cap=knobs["c"], bucket=knobs["beta"], slots=knobs["S"],
+                             sco_max_layers=knobs["sco_max_layers"])
+    table = composed.compose(result.shape, launch, budget=result.inputs.budget, host_budget=result.inputs.host_budget)
+    assert table.fits() and table.total == best["peak_bytes"]
+    assert best["step_seconds"] == pytest.approx(sum(v for k, v in best["parts"].items() if k != "total"))
+    nothing = plan("deepseek_v3", "debugmodel", ep=2, budget="64MiB", search=True, **kw)
+    assert nothing.search["best"] is None
