@@ -200,8 +200,9 @@ class BoundpassTrainer(Trainer):
         if self.bounded is None:
             return "boundpass off"
         reports = self.bounded.reports
-        rewritten = [r for rep in reports for r in rep.matched]
-        skipped = [r for rep in reports for r in rep.skipped]
+        rewritten = [r for rep in reports for r in rep.rewritten_of("vocab")]
+        skipped = [r for rep in reports for r in rep.skipped_of("vocab")]
+        dispatch = [r for rep in reports for r in rep.regions if r.kind == "dispatch"]
         lines = [f"{len(reports)} graph(s) captured ({'one graph' if len(reports) == 1 else 'graph breaks'}); "
                  f"vocab regions rewritten: {len(rewritten)}, skipped: {len(skipped)}"]
         for r in rewritten:
@@ -209,6 +210,7 @@ class BoundpassTrainer(Trainer):
                          f"branch={r.branch} C={r.block}")
         for r in skipped:
             lines.append(f"  SKIPPED   {r.module_path}: {r.reason}")
+        lines += [f"  {r.describe()}" for r in dispatch]  # expert dispatch regions (PipelinedLLEP)
         if self.bounded.loss_fn is not None and not rewritten:
             lines.append("  WARNING: the vocab region was NOT rewritten in any graph: lm_head -> cross-entropy runs "
                          "unbounded (torchtitan's standard schedule); see docs/recipe.md")
