@@ -99,8 +99,8 @@ def model_runs(request):
     return dict(name=name, layers=layers, counts=counts, runs=runs, reference=reference, boundary=boundary, H=H)
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+def _rel(a, b):  # fp32 norms: ample for a 2e-3 tolerance, and the qwen3 experts are 80M elements
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def test_exact_plan_window_bound_and_no_leaks(model_runs):
