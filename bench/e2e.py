@@ -40,11 +40,15 @@ from boundpass.units import parse_bytes
 
 CURVE_TOL = 1e-4     # relative, per step; why: tests/test_recipe.py module docstring
 TARGET_REACH = 4.0
+CONTROL_FACTOR = 2.0  # over the whole curve: boundpass's deviation from stock <= 2x torchtitan's own rounding control
+EARLY_STEPS = 5
+VARIANT_OFFLOAD = "boundpass, offload_optimizer=true"
+VARIANT_AUTO = "boundpass, offload_optimizer=auto"
 SEE_INSIDE = ("boundpass", "torchtitan")  # custom-op namespaces whose kernels the tracker follows
 
 
 # ------------------------------------------------------------------------------------------------ curve
-def _curve_job(rank, world, tmp, assets, steps, seq, budget):
+def _curve_job(rank, world, tmp, assets, steps, seq, budget, names):
     os.environ["BOUNDPASS_ASSETS"] = assets
     from boundpass.recipes.train import train_in_process
     common = ["--module", "boundpass.recipes", "--config", "deepseek_v3_debug_ep2", "--training.seq_len", str(seq),
@@ -54,9 +58,14 @@ def _curve_job(rank, world, tmp, assets, steps, seq, budget):
           "--checkpoint.interval", str(half), "--dump_folder", f"{tmp}/bp"]
     runs = {"stock": ["--training.steps", str(steps), "--dump_folder", f"{tmp}/stock"],
             "boundpass": [*on, "--training.steps", str(steps)],
-            "resumed": [*on, "--training.steps", str(steps), "--checkpoint.load_step", str(half)]}
+            "resumed": [*on, "--training.steps", str(steps), "--checkpoint.load_step", str(half)],
+            # control: stock torchtitan with a rounding-level change of its own (4 loss chunks instead of 8)
+            "stock, 4 loss chunks": ["--training.steps", str(steps), "--loss.num_chunks", "4",
+                                     "--dump_folder", f"{tmp}/control"]}
     walls, summaries = {}, {}
     for name, extra in runs.items():
+        if name not in names:
+            continue
         start = time.perf_counter()
         trainer = train_in_process([*common, *extra, "--boundpass.record_losses", f"{tmp}/{name}.jsonl"])
         walls[name] = time.perf_counter() - start
@@ -64,23 +73,39 @@ def _curve_job(rank, world, tmp, assets, steps, seq, budget):
     return walls, summaries
 
 
-def run_curve(steps: int, seq: int, budget: str, assets: str) -> dict:
+CURVE_RUNS = ("stock", "boundpass", "resumed", "stock, 4 loss chunks")
+
+
+def run_curve(steps: int, seq: int, budget: str, assets: str, previous: dict | None = None) -> dict:
+    """All four runs, or (previous = an earlier result of this function) only the control run, merged in."""
+    names = CURVE_RUNS if previous is None else ("stock, 4 loss chunks",)
     with tempfile.TemporaryDirectory(prefix="bp_e2e_curve_") as tmp:
-        walls, summaries = run_on_ranks(_curve_job, 2, tmp, assets, steps, seq, budget, timeout_s=3600)[0]
+        walls, summaries = run_on_ranks(_curve_job, 2, tmp, assets, steps, seq, budget, names, timeout_s=3600)[0]
         losses = {}
-        for name in ("stock", "boundpass", "resumed"):
+        for name in names:
             with open(f"{tmp}/{name}.jsonl") as f:
                 losses[name] = {row["step"]: row for row in map(json.loads, f)}
+    if previous is not None:
+        losses["stock"] = {r["step"]: {"loss": r["stock"]} for r in previous["rows"]}
+        losses["boundpass"] = {r["step"]: {"loss": r["boundpass"]} for r in previous["rows"]}
+        losses["resumed"] = {r["step"]: {"loss": r["resumed"]} for r in previous["rows"] if r["resumed"] is not None}
+        walls = {**previous["wall_seconds_per_run"], **walls}
+        summaries["boundpass"] = previous["boundpass_summary"]
+        if (steps, seq) != (previous["steps"], previous["seq_len"]):
+            raise ValueError("--reuse-curve: the control must use the earlier run's steps and seq_len")
+    control = losses["stock, 4 loss chunks"]
     stock, bp, resumed = losses["stock"], losses["boundpass"], losses["resumed"]
     rows = []
     for step in sorted(stock):
         s, b = stock[step]["loss"], bp[step]["loss"]
         r = resumed.get(step, {}).get("loss")
+        c = control[step]["loss"]
         rows.append(dict(step=step, stock=s, boundpass=b, rel_diff=abs(b - s) / abs(s), resumed=r,
-                         resumed_equal=None if r is None else r == b))
+                         resumed_equal=None if r is None else r == b, control=c, control_rel_diff=abs(c - s) / abs(s)))
     half = steps // 2
     return dict(steps=steps, seq_len=seq, batch_per_rank=2, ranks=2, ep=2, budget=budget, rows=rows,
                 max_rel_diff=max(r["rel_diff"] for r in rows), tolerance=CURVE_TOL,
+                max_control_rel_diff=max(r["control_rel_diff"] for r in rows),
                 resumed_from=half, resume_identical=all(r["resumed_equal"] for r in rows if r["step"] > half),
                 wall_seconds_per_run=walls, boundpass_summary=summaries["boundpass"])
 
@@ -188,13 +213,13 @@ def _reach_job(rank, world, assets, variant, seq, budget, timed_steps):
     import logging
     logging.getLogger().setLevel(logging.WARNING)
     torch.autograd.set_multithreading_enabled(False)
+    dump = tempfile.TemporaryDirectory(prefix="bp_e2e_reach_")
     args = ["--module", "boundpass.recipes", "--config", "deepseek_v3_debug", "--training.seq_len", str(seq),
-            "--training.local_batch_size", "1", "--training.steps", str(2 + timed_steps),
-            "--dump_folder", tempfile.mkdtemp(prefix="bp_e2e_reach_")]
+            "--training.local_batch_size", "1", "--training.steps", str(2 + timed_steps), "--dump_folder", dump.name]
     if variant != "stock":
         args += ["--boundpass.budget", str(budget), "--boundpass.no-report"]
-    if variant == "boundpass (vocab only)":
-        args += ["--boundpass.offload_optimizer", "false"]
+    if variant == VARIANT_OFFLOAD:
+        args += ["--boundpass.offload_optimizer", "true"]
     budget_bytes = parse_bytes(budget)
     config = _config_manager_class()().parse_args(args)
     trainer = config.build()
@@ -239,6 +264,7 @@ def _reach_job(rank, world, assets, variant, seq, budget, timed_steps):
         return out
     finally:
         trainer.close()
+        dump.cleanup()
 
 
 def run_reach(budget: str, seqs: list[int], variants: list[str], assets: str, timed_steps: int) -> dict:
@@ -261,8 +287,16 @@ def run_reach(budget: str, seqs: list[int], variants: list[str], assets: str, ti
         if row is not None:
             timing[v] = statistics.median(row["step_seconds"])
     ratio = {v: (longest[v] / stock_longest if stock_longest else None) for v in longest}
+    # a straight line through each variant's measured peaks (bytes = a + b * L): how the reach moves with the budget
+    fits = {}
+    for v, rs in results.items():
+        pts = [(r["seq"], r["peak"]) for r in rs if r["fits"]]
+        if len(pts) >= 2:
+            (l0, p0), (l1, p1) = pts[-2], pts[-1]
+            slope = (p1 - p0) / (l1 - l0)
+            fits[v] = dict(bytes_at_zero=p0 - slope * l0, bytes_per_token=slope)
     return dict(budget=budget, budget_bytes=parse_bytes(budget), seqs=seqs, runs=results, longest=longest,
-                reach_ratio=ratio, step_seconds_at_stock_longest=timing,
+                reach_ratio=ratio, linear_fit=fits, step_seconds_at_stock_longest=timing,
                 step_time_ratio={v: t / timing["stock"] for v, t in timing.items()} if "stock" in timing else {})
 
 
@@ -270,38 +304,57 @@ def run_reach(budget: str, seqs: list[int], variants: list[str], assets: str, ti
 def render(data: dict) -> str:
     md = ["# torchtitan recipe end to end (CPU)", "",
           f"Run: {data['meta']['date_utc']}, torch {data['meta']['torch']}, {data['meta']['nproc']} cores "
-          f"({data['meta']['processor']}), {data['wall_seconds']:.0f} s. Model: torchtitan deepseek_v3 debugmodel "
-          "(recipe config `deepseek_v3_debug[_ep2]`: V = 32,768, SDPA attention on CPU, SelectiveAC, FSDP2 "
-          "bf16 mixed precision as torchtitan applies it), fp32 master weights.", ""]
+          f"({data['meta']['processor']}, shared with other jobs), {data['wall_seconds']:.0f} s. Model: torchtitan "
+          "deepseek_v3 debugmodel (recipe config `deepseek_v3_debug[_ep2]`: V = 32,768, value-padded SDPA on CPU, "
+          "SelectiveAC, FSDP2 bf16 mixed precision as torchtitan applies it), fp32 master weights. "
+          "`python bench/e2e.py`.", ""]
     targets = []
     curve = data.get("curve")
     if curve:
+        early = [r for r in curve["rows"] if r["step"] <= EARLY_STEPS]
+        early_max = max(r["rel_diff"] for r in early)
+        control = curve["max_control_rel_diff"]
+        when = f" (losses of stock / boundpass / resumed measured {data['curve_measured_utc']})" \
+            if data.get("curve_measured_utc") else ""
         md += ["## Loss curve: stock torchtitan vs boundpass, EP = 2 over gloo", "",
-               f"`torchrun`-equivalent 2 gloo ranks, EP = 2 + FSDP2 (torchtitan's parallelize), {curve['steps']} "
-               f"steps, {curve['batch_per_rank']}x{curve['seq_len']} tokens per rank, boundpass budget "
-               f"{curve['budget']} with the optimizer offload forced (OffloadStreamAdamW). The boundpass run saved "
-               f"a checkpoint at step {curve['resumed_from']}; `resumed` is a new trainer loading it.", "",
-               markdown_table(["step", "stock loss", "boundpass loss", "rel. diff", "resumed loss", "resumed == boundpass"],
+               f"2 gloo ranks (the harness's processes, as `torchrun --nproc-per-node 2`), EP = 2 + FSDP2 "
+               f"(torchtitan's parallelize), {curve['steps']} steps, {curve['batch_per_rank']}x{curve['seq_len']} "
+               f"tokens per rank, same seed and data. boundpass: budget {curve['budget']}, optimizer offload "
+               f"forced (OffloadStreamAdamW). The boundpass run saved a checkpoint at step {curve['resumed_from']}; "
+               "`resumed` is a new trainer loading it. Control: stock torchtitan with `--loss.num_chunks 4` "
+               f"instead of 8 — the same function summed in another order, nothing else changed{when}.", "",
+               markdown_table(["step", "stock loss", "boundpass loss", "rel. diff", "control rel. diff",
+                               "resumed loss", "resumed == boundpass"],
                               [[r["step"], f"{r['stock']:.6f}", f"{r['boundpass']:.6f}", f"{r['rel_diff']:.1e}",
+                                f"{r['control_rel_diff']:.1e}",
                                 "—" if r["resumed"] is None else f"{r['resumed']:.6f}",
                                 "—" if r["resumed_equal"] is None else ("yes (bitwise)" if r["resumed_equal"] else "**no**")]
                                for r in curve["rows"]]), "",
-               f"Largest relative difference {curve['max_rel_diff']:.1e} (tolerance {curve['tolerance']:.0e}: the "
-               "vocab region sums the same cross-entropy in another order and the optimizer is OffloadStreamAdamW; "
-               "torchtitan's bf16 grouped experts and FSDP2 bf16 compute carry that rounding into later steps). "
+               f"Tolerance, and why. Steps 1-{EARLY_STEPS}: {curve['tolerance']:.0e} relative (measured max "
+               f"{early_max:.1e}): the vocab region sums the same cross-entropy in another order and the optimizer is "
+               "OffloadStreamAdamW; torchtitan's bf16 grouped experts and FSDP2 bf16 compute carry that rounding "
+               "forward. Later, the trajectories separate for a reason that is not boundpass's: a rounding-level "
+               "change flips a token's top-k expert choice, and torchtitan's load-balancing bias update (a sign of "
+               "integer expert counts) turns that into a discrete change of routing. The control shows torchtitan "
+               f"itself does this: changing only its loss chunk count moves the curve by up to {control:.1e}. Over "
+               f"all steps we therefore require boundpass's deviation to stay within {CONTROL_FACTOR:.0f}x the "
+               f"control's (measured {curve['max_rel_diff']:.1e} vs {control:.1e}).", "",
                "boundpass's report for the run:", "", "```", curve["boundpass_summary"], "```", ""]
-        targets.append(dict(target=f"EP=2 loss curve equals stock within {curve['tolerance']:.0e} relative per step",
-                            figures=f"max {curve['max_rel_diff']:.1e} over {curve['steps']} steps",
-                            met=curve["max_rel_diff"] <= curve["tolerance"]))
+        targets.append(dict(target=f"EP=2 loss equals stock within {curve['tolerance']:.0e} relative, steps 1-{EARLY_STEPS}",
+                            figures=f"max {early_max:.1e}", met=early_max <= curve["tolerance"]))
+        targets.append(dict(target=f"EP=2 loss curve over {curve['steps']} steps within {CONTROL_FACTOR:.0f}x "
+                                   "torchtitan's own rounding control",
+                            figures=f"max {curve['max_rel_diff']:.1e} vs control {control:.1e}",
+                            met=curve["max_rel_diff"] <= CONTROL_FACTOR * control))
         targets.append(dict(target="save -> resume continues identically",
                             figures=f"steps {curve['resumed_from'] + 1}-{curve['steps']} bitwise equal: "
                                     f"{curve['resume_identical']}", met=curve["resume_identical"]))
-    reach = data.get("reach")
-    if reach:
-        md += ["## Reach at equal per-rank budget (1 rank, EP = 1, batch 1)", "",
-               f"Budget {fmt_bytes(reach['budget_bytes'])} per rank, enforced by the live-storage tracker "
-               "(an allocation past it = out of memory; parameters, buffers and on-device AdamW moments count "
-               "from the start; Ring-DTP's internal strips count). Sequence length doubles until a step does not fit.", ""]
+    for reach in data.get("reach", []):
+        md += [f"## Reach at equal per-rank budget {fmt_bytes(reach['budget_bytes'])} (1 rank, EP = 1, batch 1)", "",
+               "Enforced by the live-storage tracker: an allocation that takes the live total past the budget = out "
+               "of memory. Parameters, buffers and on-device AdamW moments count from the start; every storage the "
+               "step creates counts while alive, Ring-DTP's internal strips included. Sequence length doubles until "
+               "a step does not fit.", ""]
         rows = []
         for variant, runs in reach["runs"].items():
             for r in runs:
@@ -310,20 +363,32 @@ def render(data: dict) -> str:
         md += [markdown_table(["variant", "seq len", "fits", "tracked peak (step 2)", "state at start", "why not"],
                               rows), ""]
         md += [markdown_table(["variant", "longest seq len", "reach vs stock", "step time at stock's longest",
-                               "time ratio"],
+                               "time ratio", "peak ~ a + b*L (last two fits)"],
                               [[v, reach["longest"][v], "—" if reach["reach_ratio"][v] is None else
                                 f"{reach['reach_ratio'][v]:.1f}x",
                                 fmt_seconds(reach["step_seconds_at_stock_longest"].get(v)),
-                                "—" if v not in reach["step_time_ratio"] else f"{reach['step_time_ratio'][v]:.2f}"]
+                                "—" if v not in reach["step_time_ratio"] else f"{reach['step_time_ratio'][v]:.2f}",
+                                "—" if v not in reach.get("linear_fit", {}) else
+                                f"{fmt_bytes(int(reach['linear_fit'][v]['bytes_at_zero']))} + "
+                                f"{reach['linear_fit'][v]['bytes_per_token'] / 1024:.0f} KiB*L"]
                                for v in reach["longest"]]), ""]
-        md += ["Step times: median of steps 3-4 without the tracker, same process as the tracked step; this "
-               "2-core machine is shared, so they are indicative. `boundpass (vocab only)` keeps torch AdamW on "
-               "the device (`--boundpass.offload_optimizer false`): the Ring-DTP share of the gain.", ""]
-        bp = reach["reach_ratio"].get("boundpass")
-        targets.append(dict(target=f">= {TARGET_REACH:.0f}x the stock trainer's reach at equal budget",
-                            figures="—" if bp is None else f"{bp:.1f}x ({reach['longest']['boundpass']} vs "
+        bp = reach["reach_ratio"].get(VARIANT_OFFLOAD)
+        targets.append(dict(target=f">= {TARGET_REACH:.0f}x the stock trainer's reach at {fmt_bytes(reach['budget_bytes'])}",
+                            figures="—" if bp is None else f"{bp:.1f}x ({reach['longest'][VARIANT_OFFLOAD]} vs "
                                                            f"{reach['longest']['stock']} tokens)",
                             met=bp is not None and bp >= TARGET_REACH))
+    if data.get("reach"):
+        md += ["Where the reach comes from: at these budgets the stock trainer's fixed state (fp32 parameters, "
+               "AdamW moments, gradients) is most of the budget; boundpass moves the moments to the host "
+               "(OffloadStreamAdamW) and bounds the vocab region (Ring-DTP strips instead of torchtitan's 8-chunk "
+               "loss). It does not (yet, in the recipe) bound the trunk's activations, so the reach ratio depends "
+               "on how close the budget is to the stock state: the `a + b*L` fits give it for any budget. "
+               "`offload_optimizer=auto` would keep AdamW on device here, because boundpass's table does not count "
+               "the trunk's activations yet; the recipe user sets `--boundpass.offload_optimizer true`. Step "
+               "times: median of steps 3-4 without the tracker, same process; this 2-core machine is shared, so "
+               "they are indicative. Under the tracker the vocab region runs the op boundpass put in the graph "
+               "eagerly (Dynamo does not run compiled frames under a dispatch mode), with boundpass's strip width.",
+               ""]
     md += targets_section(targets)
     return "\n".join(md)
 
@@ -332,11 +397,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="6-step curve, short reach grid")
     parser.add_argument("--sections", default="curve,reach")
-    parser.add_argument("--budget", default="800MiB", help="per-rank device budget for the reach section")
+    parser.add_argument("--budget", default="1GiB,900MiB",
+                        help="per-rank device budgets for the reach section (comma-separated)")
+    parser.add_argument("--reuse-curve", action="store_true",
+                        help="keep the curve of docs/results/e2e.json and run only its control run")
     parser.add_argument("--curve-budget", default="2GiB")
     parser.add_argument("--seqs", default="", help="comma-separated reach grid (default: 512 doubling)")
-    parser.add_argument("--vocab-only", action="store_true",
-                        help="also run boundpass with the optimizer kept on device (Ring-DTP's share of the reach)")
+    parser.add_argument("--auto", action="store_true",
+                        help="also run boundpass with offload_optimizer=auto (its table does not count the trunk's "
+                             "activations yet, so at these budgets it keeps AdamW on device)")
     args = parser.parse_args(argv)
     from boundpass.recipes.assets import ensure_assets
     assets = str(Path(ensure_assets()["tokenizer"]).parent)
@@ -344,13 +413,24 @@ def main(argv=None) -> int:
     data = {"meta": run_metadata()}
     sections = args.sections.split(",")
     if "curve" in sections:
-        data["curve"] = run_curve(6 if args.quick else 20, 256, args.curve_budget, assets)
+        previous = None
+        if args.reuse_curve:
+            from bench.common import RESULTS_DIR
+            old = json.loads((RESULTS_DIR / "e2e.json").read_text())
+            previous = old["curve"]
+            data["curve_measured_utc"] = old.get("curve_measured_utc", old["meta"]["date_utc"])
+        data["curve"] = run_curve(6 if args.quick else 20, 256, args.curve_budget, assets, previous)
+        publish("e2e", data, render, started)  # after each section: a later failure keeps what was measured
     if "reach" in sections:
         seqs = [int(s) for s in args.seqs.split(",")] if args.seqs else (
             [512, 1024] if args.quick else [512, 1024, 2048, 4096, 8192])
-        variants = ["stock", "boundpass"] + (["boundpass (vocab only)"] if args.vocab_only else [])
-        data["reach"] = run_reach(args.budget, seqs, variants, assets, timed_steps=2)
-    publish("e2e", data, render, started)
+        variants = ["stock", VARIANT_OFFLOAD] + ([VARIANT_AUTO] if args.auto else [])
+        data["reach"] = []
+        for budget in args.budget.split(","):
+            data["reach"].append(run_reach(budget, seqs, variants, assets, timed_steps=2))
+            publish("e2e", data, render, started)
+    if not sections:
+        publish("e2e", data, render, started)
     return 0
 
 
