@@ -83,6 +83,7 @@ def model_runs(request):
     for tokens in batches:
         _square_loss(eager(tokens), None).backward()
         reference.append(_grads(eager))
+    del eager
     H = base.tok_embeddings.embedding_dim
     boundary = SEQ * H * 4
     runs = {}
@@ -94,9 +95,19 @@ def model_runs(request):
         compiled = boundpass.compile(model, budget="8GiB", loss_fn=_square_loss, sco=count is not None,
                                      host_budget=None if count is None else max(count * boundary, boundary - 1))
         steps = _run(compiled, model, batches, lambda: compiled.sco_plans[-1].runtime if compiled.sco_plans else None)
+        if not runs:  # the compiled reference: vs uncompiled, then its grads are what every SCO run must equal
+            compiled_grads = [step.pop("grads") for step in steps]
+            for step, want, got in zip(steps, reference, compiled_grads):
+                step["none_match"] = all((a is None) == (b is None) for a, b in zip(want, got))
+                step["rel_vs_eager"] = max(_rel(b, a) for a, b in zip(want, got) if a is not None)
+            reference.clear()
+        for step, want in zip(steps, compiled_grads):  # compare now, keep no grads (qwen3: 80M per copy)
+            got = step.pop("grads", want)
+            step["bit_equal"] = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(want, got))
         runs[count] = dict(steps=steps, plan=compiled.sco_plans[-1], text=boundpass.explain(compiled).text("none"),
                            table=boundpass.explain(compiled).table)
-    return dict(name=name, layers=layers, counts=counts, runs=runs, reference=reference, boundary=boundary, H=H)
+        del model, compiled
+    return dict(name=name, layers=layers, counts=counts, runs=runs, boundary=boundary, H=H)
 
 
 def _rel(a, b):  # fp32 norms: ample for a 2e-3 tolerance, and the qwen3 experts are 80M elements
@@ -110,11 +121,8 @@ def test_exact_plan_window_bound_and_no_leaks(model_runs):
         assert not off["plan"].regions and off["plan"].reason == "off (sco=False)"
     else:
         assert off["plan"].runtime is None and not off["plan"].rewritten  # nothing offloaded: graphs untouched
-    for want, got in zip(m["reference"], off["steps"]):  # compiled vs uncompiled: decomposition rounding only
-        for a, b in zip(want, got["grads"]):
-            assert (a is None) == (b is None)
-            if a is not None:
-                assert _rel(b, a) < 2e-3
+    for step in off["steps"]:  # compiled vs uncompiled: decomposition rounding only
+        assert step["none_match"] and step["rel_vs_eager"] < 2e-3
     L = m["layers"]
     for count in m["counts"]:
         run = m["runs"][count]
@@ -127,9 +135,8 @@ def test_exact_plan_window_bound_and_no_leaks(model_runs):
         terms = {t.name.split(" (")[0]: t for t in run["table"].terms}
         assert terms["SCO checkpoint boundaries on device"].value == bound
         assert terms["SCO boundary pool on host"].value == sym.evaluate(sco_host_bound(), values)
-        for ref_step, step in zip(off["steps"], run["steps"]):
-            # bit-equal to the same compiled model without SCO
-            assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(ref_step["grads"], step["grads"]))
+        for step in run["steps"]:
+            assert step["bit_equal"]  # every gradient torch.equal to the same compiled model without SCO
             if count == 0:
                 assert "host budget fits none" in run["text"] and "offloaded" not in step
                 continue
