@@ -296,12 +296,20 @@ def compose(shape: ModelShape, launch: Launch, *, budget: int, host_budget: int 
     table = ComposedBudget(budget=budget, host_budget=host_budget)
     args = tuple(values.get(s, 1) for s in _ORDER) if fast else None
     for name, formula, kind, knob, fn in _terms(shape, launch):
-        value = int(math.ceil(fn(*args))) if fast else sym.evaluate(formula, values)
+        value = int(math.ceil(fn(*args))) if fast else _exact_value(formula, values)
         table.terms.append(BoundTerm(name, formula, value, knob=knob, kind=kind))
     return table
 
 
 _ORDER = tuple(sym.ALL.values())
+
+
+def _exact_value(formula, values: dict) -> int:
+    """Exact integer bytes of a formula (what symbols.evaluate computes, by xreplace: several times faster)."""
+    out = sympy.sympify(formula).xreplace({s: sympy.Integer(v) for s, v in values.items()})
+    if out.free_symbols:
+        raise ValueError(f"bound {formula} still has free symbols {sorted(map(str, out.free_symbols))}")
+    return int(sympy.ceiling(out))
 
 
 def _lambdify(formula):

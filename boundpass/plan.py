@@ -80,9 +80,8 @@ class PlanResult:
                        for k, v in dataclasses.asdict(self.inputs).items()},
             "shape": dataclasses.asdict(self.shape),
             "terms": [{"term": x.name, "kind": x.kind, "formula": str(x.formula), "bound_bytes": x.value,
-                       "traced_bytes": self.traced.get(x.name), "knob": x.knob,
-                       "share": x.value / ((t.host_budget or 0) if x.kind == "host" else t.budget)
-                       if (t.host_budget if x.kind == "host" else t.budget) else None} for x in t.terms],
+                       "traced_bytes": self.traced.get(x.name), "knob": x.knob, "share": _share(x, t)}
+                      for x in t.terms],
             "comparisons": {k: v for k, v in self.traced.items() if k.startswith("[")},
             "device_peak_bytes": t.total, "budget_bytes": t.budget,
             "host_bytes": t.host_total, "host_budget_bytes": t.host_budget,
@@ -94,8 +93,7 @@ class PlanResult:
         t = self.table
         rows = [("term", "formula", "bound", "traced", "share")]
         for x in t.terms:
-            limit = t.host_budget if x.kind == "host" else t.budget
-            share = f"{100 * x.value / limit:.1f}%" if limit else "-"
+            share = "-" if _share(x, t) is None else f"{100 * _share(x, t):.1f}%"
             traced = self.traced.get(x.name)
             text = str(x.formula)
             rows.append((f"[{x.kind}] {x.name}", text if len(text) < 90 else text[:87] + "...",
@@ -120,6 +118,12 @@ class PlanResult:
             out.append("search: " + (f"best {best['knobs']} at predicted step {best['step_seconds']:.3g} s "
                                      f"(peak {format_bytes(best['peak_bytes'])})" if best else "nothing fits"))
         return "\n".join(out)
+
+
+def _share(term, table) -> float | None:
+    """The term's fraction of its budget (host terms of the host budget); None when that budget is unlimited."""
+    limit = table.host_budget if term.kind == "host" else table.budget
+    return term.value / limit if limit else None
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -334,13 +338,16 @@ def _attach_trace(result: PlanResult, traced: dict) -> None:
     ref = composed.compose(shape, one_rank, budget=t.budget)
     by_kind = lambda *kinds: sum(x.value for x in ref.terms if x.kind in kinds)  # noqa: E731
     if "moe_block" in traced:
-        result.traced["[MoE block, one rank] bound: attention + glue + shared + router + standard EP (R = N k) | "
-                      "traced: torchtitan block fwd + bwd"] = (by_kind("layer", "moe"), traced["moe_block"])
+        result.traced["[MoE block, one rank] reference bound | torchtitan block"] = (by_kind("layer", "moe"),
+                                                                                    traced["moe_block"])
     if "dense_block" in traced:
-        result.traced["[dense block, one rank] bound: attention + glue + dense FFN | traced: torchtitan block "
-                      "fwd + bwd"] = (by_kind("layer", "dense"), traced["dense_block"])
-    result.traced["[head, one rank] bound: full logits (P = 1) | traced: norm + lm_head + torchtitan "
-                  "CrossEntropyLoss fwd + bwd"] = (by_kind("head"), traced["head"])
+        result.traced["[dense block, one rank] reference bound | torchtitan block"] = (by_kind("layer", "dense"),
+                                                                                      traced["dense_block"])
+    result.traced["[head, one rank] full-logits bound | norm + lm_head + torchtitan loss"] = (by_kind("head"),
+                                                                                               traced["head"])
+    result.trace_notes.append("[...] rows: at this N on one rank (W = E_p = P = 1, no operator, R = N k), the "
+                              "bound of the reference schedule beside torchtitan's own block / head traced forward "
+                              "+ backward under FakeTensorMode, weights and weight gradients left out")
 
 
 def solve_context(inp: PlanInput, shape: ModelShape) -> dict:
@@ -382,7 +389,8 @@ def step_seconds(shape: ModelShape, launch: Launch, context: int, cost: CostMode
                over NVLink if E_p fits a node else the NIC; PipelinedLLEP overlaps all but one of its K = N/c
                chunks with expert compute and pays chunk_latency per chunk stage
     ring       Ring-DTP moves min(N, V/P)·H·b per round, P-1 rounds, forward + backward (x3), not overlapped
-    zero3      3·Θ·b·(W-1)/W bytes (gather, re-gather, reduce-scatter); hidden behind compute when shorter
+    zero3      3·b·(Θ_dense·(W-1)/W + Θ_experts/E_p·(1 - E_p/W)) bytes (gather, re-gather, reduce-scatter of the
+               dense weights and of this rank's experts); hidden behind compute when shorter
     sco        L_off·N·H·b each way over the host link; hidden behind the recompute of the offloaded blocks
     optimizer  OffloadStreamAdamW: 12·Θ/W bytes each way over the host link (S >= 2 overlaps the three stages;
                S = 1 runs them in series: x2), plus bucket_latency per bucket of β parameters
@@ -400,8 +408,9 @@ def step_seconds(shape: ModelShape, launch: Launch, context: int, cost: CostMode
         ep = a2a
     ring_link = cost.link_intra if P <= cost.gpus_per_node else cost.link_inter
     ring = 3 * (P - 1) * min(N, -(-shape.vocab // P)) * shape.hidden * b / ring_link if "ring_dtp" in ops else 0.0
-    zero3 = max(0.0, 3 * shape.params * b * (W - 1) / W / (cost.link_inter if W > cost.gpus_per_node
-                                                            else cost.link_intra) - compute)
+    # dense weights are gathered from all W shards; an EP rank's experts (1/E_p of them) from their W/E_p replicas
+    gathered = (shape.params - shape.expert_params) * (W - 1) / W + shape.expert_params / E_p * (1 - E_p / W)
+    zero3 = max(0.0, 3 * gathered * b / (cost.link_inter if W > cost.gpus_per_node else cost.link_intra) - compute)
     per_block = compute / max(shape.layers, 1)
     sco_copy = l_off * N * shape.hidden * b / cost.host_link
     sco_time = max(0.0, sco_copy - l_off * per_block / 2)  # overlap with the recompute (about half a block's work)
