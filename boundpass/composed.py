@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import sympy
 
 from boundpass import symbols as sym
-from boundpass.bounds import BoundTerm, BudgetTable
+from boundpass.bounds import BoundTerm, BudgetTable, raise_infeasible
 from boundpass.errors import BoundpassInputError
 from boundpass.units import format_bytes
 
@@ -315,6 +315,17 @@ def _exact_value(formula, values: dict) -> int:
 def _lambdify(formula):
     return sympy.lambdify(_ORDER, formula, modules=[{"Max": max, "Min": min, "ceiling": math.ceil,
                                                      "floor": math.floor}, "math"])
+
+
+def check(shape: ModelShape, launch: Launch, *, budget: int, host_budget: int | None = None) -> ComposedBudget:
+    """The composed budget, or InfeasibleBudgetError naming the binding term, its formula, bytes and knob.
+
+    This is the call ``boundpass.compile``'s fail-fast check can make before any real compute.
+    """
+    table = compose(shape, launch, budget=budget, host_budget=host_budget)
+    if not table.fits():
+        raise_infeasible(table, table.binding(), detail="(composed per-rank budget, boundpass/composed.py)")
+    return table
 
 
 def total_formula(shape: ModelShape, launch: Launch, *, host_budget: int | None = None) -> sympy.Expr:

@@ -104,6 +104,13 @@ def test_operators_only_lower_the_bound_and_the_binding_term_names_a_knob():
     assert not base.fits  # 117B params on 8 ranks: AdamW state alone is over 139 GiB
     bind = base.table.binding()
     assert bind.name.startswith("optimizer state on device") and "offload_adamw" in bind.knob
+    from boundpass.errors import InfeasibleBudgetError
+    with pytest.raises(InfeasibleBudgetError, match="binding term : optimizer state on device") as err:
+        composed.check(base.shape, composed.Launch(ranks=8, ep=8, ring=8, tokens_per_rank=8192, operators=frozenset()),
+                       budget=base.inputs.budget, host_budget=base.inputs.host_budget)
+    assert err.value.value_bytes == bind.value and "offload_adamw" in err.value.knob
+    assert composed.check(full.shape, composed.Launch(ranks=8, ep=8, ring=8, tokens_per_rank=8192),
+                          budget=full.inputs.budget, host_budget=full.inputs.host_budget).fits()
 
 
 def test_cli_json_parses_and_exit_code_says_fit():
