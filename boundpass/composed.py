@@ -199,13 +199,7 @@ def offloaded_boundaries(shape: ModelShape, launch: Launch, host_budget: int | N
 
 def attention_bound() -> sympy.Expr:
     """Peak bytes of one sequence-to-head attention forward + backward (runtime/seq_to_head.py)."""
-    try:
-        from boundpass.runtime.seq_to_head import seq_to_head_bound
-    except ImportError:  # TODO(seq_to_head_bound): runtime/seq_to_head.py not present; same counting, written here
-        N, W, A_q, A_kv, D_h, b, b_acc = sym.N, sym.W, sym.A_q, sym.A_kv, sym.D_h, sym.b, sym.b_acc
-        q, kv_in, kv = N * A_q * D_h * b, N * A_kv * D_h * b, N * sympy.Max(A_kv, W) * D_h * b
-        return (2 * q + 2 * kv_in) * 2 + 2 * q + 2 * kv + N * A_q * b_acc + 2 * q + 2 * kv + 3 * sympy.Max(q, kv)
-    return seq_to_head_bound()
+    return importlib.import_module("boundpass.runtime.seq_to_head").seq_to_head_bound()
 
 
 def _terms(shape: ModelShape, launch: Launch) -> tuple:
