@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from boundpass import symbols as sym
 from boundpass.errors import BoundpassInputError
 
-__all__ = ["seq_to_head_attention", "SeqToHeadAttention", "seq_to_head_bound", "check_head_counts",
+__all__ = ["seq_to_head_attention", "SeqToHeadAttention", "seq_to_head_bound", "check_head_counts", "check_local_shapes",
            "shard_positions", "shard_sequence", "sdpa_blnh"]
 
 
@@ -143,14 +143,16 @@ def check_local_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group)
 
 def seq_to_head_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                           attention: Callable[..., torch.Tensor] = sdpa_blnh, scale: float | None = None,
-                          is_causal: bool = True, check_shapes: bool = True, **attention_kwargs) -> torch.Tensor:
+                          is_causal: bool = True, check_shapes: bool = True, equalize_head_dims: bool = True,
+                          **attention_kwargs) -> torch.Tensor:
     """Attention of this rank's tokens against the whole (sequence-sharded) sequence, exact.
 
     q: [B, N/W, A_q, D_qk], k: [B, N/W, A_kv, D_qk], v: [B, N/W, A_kv, D_v] with RoPE already applied at
     global positions (torchtitan's layout). Returns [B, N/W, A_q, D_v], this rank's tokens, all heads.
     ``attention(q, k, v, scale=, enable_gqa=, is_causal=)`` is the unchanged kernel run on [B, N, heads/W, D]
     (default: torch SDPA). ``group``: the W ranks (None: one rank, no exchange). ``check_shapes``: one small
-    all_gather that refuses ragged shards with a clear error (skipped while compiling).
+    all_gather that refuses ragged shards with a clear error (skipped while compiling). ``equalize_head_dims``:
+    zero-pad q/k or v to one head dim so SDPA keeps its O(N) fused kernel (see ``_attend``).
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise BoundpassInputError(f"seq_to_head_attention takes [B, L, heads, D] q/k/v, got {q.shape}, {k.shape}, "
@@ -161,14 +163,32 @@ def seq_to_head_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gro
     if check_shapes and world > 1 and not torch.compiler.is_compiling():
         check_local_shapes(q, k, v, group)
     if world == 1:
-        return attention(q, k, v, scale=scale, enable_gqa=A_q != A_kv, is_causal=is_causal, **attention_kwargs)
+        return _attend(attention, q, k, v, scale, is_causal, equalize_head_dims, attention_kwargs)
     if replicas > 1:  # A_kv < W: rank r needs kv head r // replicas, so give each rank its own copy
         k = k.repeat_interleave(replicas, dim=2)
         v = v.repeat_interleave(replicas, dim=2)
     q_h, k_h, v_h = (_seq_to_head(t, world, group) for t in (q, k, v))
-    out_h = attention(q_h, k_h, v_h, scale=scale, enable_gqa=q_h.shape[2] != k_h.shape[2], is_causal=is_causal,
-                      **attention_kwargs)
+    out_h = _attend(attention, q_h, k_h, v_h, scale, is_causal, equalize_head_dims, attention_kwargs)
     return _head_to_seq(out_h, world, group)
+
+
+def _attend(attention, q, k, v, scale, is_causal, equalize_head_dims, kwargs):
+    """Run the kernel; with ``equalize_head_dims`` zero-pad the narrower of qk / v head dims first.
+
+    Why: torch SDPA has no fused (flash) kernel for a v head dim different from the qk one (MLA: 192 vs 128)
+    and falls back to the math path, which materialises [B, heads, N, N] scores (measured: the per-rank peak
+    grew quadratically in bench/mop.py). Zero columns of v give zero output columns (sliced off); zero
+    columns of q and k add 0 to every score, and the scale stays the unpadded 1/sqrt(D_qk). Same function,
+    O(N) memory per head, which is what seq_to_head_bound counts (D_h = the larger dim)."""
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    if equalize_head_dims and d_qk != d_v:
+        scale = d_qk ** -0.5 if scale is None else scale
+        if d_v < d_qk:
+            v = F.pad(v, (0, d_qk - d_v))
+        else:
+            q, k = F.pad(q, (0, d_v - d_qk)), F.pad(k, (0, d_v - d_qk))
+    out = attention(q, k, v, scale=scale, enable_gqa=q.shape[2] != k.shape[2], is_causal=is_causal, **kwargs)
+    return out[..., :d_v] if out.shape[-1] != d_v else out
 
 
 class SeqToHeadAttention(torch.nn.Module):

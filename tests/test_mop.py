@@ -2,8 +2,9 @@
 shards, FSDP2 dense weights, sequence-to-head attention, E_p = 2 expert parallelism) match the same model
 trained on one rank with the same global batch.
 
-Tolerance: the forward is the same arithmetic (step 1's loss is bitwise equal: attention per head on the full
-sequence, every other op per token); what differs is how gradients are summed: each rank's partial gradient,
+Tolerance: the forward is the same function (attention per head on the full sequence, every other op per token;
+MLA's attention runs the fused SDPA kernel on zero-padded v instead of the reference's math path, so step 1's
+loss agrees to rounding: 1e-6 relative); what differs is how gradients are summed: each rank's partial gradient,
 reduce-scattered, instead of one sum over the whole batch. In fp32 that moves the dense weights by ~3e-6
 (measured) after 5 AdamW steps: bound 2e-5 relative (L2 per tensor). torchtitan's GroupedExperts runs the
 expert matmuls in bf16, so each rank's partial expert-weight gradient is rounded to bf16 (unit roundoff
@@ -128,7 +129,7 @@ def test_mop_matches_single_rank(runs):
     (ref_losses, ref_weights, _), mop = runs
     for rank, (losses, _, _) in enumerate(mop):
         assert losses == pytest.approx(ref_losses, rel=LOSS_RTOL), f"rank {rank}: {losses} vs {ref_losses}"
-    assert mop[0][0][0] == ref_losses[0]  # step 1's forward: the same arithmetic, bitwise
+    assert mop[0][0][0] == pytest.approx(ref_losses[0], rel=1e-6)  # step 1: same weights, same function
     weights = mop[0][1]
     assert weights.keys() == ref_weights.keys()
     for n, ref in ref_weights.items():

@@ -17,11 +17,13 @@ CASES = [
     (2, 32, 8, 2, 16, True, False, "float64"),
     (2, 32, 4, 1, 8, False, True, "float64"),
     (2, 32, 8, 2, 16, True, True, "float32"),
+    (1, 32, 8, 8, (24, 16), True, True, "float64"),  # MLA-like: v head dim < qk head dim (v zero-padded)
+    (1, 32, 4, 4, (8, 16), True, False, "float64"),  # v head dim > qk head dim (q, k zero-padded)
 ]
 TOL = {"float64": dict(rtol=1e-12, atol=1e-12), "float32": dict(rtol=1e-5, atol=1e-5)}
 # bound measured at these (B, L, A_q, A_kv, D, dtype): MHA, GQA split, GQA replicated, bf16 (fp32 lse)
 BOUND_CASES = [(1, 64, 8, 8, 16, "float64"), (2, 64, 8, 2, 16, "float64"), (2, 64, 4, 1, 32, "float64"),
-               (2, 64, 8, 8, 16, "bfloat16")]
+               (2, 64, 8, 8, 16, "bfloat16"), (1, 64, 8, 8, (24, 16), "float64")]
 
 
 def _rope(x, positions):
@@ -35,8 +37,10 @@ def _rope(x, positions):
 
 
 def _problem(B, L, A_q, A_kv, D, dtype, seed=0):
+    """q, k, v, output gradient; D is one head dim or (qk head dim, v head dim)."""
+    D_qk, D_v = (D, D) if isinstance(D, int) else D
     g = torch.Generator().manual_seed(seed)
-    shapes = [(B, L, A_q, D), (B, L, A_kv, D), (B, L, A_kv, D), (B, L, A_q, D)]
+    shapes = [(B, L, A_q, D_qk), (B, L, A_kv, D_qk), (B, L, A_kv, D_v), (B, L, A_q, D_v)]
     return [torch.randn(*s, generator=g, dtype=torch.float64).to(getattr(torch, dtype)) for s in shapes]
 
 
@@ -77,7 +81,8 @@ def _measure_bound(rank, world, B, L, A_q, A_kv, D, dtype):
         out = seq_to_head_attention(q, k, v, dist.group.WORLD)
         out.backward(go)
     b = q.element_size()
-    bound = sym.evaluate(seq_to_head_bound(), dict(N=B * L // world, W=world, A_q=A_q, A_kv=A_kv, D_h=D, b=b,
+    bound = sym.evaluate(seq_to_head_bound(), dict(N=B * L // world, W=world, A_q=A_q, A_kv=A_kv, b=b,
+                                                    D_h=D if isinstance(D, int) else max(D),
                                                     b_acc=4 if dtype == "bfloat16" else b))
     return tracker.peak_bytes(), bound
 
@@ -155,6 +160,30 @@ def test_shard_sequence_refuses_ragged():
     assert shard_positions(12, 3, 4).tolist() == [[9, 10, 11]]
     with pytest.raises(BoundpassInputError, match="ragged.*pad or trim the sequence to 12 or 16"):
         shard_sequence(13, 0, 4)
+
+
+def test_unequal_head_dims_keep_the_fused_kernel():
+    """MLA's v head dim differs from qk's: SDPA would fall back to the [N, N] math path; padded, it does not."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from boundpass.runtime.seq_to_head import sdpa_blnh, seq_to_head_attention
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v, _ = _problem(1, 16, 4, 4, (24, 16), "float64")
+    with Ops() as ours:
+        out = seq_to_head_attention(q, k, v, None)
+    with Ops() as plain:
+        ref = sdpa_blnh(q, k, v)
+    assert "aten._safe_softmax.default" in plain.names          # the math path (scores materialised)
+    assert not any("softmax" in n for n in ours.names)            # the fused kernel
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
 def test_single_rank_is_plain_attention():
