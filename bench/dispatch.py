@@ -117,20 +117,6 @@ def _cap(schedule, x, cfg) -> int:
     return max(1, x.shape[0]) if schedule == DIAGNOSTIC else cfg["cap"]
 
 
-class _Counts:
-    """Stands in for the [E_p, E] counts tensor the backward takes (it only calls .reshape(-1).tolist());
-    under FakeTensorMode a tensor's .tolist() is data-dependent and fails."""
-
-    def __init__(self, flat):
-        self.flat = list(flat)
-
-    def reshape(self, *shape):
-        return self
-
-    def tolist(self):
-        return list(self.flat)
-
-
 def live_peak(schedule, x, ids, s, ws, grad, group, cfg, counts=()) -> int:
     """Live-storage peak of one forward+backward on this rank; x, ids, scores, this rank's experts and the output
     gradient are counted as resident; the gradients are kept to the end. Standard EP and LLEP: their autograd
@@ -142,8 +128,8 @@ def live_peak(schedule, x, ids, s, ws, grad, group, cfg, counts=()) -> int:
                 cfg["min_piece"], PLAN["imbalance_threshold"], e, schedule != "pipelined_consecutive")
         with tracker, torch.no_grad():
             out, cnt = pipelined_llep_forward(x, ids, s, *ws, *args, tuple(counts))
-            if counts:
-                cnt = _Counts(counts)
+            if counts:  # simulated ranks: the backward takes the counts as ints (a fake tensor has no data)
+                cnt = tuple(counts)
             grads = pipelined_llep_backward(grad, x, ids, s, *ws, cnt, *args)
             del out, cnt, grads
     else:
@@ -212,17 +198,6 @@ def run_real(cfg: dict) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------ simulated (fake tensors)
-def _fake_safe_dest_order(topk_ids, routes, rank):
-    """runtime's _dest_order with output_size given to repeat_interleave (same tensors, same bytes): without it
-    the op is data-dependent and FakeTensorMode refuses it (DynamicOutputShapeException)."""
-    by_expert = torch.argsort(topk_ids.reshape(-1), stable=True)
-    segs = routes.expert_sorted[rank]
-    dest = torch.repeat_interleave(torch.tensor([d for d, _, _ in segs], dtype=torch.int64),
-                                   torch.tensor([n for _, _, n in segs], dtype=torch.int64),
-                                   output_size=topk_ids.numel()).to(by_expert.device)
-    return by_expert[torch.argsort(dest, stable=True)]
-
-
 def simulate_rank(rank: int, counts: list[list[int]], cfg: dict) -> dict:
     """Peaks of rank ``rank`` under FakeTensorMode + fake PG: standard EP (as LLEP's fallback plan, see render),
     LLEP, PipelinedLLEP strided and consecutive."""
@@ -236,7 +211,6 @@ def simulate_rank(rank: int, counts: list[list[int]], cfg: dict) -> dict:
         run_cfg = dict(cfg)
         with ExitStack() as stack:
             sim = stack.enter_context(simulated_rank(rank, P, device="cpu"))
-            stack.enter_context(mock.patch.object(PL, "_dest_order", _fake_safe_dest_order))
             # the count exchange is data-dependent: counts come from the given routing instead
             stack.enter_context(mock.patch.object(PL, "_route_counts",
                                                   lambda ids, n: torch.zeros(n, dtype=torch.int64)))
@@ -375,11 +349,9 @@ def render(data: dict) -> str:
            "data, so splits come from the given counts. Bounds: PipelinedLLEP's `pipelined_llep_bound` (launch "
            "configuration only, s_b = E/E_p, mixed_precision for bf16); standard EP's and LLEP's bounds at the "
            "rank's realized receive rows R from the plan (LLEP: s_b = experts it actually borrowed).", "",
-           "Harness shims (bench-side only, the runtime is unchanged): (1) `_dest_order` is replaced by the same "
-           "code with `output_size=` passed to `repeat_interleave` (without it FakeTensorMode raises "
-           "DynamicOutputShapeException; same tensors, same bytes); (2) the backward's counts tensor is passed as an "
-           "object with `.reshape().tolist()` (a fake tensor's `.tolist()` is data-dependent); (3) for LLEP, "
-           "`_route_counts`/`_Group.gather_counts` return the given counts; (4) **standard EP is simulated as LLEP "
+           "PipelinedLLEP runs unpatched (its forward takes `counts=`, its backward the same counts as ints). Harness "
+           "shims for the two schedules it is compared with (bench-side only): (1) for LLEP, "
+           "`_route_counts`/`_Group.gather_counts` return the given counts; (2) **standard EP is simulated as LLEP "
            "with the fallback plan forced (lambda = inf)**: `standard_ep` reads its counts with `.tolist()` and has "
            "no `counts=`; the fallback plan receives exactly standard EP's rows with one all-to-all. On real "
            "tensors this proxy's peak vs `standard_ep`'s is in the table below.", ""]
