@@ -299,6 +299,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         self._wait_written_back()
         if self._host is None:
             self._allocate_host_state()
+        state_dict = self._unaliased(state_dict)
         self._reset_state()
         position = {index: k for k, index in enumerate(i for g in saved_groups for i in g["params"])}
         for index, saved in state_dict["state"].items():
@@ -311,6 +312,22 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                 self._masters_pending.discard(position[index])
         for saved, own in zip(saved_groups, self.param_groups):
             own.update({k: v for k, v in saved.items() if k not in _TORCH_IMPL_KEYS and k != "params"})
+
+    def _unaliased(self, state_dict: dict) -> dict:
+        """Clone the saved tensors that share storage with this optimizer's own state (host copies).
+
+        A checkpointer may load in place: torchtitan's DCP writes into the tensors our state_dict() returned, then
+        hands that same dict to load_state_dict. Resetting the state first would zero what was just loaded.
+        """
+        own = {t.untyped_storage().data_ptr() for st in self.state.values() for t in st.values()
+               if isinstance(t, Tensor)}
+
+        def unaliased(value):
+            if isinstance(value, Tensor) and _local(value).untyped_storage().data_ptr() in own:
+                return _local(value).clone()
+            return value
+        return {**state_dict, "state": {index: {key: unaliased(v) for key, v in saved.items()}
+                                        for index, saved in state_dict["state"].items()}}
 
     @classmethod
     def from_adamw(cls, adamw: torch.optim.Optimizer, **knobs) -> "OffloadStreamAdamW":

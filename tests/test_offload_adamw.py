@@ -114,6 +114,22 @@ def test_state_dict_round_trip_and_resume_is_identical():
     _assert_equal(resumed_params, params)
 
 
+def test_loading_its_own_state_dict_in_place_keeps_the_state():
+    """A checkpointer that loads into the tensors state_dict() returned, then passes them back (torchtitan's DCP)."""
+    params, ref_params = _params(), _params()
+    opt = OffloadStreamAdamW(_groups(params), lr=1e-2, bucket_params=1500)
+    ref = OffloadStreamAdamW(_groups(ref_params), lr=1e-2, bucket_params=1500)
+    for step in range(3):
+        _set_grads(step, params, ref_params)
+        opt.step(), ref.step()
+    in_place = opt.state_dict()  # aliases opt's own host state
+    opt.load_state_dict(in_place)
+    for step in range(3, 6):
+        _set_grads(step, params, ref_params)
+        opt.step(), ref.step()
+    _assert_equal(params, ref_params)
+
+
 def test_from_adamw_migrates_state_names_and_hyperparameters():
     ref_params, params = _params(), _params()
     named = lambda ps: [{"params": [(f"p{i}", p) for i, p in enumerate(ps[:3])]},
