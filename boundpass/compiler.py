@@ -296,9 +296,10 @@ def _binding_state_term(table: BudgetTable, budget: int) -> BoundTerm:
 
 def _state_terms(model: nn.Module, optimizer, *, budget: int, host_budget, offload, bucket, slots):
     """Parameters, gradients and the optimizer's terms (deciding its offload), checked before any graph exists."""
-    params = list(model.parameters())
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    # this rank's bytes: a DTensor parameter (FSDP2 / EP shard) holds only its local shard here
+    params = [(getattr(p, "_local_tensor", p), p.requires_grad) for p in model.parameters()]
+    param_bytes = sum(t.numel() * t.element_size() for t, _ in params)
+    grad_bytes = sum(t.numel() * t.element_size() for t, trained in params if trained)
     terms = [BoundTerm("parameters", sym.Theta * sym.b, param_bytes, kind="persistent",
                        knob="shard parameters over more ranks (FSDP2 / ZeRO-3) or raise the budget"),
              BoundTerm("gradients", sym.Theta * sym.b, grad_bytes, kind="persistent",

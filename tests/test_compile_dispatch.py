@@ -224,6 +224,10 @@ def _ep_rank(rank, world, cases):
         tokens, labels = _batch(seed=1 + rank)  # different tokens per rank
         loss, ref_loss, worst = _step_both(compiled, model, ref, tokens, labels)
         regions = _dispatch_regions(compiled)
+        # the parameters term counts this rank's shards (DTensor expert weights hold E/E_p experts here)
+        local = sum(getattr(p, "_local_tensor", p).numel() * p.element_size() for p in model.parameters())
+        term = next(t for t in boundpass.explain(compiled).table.terms if t.name == "parameters")
+        assert term.value == local < sum(p.numel() * p.element_size() for p in model.parameters())
         out.append((name, experts, loss, ref_loss, worst, [(r.rewritten, r.ep_size, r.reason) for r in regions]))
     return out
 
