@@ -34,8 +34,10 @@ class BoundedModule(nn.Module):
 
     def __init__(self, model: nn.Module, loss_fn, *, budget: int, ring_group, vocab_block: int | None,
                  max_tokens_per_rank: int | None, inner: str, fullgraph: bool, dynamic, state_terms, optimizer_plan,
-                 host_budget: int | None, sco="auto", dispatch: bool = True, dispatch_cap: int | None = None):
+                 host_budget: int | None, sco="auto", dispatch: bool = True, dispatch_cap: int | None = None,
+                 composed_table=None):
         super().__init__()
+        self.composed_table = composed_table  # the launch configuration's composed budget (None: not given)
         self.dispatch, self.dispatch_cap = dispatch, dispatch_cap  # PipelinedLLEP rewrite on/off, cap c (None: auto)
         self.sco = sco                          # SCO mode; self.sco_plans: one per compiled graph
         self.sco_plans: list = []
@@ -87,6 +89,7 @@ class BoundedModule(nn.Module):
         table = report.table = BudgetTable(budget=self.budget, host_budget=self.host_budget)
         table.terms.extend(self.state_terms)
         report.optimizer = self.optimizer_plan
+        report.composed = self.composed_table
         # SCO first: its boundary term is fixed by the host budget, the vocab strip then fits what is left
         sco_plan = report.sco = sco_pass.plan_sco(gm, self.sco, table=table, budget=self.budget,
                                                    host_budget=self.host_budget)
@@ -339,7 +342,7 @@ def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_bl
             max_tokens_per_rank: int | None = None, optimizer=None, offload_optimizer="auto",
             optimizer_bucket: int | None = None, optimizer_slots: int | None = None, host_budget=None,
             inner: str = "aot_eager", fullgraph: bool = True, dynamic=False, sco="auto", dispatch: bool = True,
-            dispatch_cap: int | None = None) -> BoundedModule:
+            dispatch_cap: int | None = None, launch=None, model_shape=None) -> BoundedModule:
     """Compile `model` (+ `loss_fn(model_out, labels, *loss_args)`) so every bounded region fits `budget` bytes.
 
     budget / host_budget: per-rank device / host bytes ("60GiB", 2**30, ...). ring_group: the process group
@@ -356,6 +359,9 @@ def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_bl
     dispatch: rewrite torchtitan's routed-experts regions (token dispatch -> grouped experts -> combine) to
     PipelinedLLEP, whose peak is set by launch configuration, not by the router (docs/pipelined_llep.md);
     dispatch_cap: its per-source token cap per chunk c (None: the widest that fits the budget).
+    launch (boundpass.composed.Launch) + model_shape (boundpass.composed.ModelShape, e.g.
+    boundpass.plan.model_shape("deepseek_v3", "671B")): also check the composed per-rank budget of that launch
+    configuration (every term of a step, docs/plan.md) here, before any graph; explain() shows its table.
     Raises InfeasibleBudgetError here when the state alone cannot fit, else on the first call before any real
     compute.
     """
@@ -375,12 +381,19 @@ def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_bl
     sco_pass.check_mode(sco)
     if ring_group is not None and not dist.is_initialized():
         raise BoundpassInputError("ring_group given but torch.distributed is not initialised")
+    composed_table = None
+    if launch is not None or model_shape is not None:
+        if launch is None or model_shape is None:
+            raise BoundpassInputError("the composed budget needs both launch= (boundpass.composed.Launch) and "
+                                      "model_shape= (e.g. boundpass.plan.model_shape(model, flavor))")
+        from boundpass import composed
+        composed_table = composed.check(model_shape, launch, budget=budget_bytes, host_budget=host_bytes)
     state_terms, plan = _state_terms(model, optimizer, budget=budget_bytes, host_budget=host_bytes,
                                      offload=offload_optimizer, bucket=optimizer_bucket, slots=optimizer_slots)
     return BoundedModule(model, loss_fn, budget=budget_bytes, ring_group=ring_group, vocab_block=vocab_block,
                          max_tokens_per_rank=max_tokens_per_rank, inner=inner, fullgraph=fullgraph,
                          dynamic=dynamic, state_terms=state_terms, optimizer_plan=plan, host_budget=host_bytes,
-                         sco=sco, dispatch=bool(dispatch), dispatch_cap=dispatch_cap)
+                         sco=sco, dispatch=bool(dispatch), dispatch_cap=dispatch_cap, composed_table=composed_table)
 
 
 def explain(compiled: BoundedModule) -> ExplainReport:

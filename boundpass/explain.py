@@ -56,6 +56,10 @@ class ExplainReport:
         if getattr(self, "sco", None) is not None:  # passes.sco_pass.SCOPlan: checkpoint boundary offload
             lines += self.sco.lines()
         lines += ["", "bounds (bytes per rank):", self.table.render() if self.table else "  (none)"]
+        if getattr(self, "composed", None) is not None:  # compile(..., launch=, model_shape=)
+            from boundpass.composed import describe
+            lines += ["", "composed per-rank budget of the launch configuration (boundpass/composed.py):",
+                      self.composed.render(), describe(self.composed)]
         if graph == "full":
             lines += ["", "rewritten graph (Dynamo, torch IR):", self.graph_code]
         elif graph == "excerpt":

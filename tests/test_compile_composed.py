@@ -1,0 +1,39 @@
+"""boundpass.compile(..., launch=, model_shape=): the composed per-rank budget checked before any graph."""
+import pytest
+import torch
+
+import boundpass
+from boundpass.errors import BoundpassInputError, InfeasibleBudgetError
+
+pytest.importorskip("torchtitan")
+from boundpass import composed  # noqa: E402
+from boundpass.plan import shape_of_module  # noqa: E402
+from boundpass.recipes.models import build_debug_moe, debug_moe_config  # noqa: E402
+
+pytestmark = pytest.mark.torchtitan
+SEQ, VOCAB = 32, 256
+
+
+def _shape_and_model():
+    cfg = debug_moe_config("deepseek_v3", vocab_size=VOCAB, seq_len=SEQ).model_spec.model
+    model = build_debug_moe("deepseek_v3", vocab_size=VOCAB, seq_len=SEQ)
+    top_k = max(layer.moe.router.top_k for layer in cfg.layers if getattr(layer, "moe", None))
+    shape = shape_of_module(model, name="deepseek_v3 debug", heads_config=cfg.layers[-1].attention, top_k=top_k)
+    return shape, model
+
+
+def test_composed_budget_fails_fast_with_its_binding_term_and_is_shown_by_explain():
+    torch._dynamo.reset()
+    shape, model = _shape_and_model()
+    launch = composed.Launch(ranks=1, ep=1, ring=1, tokens_per_rank=2 * SEQ, b=4, b_acc=4)
+    table = composed.compose(shape, launch, budget=2**40)
+    with pytest.raises(InfeasibleBudgetError) as err:  # raised inside compile: no graph, no compute
+        boundpass.compile(model, budget=table.total - 1, launch=launch, model_shape=shape)
+    assert err.value.term == table.binding().name and "composed per-rank budget" in str(err.value)
+    compiled = boundpass.compile(model, budget=max(table.total, 4 << 30), launch=launch, model_shape=shape)
+    compiled(torch.randint(0, VOCAB, (2, SEQ)))
+    text = boundpass.explain(compiled).text(graph="none")
+    assert "composed per-rank budget of the launch configuration" in text and "FITS" in text
+    assert table.binding().name in text
+    with pytest.raises(BoundpassInputError, match="both launch="):
+        boundpass.compile(model, budget="4GiB", launch=launch)
