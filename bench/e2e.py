@@ -111,27 +111,9 @@ def run_curve(steps: int, seq: int, budget: str, assets: str, previous: dict | N
 
 
 # ------------------------------------------------------------------------------------------------ reach
-def _leaf_tensors_skipping_meshes(tree):
-    """memtrack._leaf_tensors, but DTensor's __tensor_flatten__ also names `device_mesh` (not a tensor): skip it."""
-    import torch
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-    from torch.utils._pytree import tree_leaves
-    out, stack = [], [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
-    while stack:
-        t = stack.pop()
-        if is_traceable_wrapper_subclass(t):
-            attrs, _ = t.__tensor_flatten__()
-            stack.extend(x for a in attrs if isinstance(x := getattr(t, a), torch.Tensor))
-        else:
-            out.append(t)
-    return out
-
-
 def _budgeted_tracker(budget: int):
     import torch
-    from boundpass import memtrack
     from boundpass.memtrack import LiveStorageTracker
-    memtrack._leaf_tensors = _leaf_tensors_skipping_meshes  # see its docstring; reported upstream
 
     class OutOfBudget(RuntimeError):
         pass

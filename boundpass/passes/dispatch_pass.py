@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from boundpass.passes.graph_edit import node_adder
 from boundpass.runtime.pipelined_llep import group_name_of
 
 # PipelinedLLEP planner defaults (LLEP's public defaults: notes/llep.md §5); the cap c is set by the budget
@@ -274,15 +275,7 @@ def _rewrite_one(gm, key, module, nodes) -> DispatchRegion:
     fake_mode = x_val.fake_mode
     graph = gm.graph
 
-    def add(target, *node_args, kind="call_function"):
-        node = graph.create_node(kind, target, node_args)
-        node.meta["nn_module_stack"] = dict(out_node.meta.get("nn_module_stack", {}))
-        node.meta["stack_trace"] = out_node.meta.get("stack_trace")
-        vals = [(_val(a) if isinstance(a, fx.Node) else a) for a in node_args]
-        with fake_mode:
-            node.meta["example_value"] = (getattr(vals[0], target)(*vals[1:]) if kind == "call_method"
-                                          else target(*vals))
-        return node
+    add = node_adder(graph, fake_mode, module_stack_of=out_node, trace_of=out_node)
 
     with graph.inserting_before(first_user):
         tokens = add("reshape", x, -1, hidden, kind="call_method")

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from boundpass.passes.graph_edit import node_adder
 from boundpass.runtime import ring_dtp
 
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
@@ -146,17 +147,7 @@ def _rewrite(gm, ce, linear, args, config, path) -> VocabRegion:
     ignore_index = int(args.get("ignore_index", -100))
     graph = gm.graph
 
-    def add(target, *node_args, kind="call_function"):
-        node = graph.create_node(kind, target, node_args)
-        node.meta["nn_module_stack"] = dict(linear.meta.get("nn_module_stack", {}))
-        node.meta["stack_trace"] = ce.meta.get("stack_trace")
-        vals = [(_val(a) if isinstance(a, fx.Node) else a) for a in node_args]
-        with fake_mode:
-            if kind == "call_method":
-                node.meta["example_value"] = getattr(vals[0], target)(*vals[1:])
-            else:
-                node.meta["example_value"] = target(*vals)
-        return node
+    add = node_adder(graph, fake_mode, module_stack_of=linear, trace_of=ce)
 
     with graph.inserting_before(ce):
         tokens = add("reshape", h, -1, hidden, kind="call_method")

@@ -1,0 +1,28 @@
+"""Adding nodes to a Dynamo graph the way the passes need: with the graph's own fake values and provenance."""
+from __future__ import annotations
+
+import torch.fx as fx
+
+
+def example_value(node):
+    """The fake value Dynamo recorded for a node (None for non-nodes and nodes without one)."""
+    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
+
+
+def node_adder(graph: fx.Graph, fake_mode, *, module_stack_of: fx.Node, trace_of: fx.Node):
+    """add(target, *args, kind=...) -> a new node whose example_value is computed under the graph's fake mode.
+
+    fake_mode must be the one of the graph's own example values (the backend's differs: mixing them fails,
+    notes/compile_mechanics.md §2). The new nodes carry the nn_module_stack / stack_trace of the nodes they stand
+    for, so the rewritten graph prints where they came from.
+    """
+    def add(target, *node_args, kind="call_function"):
+        node = graph.create_node(kind, target, node_args)
+        node.meta["nn_module_stack"] = dict(module_stack_of.meta.get("nn_module_stack", {}))
+        node.meta["stack_trace"] = trace_of.meta.get("stack_trace")
+        vals = [(example_value(a) if isinstance(a, fx.Node) else a) for a in node_args]
+        with fake_mode:
+            node.meta["example_value"] = (getattr(vals[0], target)(*vals[1:]) if kind == "call_method"
+                                          else target(*vals))
+        return node
+    return add
