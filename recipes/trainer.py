@@ -158,7 +158,6 @@ class BoundpassTrainer(Trainer):
             states = getattr(self.checkpointer, "states", None)
             if isinstance(states, dict) and LR_SCHEDULER in states:
                 states[LR_SCHEDULER] = self.lr_schedulers
-            _load_optimizer_state_from_copies(self.optimizers)
         self.metrics_processor.optimizers = self.optimizers
         logger.info(f"[boundpass] on: budget {bp.budget}, vocab rewrite {'on' if bp.vocab else 'off'}, "
                     f"capture={capture}{' (model is FSDP2-wrapped)' if self.fsdp_wrapped else ''}, optimizer: "
@@ -220,22 +219,6 @@ class BoundpassTrainer(Trainer):
         if reports and reports[-1].table is not None:
             lines.append(reports[-1].table.render())
         return "\n".join(lines)
-
-
-def _load_optimizer_state_from_copies(container) -> None:
-    """Work around an aliasing bug between DCP and OffloadStreamAdamW on resume.
-
-    DCP loads a checkpoint in place into the tensors `container.state_dict()` returned, which for
-    OffloadStreamAdamW ARE its host state (views). `OffloadStreamAdamW.load_state_dict` then resets its moments to
-    zero before copying the "saved" values in, and so zeroes what it was about to load (measured: the first
-    step after resume matched, the second diverged; with torch AdamW both matched bitwise). Loading from copies
-    fixes it at the cost of one transient host copy of the optimizer state.
-    """
-    load = container.load_state_dict
-
-    def load_from_copies(state_dict):
-        return load({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()})
-    container.load_state_dict = load_from_copies
 
 
 def upgrade_config(config: Trainer.Config) -> BoundpassTrainer.Config:
