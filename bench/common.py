@@ -39,6 +39,24 @@ def interleaved_medians(steps: dict[str, Callable[[], object]], *, repeats: int,
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_step_seconds(step: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    """Median wall seconds of an already warmed-up ``step()``, the device synchronised around each call."""
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def run_metadata() -> dict:
     """Where and when a benchmark ran: torch/python versions, cores, threads, date (UTC)."""
     return {

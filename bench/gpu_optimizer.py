@@ -22,7 +22,6 @@ import importlib.abc
 import importlib.util
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -46,6 +45,7 @@ class _SourceLayout(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.append(_SourceLayout())
+from bench import common  # noqa: E402
 from bench.optimizer import HYPER, SerialCpuAdamOffload  # noqa: E402
 from boundpass import symbols as sym  # noqa: E402
 from boundpass.runtime.offload_adamw import OffloadStreamAdamW, bound_values, offload_adamw_bound  # noqa: E402
@@ -53,22 +53,10 @@ from boundpass.runtime.offload_adamw import OffloadStreamAdamW, bound_values, of
 SHAPES_EXACT = [(37, 100), (4097,), (64, 64), (3,), (5, 7)]
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def median_step_seconds(step, device, repeats: int = 5) -> float:
     """Median wall seconds of step() after one warm-up, with device synchronisation around each."""
     step()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return common.median_step_seconds(step, device, repeats)
 
 
 def check_exact(device) -> dict:
@@ -86,7 +74,7 @@ def check_exact(device) -> dict:
                 p.grad = torch.randn(p.shape, generator=gen).to(device, dtype)
                 m.grad = p.grad.float()
             ref.step(), opt.step()
-        _sync(device)
+        common.synchronize(device)
         diff = max((p.float() - m.to(dtype).float()).abs().max().item() for p, m in zip(params, masters))
         out[str(dtype)] = {"max_abs_diff_params": diff,
                            "bit_exact": all(torch.equal(p, m.to(dtype)) for p, m in zip(params, masters))}

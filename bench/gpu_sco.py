@@ -25,7 +25,6 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from bench.common import REPO_ROOT, fmt_bytes, fmt_seconds, markdown_table, run_metadata
+from bench.common import (REPO_ROOT, fmt_bytes, fmt_seconds, markdown_table, median_step_seconds, run_metadata,
+                          synchronize)
 from boundpass import symbols as sym
 from boundpass.runtime.sco import (apply_sco, bound_values, sco_compiled_device_bound, sco_device_bound,
                                    sco_host_bound)
@@ -96,30 +96,18 @@ def loss_of(out, labels=None):
 
 
 # ---------------------------------------------------------------------------------------- measuring
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(step, model, device, repeats) -> dict:
     """Peak bytes above the resident state for one step, median step seconds, and the final grads."""
     step()  # warm-up (compiles, allocates gradients and the host pool)
-    _sync(device)
+    synchronize(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     step()
-    _sync(device)
+    synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else None
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return dict(step_peak_bytes=peak, median_s=statistics.median(times),
+    return dict(step_peak_bytes=peak, median_s=median_step_seconds(step, device, repeats),
                 grads=[p.grad.detach().clone() for p in model.parameters() if p.grad is not None])
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -24,7 +23,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch
 
-from bench.common import REPO_ROOT, fmt_bytes, fmt_seconds, markdown_table, run_metadata
+from bench.common import REPO_ROOT, fmt_bytes, fmt_seconds, markdown_table, median_step_seconds, run_metadata
 from bench.vocab import LABELS, assert_same, make_inputs, make_step
 from boundpass import symbols as sym
 from boundpass.runtime.ring_dtp import bound_values, choose_branch, reference_bound, ring_dtp_bound
@@ -39,26 +38,6 @@ DRY_RUN_CASES = [(512, 32, 4096, torch.float32, 512, True), (512, 32, 4096, torc
 SCHEDULES = ("standard", "token_chunked", "ring_dtp", "inductor", "inductor_chunker")
 REPEATS = 5
 DEADLINE_S = 260  # stop starting new measurements after this: gpu_check.sh's 8 minutes are shared
-
-
-def step_seconds(step, device: torch.device, repeats: int) -> float:
-    """Median seconds of an already warmed-up ``step()``: CUDA events on a GPU, wall clock on the CPU."""
-    if device.type != "cuda":
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-    times = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def peak_device_bytes(step, device: torch.device) -> int | None:
@@ -106,7 +85,7 @@ def measure_schedule(schedule: str, h, w, labels, *, V: int, C: int, device, ref
     N, H = h.shape
     return {"peak_bytes": peak_device_bytes(step, device),
             "bound_bytes": bound(schedule, N=N, H=H, V=V, C=C, dtype=h.dtype),
-            "seconds": step_seconds(step, device, REPEATS), "loss": loss,
+            "seconds": median_step_seconds(step, device, REPEATS), "loss": loss,
             "auto_chunked_graphs": chunked if schedule.startswith("inductor") else None}, ref
 
 

@@ -32,18 +32,19 @@ class BudgetTable:
     terms: list[BoundTerm] = field(default_factory=list)
     host_budget: int | None = None
 
-    def _sum(self, kind: str) -> int:
+    def sum(self, kind: str) -> int:
+        """Bytes of the counted terms of one kind ("persistent", "transient", "step", "host")."""
         return sum(t.value for t in self.terms if t.counted and t.kind == kind)
 
     @property
     def total(self) -> int:
         """Device bytes of the peak phase (bytes)."""
-        return self._sum("persistent") + max(self._sum("transient"), self._sum("step"))
+        return self.sum("persistent") + max(self.sum("transient"), self.sum("step"))
 
     @property
     def host_total(self) -> int:
         """Host bytes (bytes)."""
-        return self._sum("host")
+        return self.sum("host")
 
     def fits(self) -> bool:
         return self.total <= self.budget and self.host_fits()

@@ -101,7 +101,8 @@ class BoundedModule(nn.Module):
         dispatch = self._dispatch_bound([r for r in dispatch_regions if r.rewritten], table)
         for region in regions:
             if region.rewritten:
-                self._bound_vocab_region(gm, region, table, ring_size)
+                self._bound_vocab_region(gm, region, table, ring_size,
+                                         share=dispatch.vocab_share if dispatch is not None else None)
         if dispatch is not None:
             self._choose_dispatch_cap(dispatch, table)
         gm.recompile()
@@ -141,7 +142,6 @@ class BoundedModule(nn.Module):
         Layers run their dispatch one at a time and free it before the next, so one term covers all of them:
         the regions of one graph share T, H, I, E, k and E_p (checked).
         """
-        self._vocab_share = None
         if not regions:
             return None
         first = regions[0]
@@ -171,18 +171,15 @@ class BoundedModule(nn.Module):
         table.terms.append(BoundTerm("dispatch, standard EP at worst-case routing (replaced)", ref,
                                      sym.evaluate(ref, worst), counted=False, where=where,
                                      knob="boundpass rewrites it"))
-        persistent, transient = (sum(t.value for t in table.terms if t.counted and t.kind == kind)
-                                 for kind in ("persistent", "transient"))
-        self._vocab_share = max(0, (self.budget - persistent - transient) // 2)
-        return _DispatchBound(regions, formula, values, tokens, term)
+        persistent, transient = (table.sum(kind) for kind in ("persistent", "transient"))
+        return _DispatchBound(regions, formula, values, tokens, term,
+                              vocab_share=max(0, (self.budget - persistent - transient) // 2))
 
     def _choose_dispatch_cap(self, dispatch: "_DispatchBound", table: BudgetTable) -> None:
         """Set c on every dispatch op: the user's, or the widest whose term fits what the table leaves."""
-        self._vocab_share = None
         term, tokens = dispatch.term, dispatch.tokens
         table.terms.remove(term)
-        persistent, transient, step = (sum(t.value for t in table.terms if t.counted and t.kind == kind)
-                                       for kind in ("persistent", "transient", "step"))
+        persistent, transient, step = (table.sum(kind) for kind in ("persistent", "transient", "step"))
 
         def fits(cap: int) -> bool:
             return persistent + max(transient + dispatch.cost(cap), step) <= self.budget
@@ -206,8 +203,12 @@ class BoundedModule(nn.Module):
             region.op_node.update_arg(7, cap)
             region.cap = cap
 
-    def _bound_vocab_region(self, gm, region, table: BudgetTable, ring_size: int) -> None:
-        """Choose the strip width C (and branch) for one region so the budget holds, or raise."""
+    def _bound_vocab_region(self, gm, region, table: BudgetTable, ring_size: int, share: int | None = None) -> None:
+        """Choose the strip width C (and branch) for one region so the budget holds, or raise.
+
+        share: bytes the vocab term may take at most while a dispatch term still waits for its cap (None: no limit;
+        the narrowest strip is always allowed, so the budget check, not the share, decides feasibility).
+        """
         tokens = _as_expr(region.tokens)
         shape_env = _shape_env(region.op_node)
         tokens_here = _concrete(tokens, shape_env)
@@ -226,13 +227,11 @@ class BoundedModule(nn.Module):
         shard_rows = -(-region.vocab // ring_size)
         # the vocab term is a forward/backward transient: it adds to the other transients, and the device
         # peak is persistent + max(transients, optimizer step)
-        persistent, transient, step = (sum(t.value for t in table.terms if t.counted and t.kind == kind)
-                                       for kind in ("persistent", "transient", "step"))
+        persistent, transient, step = (table.sum(kind) for kind in ("persistent", "transient", "step"))
 
         def cost(block: int) -> int:
             return sym.evaluate(formula, {**values, sym.C: block})
 
-        share = getattr(self, "_vocab_share", None)  # set while a dispatch term awaits its cap
 
         def fits(block: int) -> bool:
             within_share = share is None or cost(block) <= share or block == min(MIN_VOCAB_BLOCK, shard_rows)
@@ -277,8 +276,9 @@ class BoundedModule(nn.Module):
 class _DispatchBound:
     """The dispatch term of a graph while its cap c is being chosen."""
 
-    def __init__(self, regions, formula, values, tokens, term):
+    def __init__(self, regions, formula, values, tokens, term, vocab_share):
         self.regions, self.formula, self.values, self.tokens, self.term = regions, formula, values, tokens, term
+        self.vocab_share = vocab_share  # the most the vocab term may take meanwhile (half the slack)
 
     def cost(self, cap: int) -> int:
         return sym.evaluate(self.formula, {**self.values, sym.c: cap})

@@ -135,7 +135,7 @@ class ComposedBudget(BudgetTable):
 
     @property
     def total(self) -> int:
-        s = self._sum
+        s = self.sum
         layer = s("layer") + max(s("dense"), s("moe"))
         return s("persistent") + max(s("step"), s("transient") + max(layer, s("head")))
 
@@ -144,7 +144,7 @@ class ComposedBudget(BudgetTable):
         largest device term in the phase that sets the peak."""
         if not self.host_fits():
             return max((t for t in self.terms if t.kind == "host" and t.counted), key=lambda t: t.value)
-        s = self._sum
+        s = self.sum
         phase = {"persistent"}
         if s("step") >= s("transient") + max(s("layer") + max(s("dense"), s("moe")), s("head")):
             phase |= {"step"}

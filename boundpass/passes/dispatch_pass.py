@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from boundpass.passes.graph_edit import example_value as _val
 from boundpass.passes.graph_edit import node_adder
 from boundpass.runtime.pipelined_llep import group_name_of
 
@@ -114,10 +115,6 @@ def _pretty(path: str) -> str:
         if path.startswith(prefix):
             path = path[len(prefix):]
     return re.sub(r"\.forward\.__closure__\[0\]\.cell_contents\.__self__", "", path).replace("['", ".").replace("']", "")
-
-
-def _val(node):
-    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
 
 
 def _is(node, kind, target) -> bool:
@@ -271,7 +268,7 @@ def _rewrite_one(gm, key, module, nodes) -> DispatchRegion:
     x_val, k = _val(x), int(_val(ids).shape[-1])
     group_name = group_name_of(group)
     out_node = outputs[0]
-    first_user = min((u for u in out_node.users), key=lambda u: _order(gm.graph, u))
+    first_user = min(out_node.users)  # fx nodes of one graph order by position
     fake_mode = x_val.fake_mode
     graph = gm.graph
 
@@ -293,9 +290,3 @@ def _rewrite_one(gm, key, module, nodes) -> DispatchRegion:
                           experts=e * ep_size, local_experts=e, top_k=k, ep_size=ep_size, group_name=group_name,
                           dtype=x_val.dtype, compute_dtype=compute_dtype, op_node=fused)
 
-
-def _order(graph: fx.Graph, node: fx.Node) -> int:
-    for i, n in enumerate(graph.nodes):
-        if n is node:
-            return i
-    return -1

@@ -174,8 +174,7 @@ def plan_sco(gm: fx.GraphModule, mode, *, table: BudgetTable, budget: int, host_
     plan.host_pool = None if host_budget is None else max(host_budget - optimizer_host, 0)
     pool = plan.host_pool if plan.host_pool is not None else sum(r.boundary_bytes for r in eligible)
     most = sco_rt.planned_offloaded_layers([r.boundary_bytes for r in eligible], pool)
-    persistent, transient, step = (sum(t.value for t in table.terms if t.counted and t.kind == kind)
-                                   for kind in ("persistent", "transient", "step"))
+    persistent, transient, step = (table.sum(kind) for kind in ("persistent", "transient", "step"))
 
     def fits(count: int) -> bool:
         device, _ = _sco_term(plan, count)

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from boundpass.passes.graph_edit import example_value as _val
 from boundpass.passes.graph_edit import node_adder
 from boundpass.runtime import ring_dtp
 
@@ -59,10 +60,6 @@ def _module_path(node: fx.Node) -> str:
     for prefix in ("L['self'].", "G['model'].", "L['model'].", "L['self']._model."):
         path = path.replace(prefix, "")
     return path.replace("L['self']", "<model>").replace("['", ".").replace("']", "")
-
-
-def _val(node):
-    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
 
 
 def _is_pass_through(node: fx.Node) -> bool:
