@@ -8,25 +8,70 @@ One rank set of W ranks, overlapping sub-groups (SPEC.md section 5, docs/mop.md)
   (boundpass.runtime.seq_to_head): A_q/W heads of the whole sequence per rank inside attention;
 - dense weights: FSDP2 (``fully_shard`` per block over the W-rank "fsdp" mesh), experts: torchtitan's expert
   parallelism over the "ep" sub-mesh (E_p ranks) and FSDP over "efsdp" (W/E_p); all built by torchtitan's
-  own ``parallelize_fn`` of the model (``parallelize_deepseekv3``, ...) from ParallelDims.
+  own ``parallelize_fn`` of the model (``parallelize_deepseekv3``, ...) from ParallelDims;
+- expert dispatch (``pipelined_llep=True``): every routed-experts region runs through the PipelinedLLEP op
+  (``boundpass::pipelined_llep_fwd``, the same op the dispatch pass emits) over the EP sub-group, chunk cap c,
+  instead of torchtitan's all-to-all dispatcher: its peak no longer depends on the routing;
+- vocabulary projection + loss (``ring_dtp=True``): lm_head's weight is sharded by vocab rows over the W ranks
+  (a DTensor ``Shard(0)`` parameter, the same name and global shape as FSDP2's shard of it) and left out of
+  FSDP2; ``mop_loss`` runs Ring-DTP over the W-rank ring, so no rank gathers the weight or forms [N, V] logits.
 - gradients are summed, not averaged, over the W ranks (the loss is already divided by the global token
   count, torchtitan's convention); gloo has no PREMUL_SUM, so FSDP reduces with a plain sum.
 
 Data-parallel replicas (whole sequences on disjoint rank sets) are left out: the W ranks hold one set of
 sequences, split along the sequence.
+
+The layout is applied in two halves around torchtitan's own parallelize function, so a trainer that calls that
+function itself (torchtitan's Trainer) can wrap it: ``prepare_mop`` (before: module swaps that must run on local
+tensors inside torchtitan's wrapping) and ``finish_mop`` (after: FSDP2 reduction settings, the vocab-sharded
+head). ``parallelize_mop`` does both around the call for a model built outside a trainer.
 """
 from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
 
 import torch
 
 from boundpass.errors import BoundpassInputError
 from boundpass.recipes.models import MODELS, apply_cpu_device_fix, debug_moe_config
+from boundpass.runtime.pipelined_llep import pipelined_llep
+from boundpass.runtime.ring_dtp import ring_dtp_loss
 from boundpass.runtime.seq_to_head import SeqToHeadAttention, check_head_counts, shard_positions, shard_sequence
 
 # torchtitan reads its device type once, at import: fix it before anything imports torchtitan (no-op on GPUs)
 apply_cpu_device_fix()
+from torchtitan.protocols.module import Module as TorchtitanModule  # noqa: E402
 
-__all__ = ["mop_config", "apply_seq_to_head", "parallelize_mop", "shard_batch", "attention_heads"]
+__all__ = ["mop_config", "apply_seq_to_head", "apply_pipelined_llep", "prepare_mop", "finish_mop", "parallelize_mop",
+           "mop_loss", "shard_batch", "attention_heads", "MoPOptions", "DEFAULT_CHUNK_CAP"]
+
+DEFAULT_CHUNK_CAP = 4096  # c: tokens per source rank per PipelinedLLEP chunk (the composed budget's default)
+
+
+@dataclass(frozen=True)
+class MoPOptions:
+    """Which parts of the layout are on. The defaults are the plain layout (torchtitan's EP dispatcher and
+    full-logits head); ``pipelined_llep`` / ``ring_dtp`` switch the two bounded operators on."""
+    sequence_to_head: bool = True
+    pipelined_llep: bool = False
+    chunk_cap: int = DEFAULT_CHUNK_CAP
+    ring_dtp: bool = False
+    vocab_block: int = 0  # Ring-DTP strip width C (0: the runtime's default)
+
+    def __post_init__(self):
+        if self.chunk_cap < 1:
+            raise BoundpassInputError(f"MoP: the PipelinedLLEP chunk cap must be >= 1 token, got {self.chunk_cap}")
+        if self.vocab_block < 0:
+            raise BoundpassInputError(f"MoP: the Ring-DTP strip width must be >= 0, got {self.vocab_block}")
+
+
+@dataclass
+class MoPState:
+    """What ``prepare_mop`` hands ``finish_mop``: the options and the lm_head it took out of FSDP2's reach."""
+    options: MoPOptions
+    lm_head: torch.nn.Module | None = None
+    dispatch: list[str] = field(default_factory=list)   # routed-experts regions on PipelinedLLEP
 
 
 def mop_config(name: str = "deepseek_v3", *, world: int, ep: int, seq_len: int, vocab_size: int | None = None,
@@ -71,16 +116,140 @@ def apply_seq_to_head(model: torch.nn.Module, group) -> None:
         block.attention.inner_attention = SeqToHeadAttention(inner, group)
 
 
-def parallelize_mop(model: torch.nn.Module, cfg, *, world: int, ac_config=None, sequence_to_head: bool = True):
+def apply_pipelined_llep(model: torch.nn.Module, cap: int) -> list[str]:
+    """Route every MoE block's routed experts through PipelinedLLEP (in place; before ``parallelize``).
+
+    The routed-experts module keeps its parameters, names and FSDP2/EP sharding; only its forward changes: the
+    dispatcher's all-to-all + grouped experts + combine become one ``boundpass::pipelined_llep_fwd`` over the EP
+    group torchtitan wires into the dispatcher (None at E_p = 1), with this rank's experts (``to_local`` of the
+    EP-sharded weights) and torchtitan's bf16 expert matmuls. Exactly the region the dispatch pass rewrites, with
+    the same checks: a dispatcher or experts class other than torchtitan's plain SwiGLU ones (e.g. gpt_oss's
+    biased experts, DeepEP) is refused, not reinterpreted. Returns the rewritten module paths.
+    """
+    from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
+
+    paths = []
+    for path, module in model.named_modules():
+        if not isinstance(module, RoutedExperts):
+            continue
+        if type(module.inner_experts) is not GroupedExperts:
+            raise BoundpassInputError(
+                f"MoP pipelined_llep: {path}.inner_experts is {type(module.inner_experts).__name__}, not torchtitan's "
+                "SwiGLU GroupedExperts (PipelinedLLEP computes silu(x w1) * (x w3) -> w2 without biases); run this "
+                "model's MoP layout with pipelined_llep=False (torchtitan's EP dispatcher)")
+        if type(module.token_dispatcher) not in (LocalTokenDispatcher, AllToAllTokenDispatcher):
+            raise BoundpassInputError(
+                f"MoP pipelined_llep: {path}.token_dispatcher is {type(module.token_dispatcher).__name__}; only "
+                "torchtitan's LocalTokenDispatcher / AllToAllTokenDispatcher are replaced (others move different "
+                "data); use pipelined_llep=False")
+        module.forward = types.MethodType(_pipelined_routed_forward(cap), module)
+        paths.append(path)
+    return paths
+
+
+def _pipelined_routed_forward(cap: int):
+    def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E):
+        # Runs inside torchtitan's local_map region (after parallelize): x, scores and ids are local tensors.
+        del num_local_tokens_per_expert_E  # PipelinedLLEP exchanges the per-rank counts itself
+        B, L, D = x_BLD.shape
+        experts = self.inner_experts
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w
+                      for w in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD))
+        ep_mesh = getattr(self.token_dispatcher, "ep_mesh", None)
+        group = ep_mesh.get_group() if ep_mesh is not None and ep_mesh.size() > 1 else None
+        out = pipelined_llep(x_BLD.reshape(B * L, D), topk_expert_ids_BLK.reshape(B * L, -1),
+                             topk_scores_BLK.reshape(B * L, -1), w1, w2, w3, group, cap=cap,
+                             compute_dtype=torch.bfloat16)  # torchtitan's GroupedExperts runs its matmuls in bf16
+        return out.view(B, -1, D)
+    return forward
+
+
+class RingDTPHead(TorchtitanModule):
+    """lm_head under the MoP layout: this rank's vocab rows of the projection weight, as a DTensor ``Shard(0)`` over
+    the W-rank ring (name ``lm_head.weight`` and global shape unchanged, so checkpoints and optimizers see what
+    they saw under FSDP2). Its forward is the identity: the model returns the normed hidden state and
+    ``mop_loss`` runs projection + cross-entropy as Ring-DTP. Ring-DTP's dW on each shard already holds every
+    rank's tokens, so nothing reduces it (it is not an FSDP2 parameter)."""
+
+    def __init__(self, weight: torch.nn.Parameter, mesh, init_fn=None):
+        super().__init__()
+        self.weight = weight
+        self.mesh = mesh
+        self.vocab_size = weight.shape[0]
+        self._init_fn = init_fn
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def _init_self_parameters(self) -> None:
+        """torchtitan's init walk (models built on meta, parallelized, then initialised): lm_head's own init."""
+        if self._init_fn is None:
+            raise BoundpassInputError("RingDTPHead: no init function was kept from the original lm_head")
+        with torch.no_grad():
+            self._init_fn(self.weight)
+
+
+def _shard_lm_head(head: torch.nn.Module, mesh) -> RingDTPHead:
+    from torch.distributed.tensor import DTensor, Shard
+
+    weight = head.weight
+    V, W = weight.shape[0], mesh.size()
+    if V % W:
+        raise BoundpassInputError(f"MoP ring_dtp: the vocabulary ({V}) must divide by the {W} ranks of the ring "
+                                  "(equal vocab shards); pad the vocabulary or use ring_dtp=False")
+    rows = V // W
+    rank = mesh.get_local_rank()
+    local = weight.detach()[rank * rows:(rank + 1) * rows].clone()  # meta stays meta: initialised later
+    param = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+    return RingDTPHead(param, mesh, (getattr(head, "_param_init", None) or {}).get("weight"))
+
+
+def prepare_mop(model: torch.nn.Module, dims, options: MoPOptions) -> MoPState:
+    """The half of the layout that runs before torchtitan's parallelize function (see the module docstring)."""
+    state = MoPState(options)
+    if options.sequence_to_head:
+        apply_seq_to_head(model, dims.get_mesh("fsdp").get_group())
+    if options.pipelined_llep:
+        state.dispatch = apply_pipelined_llep(model, options.chunk_cap)
+    if options.ring_dtp:
+        if getattr(model, "lm_head", None) is None:
+            raise BoundpassInputError("MoP ring_dtp: the model has no lm_head to shard")
+        tok = getattr(model, "tok_embeddings", None)
+        if tok is not None and tok.weight is model.lm_head.weight:
+            raise BoundpassInputError("MoP ring_dtp: lm_head is tied to the token embedding; Ring-DTP shards the "
+                                      "head by vocab rows, which the embedding cannot share: use ring_dtp=False")
+        state.lm_head, model.lm_head = model.lm_head, None  # out of FSDP2's root unit; attached in finish_mop
+    return state
+
+
+def finish_mop(model: torch.nn.Module, dims, state: MoPState) -> None:
+    """The half of the layout that runs after torchtitan's parallelize function."""
+    from torch.distributed.fsdp import FSDPModule
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)           # the loss is already / global tokens
+            module.set_force_sum_reduction_for_comms(True)   # gloo: no PREMUL_SUM
+    if state.lm_head is not None:
+        model.lm_head = _shard_lm_head(state.lm_head, dims.get_mesh("fsdp"))
+        state.lm_head = None
+
+
+def parallelize_mop(model: torch.nn.Module, cfg, *, world: int, ac_config=None, sequence_to_head: bool = True,
+                    pipelined_llep: bool = False, chunk_cap: int = DEFAULT_CHUNK_CAP, ring_dtp: bool = False,
+                    vocab_block: int = 0):
     """Apply the MoP layout to a materialised model (same values on every rank); returns (model, parallel_dims).
 
-    torchtitan's own parallelize function does EP + FSDP2; this adds sequence-to-head attention and the
-    sum-reduction of gradients. ``ac_config``: torchtitan's activation checkpointing config (e.g.
-    ``FullAC.Config()``), applied by the same parallelize function; None: off. Compile stays off.
+    torchtitan's own parallelize function does EP + FSDP2; around it this adds sequence-to-head attention, the
+    sum-reduction of gradients and, if asked, PipelinedLLEP dispatch (cap ``chunk_cap``) and the Ring-DTP head
+    (train with ``mop_loss(model, parallel_dims)``). ``ac_config``: torchtitan's activation checkpointing config
+    (e.g. ``FullAC.Config()``), applied by the same parallelize function; None: off. Compile stays off.
     """
     import torch.distributed as dist
     from torchtitan.distributed import ParallelDims
 
+    options = MoPOptions(sequence_to_head=sequence_to_head, pipelined_llep=pipelined_llep, chunk_cap=chunk_cap,
+                         ring_dtp=ring_dtp, vocab_block=vocab_block)
     if not dist.is_initialized() or dist.get_world_size() != world:
         raise BoundpassInputError(f"parallelize_mop needs an initialised process group of {world} ranks")
     from torchtitan.distributed import utils as dist_utils
@@ -94,16 +263,34 @@ def parallelize_mop(model: torch.nn.Module, cfg, *, world: int, ac_config=None, 
     dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)  # what torchtitan's Trainer does first
     dims = ParallelDims.from_config(cfg.parallelism, world)
     dims.build_mesh()
-    if sequence_to_head:
-        apply_seq_to_head(model, dims.get_mesh("fsdp").get_group())
+    state = prepare_mop(model, dims, options)
     cfg.model_spec.parallelize_fn(model, parallel_dims=dims, training=cfg.training, parallelism=cfg.parallelism,
                                   compile_config=cfg.compile, ac_config=ac_config, dump_folder=cfg.dump_folder)
-    from torch.distributed.fsdp import FSDPModule
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)           # the loss is already / global tokens
-            module.set_force_sum_reduction_for_comms(True)   # gloo: no PREMUL_SUM
+    finish_mop(model, dims, state)
+    model._mop = state  # what the layout did (options, PipelinedLLEP regions): for tests, reports and mop_loss
     return model, dims
+
+
+def mop_loss(model: torch.nn.Module, dims=None, *, vocab_block: int | None = None, ignore_index: int = -100):
+    """The training loss of a MoP-laid-out model, with torchtitan's signature and normalisation
+    ``(pred, labels, global_valid_tokens) -> (loss, {})``: Ring-DTP over the W-rank ring when the head is a
+    RingDTPHead (``pred`` is then the normed hidden state), torchtitan's CrossEntropyLoss otherwise."""
+    from boundpass.recipes.models import torchtitan_loss
+
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, RingDTPHead):
+        return torchtitan_loss()
+    state = getattr(model, "_mop", None)
+    block = vocab_block if vocab_block is not None else (state.options.vocab_block if state else 0)
+    group = head.mesh.get_group() if head.mesh.size() > 1 else None
+
+    def loss_fn(pred, labels, global_valid_tokens=None, **kwargs):
+        del kwargs
+        w = head.weight.to_local() if hasattr(head.weight, "to_local") else head.weight
+        total = ring_dtp_loss(pred.reshape(-1, pred.shape[-1]), w, labels.reshape(-1), vocab_size=head.vocab_size,
+                              group=group, block=block, ignore_index=ignore_index)
+        return (total / global_valid_tokens if global_valid_tokens is not None else total), {}
+    return loss_fn
 
 
 def shard_batch(tokens: torch.Tensor, labels: torch.Tensor, rank: int, world: int):
