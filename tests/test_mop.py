@@ -1,6 +1,10 @@
 """The MoP layout on torchtitan's deepseek_v3 debug MoE model: 5 training steps on 4 gloo ranks (W = 4 sequence
 shards, FSDP2 dense weights, sequence-to-head attention, E_p = 2 expert parallelism) match the same model
-trained on one rank with the same global batch.
+trained on one rank with the same global batch. Three layouts: the plain one (torchtitan's EP dispatcher,
+full-logits head); with both bounded operators (PipelinedLLEP dispatch over the EP group with a small chunk
+cap, so every MoE layer runs several chunks; Ring-DTP head over the 4-rank ring); and the operators under
+adversarial routing (every token picks experts 0..2, all owned by EP rank 0), against a one-rank reference with
+the same routing.
 
 Tolerance: the forward is the same function (attention per head on the full sequence, every other op per token;
 MLA's attention runs the fused SDPA kernel on zero-padded v instead of the reference's math path, so step 1's
@@ -23,6 +27,8 @@ from boundpass.testing.distributed import run_on_ranks  # noqa: E402
 pytestmark = [pytest.mark.torchtitan, pytest.mark.distributed]
 
 NAME, SEQ, BATCH, VOCAB, LAYERS, STEPS, LR = "deepseek_v3", 32, 2, 256, 3, 5, 1e-3
+CAP = 4  # PipelinedLLEP chunk cap c: 16 tokens per rank x top-3 -> several chunks per layer
+HOT = (0, 1, 2)  # adversarial routing: every token to these experts (EP rank 0's)
 LOSS_RTOL, WEIGHT_RTOL, BF16_EXPERT_RTOL = 1e-5, 2e-5, 5e-3
 BF16_PATHS = ("moe.routed_experts.inner_experts.", "moe.router.gate.")
 
@@ -36,19 +42,30 @@ def _local(t):
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-def _composed_bound(model, cfg, world, ep):
-    """The composed per-rank budget (boundpass.composed) of this launch: standard EP, full logits, AdamW on the
-    device, every block checkpointed, fp32 (b = b_acc = 4)."""
+def _route_all_to(model, experts):
+    """Adversarial routing: the selection bias makes every token pick ``experts`` (scores stay the router's)."""
+    for layer in model.layers.values():
+        moe = getattr(layer, "moe", None)
+        if moe is not None and getattr(moe, "expert_bias_E", None) is not None:
+            moe.expert_bias_E.zero_()
+            moe.expert_bias_E[list(experts)] = 1e4
+
+
+def _composed_bound(model, cfg, world, ep, ops):
+    """The composed per-rank budget (boundpass.composed) of this launch: AdamW on the device, every block
+    checkpointed, fp32 (b = b_acc = 4); standard EP at worst-case routing and full logits, or PipelinedLLEP (cap
+    CAP) and Ring-DTP (P = W)."""
     import importlib
     composed, plan = importlib.import_module("boundpass.composed"), importlib.import_module("boundpass.plan")
     shape = plan.shape_of_module(model, name=NAME, heads_config=cfg.model_spec.model.layers[0].attention,
                                  top_k=cfg.model_spec.model.layers[1].moe.router.top_k)
     launch = composed.Launch(ranks=world, ep=ep, ring=world, tokens_per_rank=BATCH * SEQ // world,
-                             operators=frozenset(), b=4, b_acc=4)
+                             operators=frozenset({"pipelined_llep", "ring_dtp"} if ops else ()), b=4, b_acc=4,
+                             chunk_cap=CAP if ops else None)
     return composed.compose(shape, launch, budget=1 << 40).total
 
 
-def _train(rank, world, ep):
+def _train(rank, world, ep, ops=False, skew=False):
     """STEPS AdamW steps; returns (global loss per step, full weights on rank 0, layout facts).
 
     Under the layout every block is checkpointed (torchtitan's FullAC, recompute is the same arithmetic) and
@@ -57,7 +74,7 @@ def _train(rank, world, ep):
     import torch.distributed as dist
     from boundpass.memtrack import LiveStorageTracker
     from boundpass.recipes.models import torchtitan_loss
-    from boundpass.recipes.mop import mop_config, parallelize_mop, shard_batch
+    from boundpass.recipes.mop import mop_config, mop_loss, parallelize_mop, shard_batch
     from torchtitan.distributed.activation_checkpoint import FullAC
     cfg = mop_config(NAME, world=world, ep=ep, seq_len=SEQ, vocab_size=VOCAB)
     with torch.device("meta"):
@@ -67,16 +84,21 @@ def _train(rank, world, ep):
     model.init_weights(buffer_device=None)  # the same full weights on every rank, then sharded in place
     for name in list(model.layers)[LAYERS:]:  # layer 0 dense + 2 MoE layers keep the test cheap
         del model.layers[name]
+    if skew:
+        _route_all_to(model, HOT)
     model.train()
     facts = {}
     if world > 1:
-        facts["bound"] = _composed_bound(model, cfg, world, ep)
-        parallelize_mop(model, cfg, world=world, ac_config=FullAC.Config())
+        facts["bound"] = _composed_bound(model, cfg, world, ep, ops)
+        parallelize_mop(model, cfg, world=world, ac_config=FullAC.Config(), pipelined_llep=ops, ring_dtp=ops,
+                        chunk_cap=CAP)
         routed = model.layers["1"].moe.routed_experts
         facts.update(ep=routed.token_dispatcher.ep_mesh.size(), experts=routed.inner_experts.w1_EFD.shape[0],
-                     attention={type(b.attention.inner_attention).__name__ for b in model.layers.values()})
+                     attention={type(b.attention.inner_attention).__name__ for b in model.layers.values()},
+                     dispatch=list(model._mop.dispatch), head=type(model.lm_head).__name__,
+                     head_rows=model.lm_head.weight.to_local().shape[0] if ops else None)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    loss_fn = torchtitan_loss()
+    loss_fn = mop_loss(model) if world > 1 else torchtitan_loss()
     losses = []
     for step in range(STEPS):
         tokens, labels = _batch(step)
@@ -104,29 +126,41 @@ def _train(rank, world, ep):
     return losses, (weights if rank == 0 else None), facts
 
 
+LAYOUTS = {"plain": dict(ops=False, skew=False), "operators": dict(ops=True, skew=False),
+           "operators_all_to_rank0": dict(ops=True, skew=True)}
+
+
 @pytest.fixture(scope="module")
 def runs():
-    single = run_on_ranks(_train, 1, 1, timeout_s=300)[0]
-    mop = run_on_ranks(_train, 4, 2, timeout_s=400)
-    return single, mop
+    single = {skew: run_on_ranks(_train, 1, 1, False, skew, timeout_s=300)[0] for skew in (False, True)}
+    return {name: (single[kw["skew"]], run_on_ranks(_train, 4, 2, kw["ops"], kw["skew"], timeout_s=400))
+            for name, kw in LAYOUTS.items()}
 
 
-def test_layout_is_what_it_says(runs):
-    _, mop = runs
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_is_what_it_says(runs, layout):
+    _, mop = runs[layout]
     facts = mop[0][2]
     assert facts["attention"] == {"SeqToHeadAttention"}
-    assert facts["ep"] == 2 and facts["experts"] == 8
+    assert facts["ep"] == 2 and facts["experts"] == 8  # 4 of 8 experts on each EP rank
+    if LAYOUTS[layout]["ops"]:
+        assert facts["dispatch"] == ["layers.1.moe.routed_experts", "layers.2.moe.routed_experts"]
+        assert facts["head"] == "RingDTPHead" and facts["head_rows"] == VOCAB // 4  # a quarter of the vocab
+    else:
+        assert facts["dispatch"] == [] and facts["head"] != "RingDTPHead"
 
 
-def test_per_rank_peak_within_composed_budget(runs):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_per_rank_peak_within_composed_budget(runs, layout):
     """Measured per-rank peak of a training step (W = 4, E_p = 2) <= the composed budget of the layout."""
-    _, mop = runs
+    _, mop = runs[layout]
     for rank, (_, _, facts) in enumerate(mop):
         assert 0 < facts["peak"] <= facts["bound"], f"rank {rank}: peak {facts['peak']} B > bound {facts['bound']} B"
 
 
-def test_mop_matches_single_rank(runs):
-    (ref_losses, ref_weights, _), mop = runs
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mop_matches_single_rank(runs, layout):
+    (ref_losses, ref_weights, _), mop = runs[layout]
     for rank, (losses, _, _) in enumerate(mop):
         assert losses == pytest.approx(ref_losses, rel=LOSS_RTOL), f"rank {rank}: {losses} vs {ref_losses}"
     assert mop[0][0][0] == pytest.approx(ref_losses[0], rel=1e-6)  # step 1: same weights, same function
