@@ -180,3 +180,89 @@ def _initial_weights():
     model = build_debug_moe(NAME, vocab_size=VOCAB, seq_len=SEQ)
     return {n: p.detach() for n, p in model.named_parameters() if not n.startswith(
         tuple(f"layers.{i}." for i in range(LAYERS, 100)))}
+
+
+# ---- the other torchtitan MoE models under the layout: one step's loss and gradients vs one rank -------------------
+# qwen3 MoE (GQA, q/k norms) in fp32 with both operators; gpt_oss with the Ring-DTP head but torchtitan's EP
+# dispatcher (its experts have biases and a clamped activation: PipelinedLLEP refuses them, tested below), in bf16
+# because its experts return bf16 whatever the input dtype (torchtitan runs it in bf16 only). Same weights, same
+# batch, the same function: what differs is the order of sums (per-rank partial gradients reduce-scattered).
+# Tolerances (relative L2 per gradient tensor), measured worst in brackets: qwen3's experts and the router gate
+# they feed 1e-2 (2.8e-3: bf16 expert matmuls, one bf16 product per rank's rows vs one over all rows); its other
+# gradients 5e-3 (2.1e-3: every qwen3 block is MoE, so every input gradient passes a bf16 expert backward —
+# unlike deepseek's dense first block); gpt_oss, bf16 end to end: 3e-2 (9.2e-3; bf16 unit roundoff 3.9e-3).
+# Losses: 1e-6 (qwen3, 8e-8) and 1e-4 (gpt_oss, 8e-8). A wrong shard, head or expert gives O(1) errors.
+OTHER = {"qwen3_moe": dict(ops=True, dtype="float32", loss_rtol=1e-6, dense_rtol=5e-3, bf16_rtol=1e-2),
+         "gpt_oss": dict(ops=False, dtype="bfloat16", loss_rtol=1e-4, dense_rtol=3e-2, bf16_rtol=3e-2)}
+
+
+def _one_step(rank, world, name):
+    import torch.distributed as dist
+    from boundpass.recipes.models import torchtitan_loss
+    from boundpass.recipes.mop import mop_config, mop_loss, parallelize_mop, shard_batch
+    spec = OTHER[name]
+    cfg = mop_config(name, world=max(world, 2), ep=2, seq_len=SEQ, vocab_size=VOCAB, param_dtype=spec["dtype"])
+    with torch.device("meta"):
+        model = cfg.model_spec.model.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights(buffer_device=None)
+    for layer in list(model.layers)[LAYERS:]:
+        del model.layers[layer]
+    model.to(getattr(torch, spec["dtype"])).train()
+    tokens, labels = _batch(0)
+    positions, loss_fn, facts = None, torchtitan_loss(), {}
+    if world > 1:
+        parallelize_mop(model, cfg, world=world, pipelined_llep=spec["ops"], ring_dtp=True, chunk_cap=CAP)
+        tokens, labels, positions = shard_batch(tokens, labels, rank, world)
+        loss_fn = mop_loss(model)
+        facts = dict(dispatch=list(model._mop.dispatch), head=type(model.lm_head).__name__)
+    loss, _ = loss_fn(model(tokens, positions=positions), labels, torch.tensor(BATCH * SEQ))
+    loss.backward()
+    total = loss.detach().float().clone()
+    if world > 1:
+        dist.all_reduce(total)
+    grads = {n.replace("_checkpoint_wrapped_module.", ""):
+             None if p.grad is None else (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).float()
+             for n, p in model.named_parameters()}
+    return total.item(), (grads if rank == 0 else None), facts
+
+
+@pytest.fixture(scope="module")
+def other_models():
+    return {name: (run_on_ranks(_one_step, 1, name, timeout_s=300)[0], run_on_ranks(_one_step, 4, name, timeout_s=400))
+            for name in OTHER}
+
+
+@pytest.mark.parametrize("name", OTHER)
+def test_other_models_one_step_matches_single_rank(other_models, name):
+    spec = OTHER[name]
+    (ref_loss, ref_grads, _), mop = other_models[name]
+    assert mop[0][2]["head"] == "RingDTPHead"
+    print(name, "PipelinedLLEP regions:", mop[0][2]["dispatch"])
+    assert bool(mop[0][2]["dispatch"]) == spec["ops"]
+    for rank, (loss, _, _) in enumerate(mop):
+        assert loss == pytest.approx(ref_loss, rel=spec["loss_rtol"]), f"rank {rank}: {loss} vs {ref_loss}"
+    grads = mop[0][1]
+    assert grads.keys() == ref_grads.keys()
+    worst = {}
+    unused = {n for n, g in ref_grads.items() if g is None}
+    assert unused == {n for n, g in grads.items() if g is None}, "different parameters received no gradient"
+    for n, ref in ref_grads.items():
+        if ref is None:
+            continue
+        rel = ((grads[n] - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        bf16 = spec["dtype"] == "bfloat16" or any(p in n for p in ("moe.routed_experts.", "moe.router.gate."))
+        assert rel <= (spec["bf16_rtol"] if bf16 else spec["dense_rtol"]), f"{name} {n}: {rel:.2e}"
+        worst[bf16] = max(worst.get(bf16, 0.0), rel)
+    print(f"{name}: loss {mop[0][0]:.8f} vs {ref_loss:.8f}; worst gradient rel-L2 (bf16 paths, other): "
+          f"{worst.get(True, 0):.2e}, {worst.get(False, 0):.2e}")
+
+
+def test_pipelined_llep_refuses_experts_it_does_not_compute():
+    from boundpass.errors import BoundpassInputError
+    from boundpass.recipes.models import build_debug_moe
+    from boundpass.recipes.mop import apply_pipelined_llep
+    model = build_debug_moe("gpt_oss", vocab_size=VOCAB, seq_len=SEQ)
+    with pytest.raises(BoundpassInputError, match="GptOssGroupedExperts, not torchtitan's SwiGLU GroupedExperts"):
+        apply_pipelined_llep(model, CAP)
