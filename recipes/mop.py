@@ -75,8 +75,11 @@ class MoPState:
 
 
 def mop_config(name: str = "deepseek_v3", *, world: int, ep: int, seq_len: int, vocab_size: int | None = None,
-               param_dtype: str = "float32"):
-    """torchtitan Trainer.Config of a debug MoE model laid out over ``world`` ranks with EP degree ``ep``."""
+               param_dtype: str | None = None):
+    """torchtitan Trainer.Config of a debug MoE model laid out over ``world`` ranks with EP degree ``ep``.
+
+    ``param_dtype``: FSDP2's compute dtype; None: float32, except gpt_oss (bfloat16: its experts return bf16
+    whatever their input, so torchtitan only runs it in bf16; fp32 fails inside torchtitan's combine)."""
     if name not in MODELS:
         raise BoundpassInputError(f"unknown model {name!r}; the MoP layout supports {sorted(MODELS)}")
     if world % ep:
@@ -88,6 +91,8 @@ def mop_config(name: str = "deepseek_v3", *, world: int, ep: int, seq_len: int, 
     par.expert_parallel_degree = ep
     # spmd_types cannot run on gloo (uneven list all_to_all, fully_shard on plain tensors): notes/torchtitan_cpu.md
     par.spmd_backend = "partial_dtensor"
+    if param_dtype is None:
+        param_dtype = "bfloat16" if name == "gpt_oss" else "float32"
     cfg.training.mixed_precision_param = param_dtype
     cfg.model_spec.model.update_from_config(config=cfg)  # EP sharding config now that ep is set
     A_q, A_kv = attention_heads(cfg)
@@ -287,6 +292,8 @@ def mop_loss(model: torch.nn.Module, dims=None, *, vocab_block: int | None = Non
     def loss_fn(pred, labels, global_valid_tokens=None, **kwargs):
         del kwargs
         w = head.weight.to_local() if hasattr(head.weight, "to_local") else head.weight
+        if w.dtype != pred.dtype:  # FSDP2 mixed precision: the trunk computes in param_dtype, and so does the head
+            w = w.to(pred.dtype)   # (as FSDP2 would cast lm_head's weight; the gradient comes back in w's dtype)
         total = ring_dtp_loss(pred.reshape(-1, pred.shape[-1]), w, labels.reshape(-1), vocab_size=head.vocab_size,
                               group=group, block=block, ignore_index=ignore_index)
         return (total / global_valid_tokens if global_valid_tokens is not None else total), {}
