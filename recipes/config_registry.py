@@ -9,6 +9,13 @@ the sequence length (1,024), the batch (2 sequences per rank), 20 steps, the gen
 `expert_parallel_degree` (1 or 2). CPU adaptations (SDPA attention, no CUDA graphs, partial_dtensor) are
 applied by `boundpass.recipes.train` only when no GPU is present. Everything stays overridable from the
 command line (`--training.seq_len 4096`, ...). boundpass itself stays off until `--boundpass.budget` is given.
+
+The `*_mop` configs select the MoP rank layout (`--boundpass.layout mop`, recipes/mop.py, docs/recipe.md): W = the
+launch's ranks split one batch of 2 sequences along the sequence, E_p = 2, every block checkpointed (FullAC: what
+the composed budget assumes), causal SDPA attention, PipelinedLLEP dispatch (not for gpt_oss, whose experts have
+biases) and the Ring-DTP head. Launch on W ranks, W dividing the heads and the sequence:
+
+    torchrun --nproc-per-node 2 -m boundpass.recipes.train --module boundpass.recipes --config deepseek_v3_debug_mop
 """
 from __future__ import annotations
 
@@ -80,3 +87,34 @@ def gpt_oss_debug() -> BoundpassTrainer.Config:
 
 def gpt_oss_debug_ep2() -> BoundpassTrainer.Config:
     return recipe_config("gpt_oss", ep=2)
+
+
+def mop_recipe_config(name: str, *, ep: int = 2, pipelined_llep: bool = True, ring_dtp: bool = True,
+                      **kwargs) -> BoundpassTrainer.Config:
+    """`recipe_config(name)` under the MoP layout: the W ranks of the launch share each batch (`local_batch_size`
+    is the whole batch), E_p = `ep`, FullAC, causal SDPA, validation off (it reads whole sequences per rank)."""
+    from torchtitan.distributed.activation_checkpoint import FullAC
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    config = recipe_config(name, ep=ep, **kwargs)
+    for layer in config.model_spec.model.layers:  # flex/varlen document masks are not sharded by the exchange
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config.activation_checkpoint = FullAC.Config()
+    config.parallelism.spmd_backend = "partial_dtensor"  # what the layout is built on (recipes/mop.py)
+    config.validator.enable = False
+    bp = config.boundpass
+    bp.layout, bp.mop_pipelined_llep, bp.mop_ring_dtp = "mop", pipelined_llep, ring_dtp
+    return config
+
+
+def deepseek_v3_debug_mop() -> BoundpassTrainer.Config:
+    return mop_recipe_config("deepseek_v3")
+
+
+def qwen3_moe_debug_mop() -> BoundpassTrainer.Config:
+    return mop_recipe_config("qwen3_moe")
+
+
+def gpt_oss_debug_mop() -> BoundpassTrainer.Config:
+    # gpt_oss's experts carry biases, which PipelinedLLEP (bias-free SwiGLU) refuses: torchtitan's EP dispatcher
+    return mop_recipe_config("gpt_oss", pipelined_llep=False)

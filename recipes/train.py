@@ -35,13 +35,9 @@ def _config_manager_class():
     return BoundpassConfigManager
 
 
-def train_in_process(argv: list[str]):
-    """Parse `argv` exactly as the command line would be, build the trainer, train, close; returns the trainer.
-
-    For tests and benchmarks that run several trainings in one process (imports paid once). If
-    torch.distributed is already initialised (e.g. by boundpass.testing.distributed.run_on_ranks), torchtitan
-    reuses that process group.
-    """
+def build_in_process(argv: list[str]):
+    """Parse `argv` exactly as the command line would be and build the trainer (model built, parallelized and
+    initialised, optimizer, dataloader); nothing is trained. The caller closes it. See `train_in_process`."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     cpu_support.apply_runtime_shims()
     warnings.filterwarnings("ignore", message="In CPU autocast")
@@ -53,9 +49,28 @@ def train_in_process(argv: list[str]):
     # torchtitan's init_distributed does this, but skips it when the process group already exists
     torch.autograd.set_multithreading_enabled(False)
     config = _config_manager_class()().parse_args(list(argv))
-    trainer = config.build()
+    return config.build()
+
+
+def train_in_process(argv: list[str]):
+    """Parse `argv` exactly as the command line would be, build the trainer, train (or, with
+    `--checkpoint.create_seed_checkpoint`, save the initial weights as torchtitan's main does), close; returns
+    the trainer.
+
+    For tests and benchmarks that run several trainings in one process (imports paid once). If
+    torch.distributed is already initialised (e.g. by boundpass.testing.distributed.run_on_ranks), torchtitan
+    reuses that process group.
+    """
+    trainer = build_in_process(argv)
+    config = trainer.config
     try:
-        trainer.train()
+        if config.checkpoint.create_seed_checkpoint:  # torchtitan.train.main's branch: save the initial weights
+            if int(os.environ.get("WORLD_SIZE", "1")) != 1 or not config.checkpoint.enable:
+                raise ValueError("--checkpoint.create_seed_checkpoint needs one rank and --checkpoint.enable "
+                                 "(torchtitan's own rule: the seed is saved unsharded)")
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+        else:
+            trainer.train()
     finally:
         trainer.close()
     return trainer

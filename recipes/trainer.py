@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,8 +31,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from boundpass.errors import BoundpassInputError
+from boundpass.units import format_bytes
+
 from torchtitan.components.checkpointer import LR_SCHEDULER
 from torchtitan.components.loss import ChunkedLossWrapper
+from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
@@ -69,10 +74,27 @@ class BoundpassConfig:
     record_losses: str | None = None
     """Append each logged step's global loss and grad norm at full precision as JSON lines to this file
     (rank 0). Works with boundpass off too: it is how stock and boundpass runs are compared step by step."""
+    layout: Literal["default", "mop"] = "default"
+    """Rank layout. "default": torchtitan's own (data-parallel FSDP2, EP), with boundpass.compile when a budget is
+    given. "mop": the MoP layout of recipes/mop.py (all ranks split one batch along the sequence, sequence-to-head
+    attention, FSDP2 dense weights, EP experts); boundpass.compile stays off, a budget is checked against the
+    composed per-rank budget before anything is materialised (docs/recipe.md)."""
+    mop_pipelined_llep: bool = False
+    """MoP layout: expert dispatch through PipelinedLLEP (chunk cap `chunk_cap`) instead of torchtitan's EP
+    all-to-all dispatcher (refused for experts other than torchtitan's bias-free SwiGLU ones, e.g. gpt_oss)."""
+    mop_ring_dtp: bool = False
+    """MoP layout: lm_head vocab-sharded over the W ranks (outside FSDP2) and the loss run as Ring-DTP."""
+    chunk_cap: int = 4096
+    """MoP layout: PipelinedLLEP chunk cap c (tokens per source rank per chunk)."""
 
     @property
     def active(self) -> bool:
-        return self.enable and self.budget is not None
+        """boundpass.compile runs (default layout with a budget)."""
+        return self.enable and self.budget is not None and self.layout == "default"
+
+    @property
+    def mop(self) -> bool:
+        return self.enable and self.layout == "mop"
 
 
 class VocabHead(nn.Module):
@@ -97,10 +119,15 @@ class BoundpassTrainer(Trainer):
     def __init__(self, config: Config):
         self.bounded = None
         self._reported = False
+        self.mop_state = None
         bp = config.boundpass
         if bp.active and bp.vocab and isinstance(config.loss, ChunkedLossWrapper.Config):
             config.loss = config.loss.loss_fn  # see the module docstring: a chunked eager backward cannot be captured
+        if bp.mop:
+            self._prepare_mop_layout(config)
         super().__init__(config)
+        if bp.mop:
+            self._finish_mop_layout(config)
         if bp.record_losses:
             self._record_losses_to(bp.record_losses)
         if bp.active:
@@ -163,6 +190,97 @@ class BoundpassTrainer(Trainer):
                     f"capture={capture}{' (model is FSDP2-wrapped)' if self.fsdp_wrapped else ''}, optimizer: "
                     f"{plan.reason if plan else 'not given'}")
 
+    # ------------------------------------------------------------------------------------------ MoP layout
+    def _prepare_mop_layout(self, config: Config) -> None:
+        """Before torchtitan builds anything: refuse what the layout cannot do, and wrap the model's parallelize
+        function (torchtitan calls it itself in Trainer.__init__, on the meta model) with the layout's halves."""
+        from boundpass.recipes.mop import MoPOptions, finish_mop, prepare_mop
+
+        bp = config.boundpass
+        world = _world_size()
+        check_mop_launch(config, world)
+        options = MoPOptions(pipelined_llep=bp.mop_pipelined_llep, chunk_cap=bp.chunk_cap, ring_dtp=bp.mop_ring_dtp,
+                             vocab_block=bp.vocab_block or 0)
+        if options.ring_dtp and isinstance(config.loss, ChunkedLossWrapper.Config):
+            # the model's head becomes the identity and mop_loss runs projection + CE as Ring-DTP: the chunked
+            # wrapper (which calls lm_head itself) must not be set up by torchtitan
+            config.loss = config.loss.loss_fn
+        original = config.model_spec.parallelize_fn
+        self.mop_budget = None
+
+        def parallelize_under_mop(model, *, parallel_dims, **kwargs):
+            if bp.budget is not None:  # model still on meta: nothing of size has been allocated
+                self.mop_budget = check_mop_budget(model, config, parallel_dims, options)
+            state = prepare_mop(model, parallel_dims, options)
+            model = original(model, parallel_dims=parallel_dims, **kwargs)
+            finish_mop(model, parallel_dims, state)
+            model._mop = state  # mop_loss reads the options from it
+            return model
+
+        config.model_spec = dataclasses.replace(config.model_spec, parallelize_fn=parallelize_under_mop)
+
+    def _finish_mop_layout(self, config: Config) -> None:
+        """After torchtitan built, parallelized and initialised the model: the loss, the data and the batch count."""
+        from torchtitan.components.checkpointer import DATALOADER
+
+        from boundpass.recipes.mop import mop_loss
+
+        model = self.model_parts[0]
+        self.mop_state = model._mop
+        if self.mop_state.options.ring_dtp:
+            self.loss_fn = mop_loss(model)
+        training = config.training
+        if training.global_batch_size > 0:
+            # torchtitan counted W data replicas; under MoP the W ranks read the same local_batch_size sequences
+            if training.global_batch_size % training.local_batch_size:
+                raise ValueError(f"boundpass MoP layout: --training.global_batch_size ({training.global_batch_size}) "
+                                 f"must be a multiple of --training.local_batch_size ({training.local_batch_size}): "
+                                 "the W ranks share each batch (no data replicas)")
+            self.gradient_accumulation_steps = training.global_batch_size // training.local_batch_size
+        # torchtitan's dataloader gives each of the W "data-parallel" ranks its own sequences; under MoP the W ranks
+        # are one sequence-sharding group: every rank reads the same batches (dp world 1) and keeps its L/W tokens
+        self.dataloader = config.dataloader.build(
+            dp_world_size=1, dp_rank=0, tokenizer=self.tokenizer, seq_len=training.seq_len,
+            local_batch_size=training.local_batch_size,
+            snapshot_every_n_steps=(config.checkpoint.interval * self.gradient_accumulation_steps
+                                    if config.checkpoint.enable else None))
+        states = getattr(self.checkpointer, "states", None)
+        if isinstance(states, dict) and DATALOADER in states:
+            states[DATALOADER] = self.dataloader
+        state = self.mop_state
+        logger.info(f"[boundpass] MoP layout: W={self.parallel_dims.world_size} ranks, E_p={self.parallel_dims.ep}, "
+                    f"sequence-to-head attention, dispatch="
+                    f"{'PipelinedLLEP c=' + str(state.options.chunk_cap) if state.options.pipelined_llep else 'torchtitan EP'}"
+                    f" ({len(state.dispatch)} regions), head={'Ring-DTP' if state.options.ring_dtp else 'FSDP2 lm_head'}"
+                    f"; boundpass.compile off" + (f"; composed budget {format_bytes(self.mop_budget.total)} of "
+                                                   f"{config.boundpass.budget}" if self.mop_budget else ""))
+
+    def batch_generator(self, data_iterable):
+        if self.mop_state is None:
+            return super().batch_generator(data_iterable)
+        # shard before torchtitan's generator counts the tokens: train_step then sums this rank's valid tokens over
+        # the batch mesh (the W ranks) into the global count, and the logged loss sums the ranks' shares, as it
+        # assumes for data replicas; both are right because every token is held by exactly one rank
+        return super().batch_generator(self._mop_sequence_shards(data_iterable))
+
+    def _mop_sequence_shards(self, data_iterable):
+        from boundpass.runtime.seq_to_head import shard_positions, shard_sequence
+
+        world = self.parallel_dims.world_size
+        rank = torch.distributed.get_rank() if world > 1 else 0
+        for input_dict, labels in data_iterable:
+            seq_len = labels.shape[1]
+            keep = shard_sequence(seq_len, rank, world)
+            shard = {}
+            for key, value in input_dict.items():
+                if not (torch.is_tensor(value) and value.shape == labels.shape):
+                    raise ValueError(f"boundpass MoP layout: the dataloader's {key!r} is not a [batch, seq] tensor "
+                                     "like the labels; the layout only knows how to split those along the sequence")
+                shard[key] = value[:, keep].contiguous()
+            if "positions" not in shard:  # the unsharded model's positions are 0..L-1
+                shard["positions"] = shard_positions(seq_len, rank, world).expand(labels.shape[0], -1)
+            yield shard, labels[:, keep].contiguous()
+
     # ----------------------------------------------------------------------------------------------- step
     def _forward_backward_body(self, inputs: torch.Tensor, labels: torch.Tensor, global_valid_tokens: torch.Tensor,
                                extra_kwargs: dict[str, Any]) -> torch.Tensor:
@@ -219,6 +337,93 @@ class BoundpassTrainer(Trainer):
         if reports and reports[-1].table is not None:
             lines.append(reports[-1].table.render())
         return "\n".join(lines)
+
+
+def _world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_mop_launch(config: Trainer.Config, world: int) -> None:
+    """Refuse, before anything is built, a launch the MoP layout cannot run (recipes/mop.py's own checks for the
+    sequence length and head counts; the degrees and options here)."""
+    from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+
+    from boundpass.recipes.mop import attention_heads
+    from boundpass.runtime.seq_to_head import check_head_counts, shard_sequence
+
+    par = config.parallelism
+    why = {
+        "pipeline parallelism": (par.pipeline_parallel_degree != 1, "--parallelism.pipeline_parallel_degree 1"),
+        "tensor parallelism": (par.tensor_parallel_degree != 1, "--parallelism.tensor_parallel_degree 1"),
+        "context parallelism (the layout already splits every sequence over all W ranks)":
+            (par.context_parallel_degree != 1, "--parallelism.context_parallel_degree 1"),
+        "data-parallel replicas of whole sequences": (par.data_parallel_replicate_degree != 1,
+                                                     "--parallelism.data_parallel_replicate_degree 1"),
+        f"an FSDP degree other than the {world} ranks": (par.data_parallel_shard_degree not in (-1, world),
+                                                        "--parallelism.data_parallel_shard_degree -1"),
+        f"the {par.spmd_backend} SPMD backend (the layout is built on partial_dtensor)":
+            (par.spmd_backend != "partial_dtensor", "--parallelism.spmd_backend partial_dtensor"),
+        "validation (the validator feeds whole sequences per data-parallel rank)":
+            (config.validator.enable, "--validator.no-enable"),
+    }
+    for what, (refused, fix) in why.items():
+        if refused:
+            raise BoundpassInputError(f"boundpass MoP layout (--boundpass.layout mop) does not support {what}; "
+                                      f"set {fix}, or train with --boundpass.layout default")
+    ep = par.expert_parallel_degree
+    if world % ep:
+        raise BoundpassInputError(f"boundpass MoP layout: the expert-parallel degree E_p = {ep} must divide the "
+                                  f"W = {world} ranks; set --parallelism.expert_parallel_degree to one of "
+                                  f"{[d for d in range(1, world + 1) if world % d == 0]}")
+    shard_sequence(config.training.seq_len, 0, world)  # a ragged last shard is refused with the lengths to use
+    check_head_counts(*attention_heads(config), world)
+    for i, layer in enumerate(config.model_spec.model.layers):
+        inner = getattr(getattr(layer, "attention", None), "inner_attention", None)
+        if isinstance(inner, (FlexAttention.Config, VarlenAttention.Config)):
+            raise BoundpassInputError(
+                f"boundpass MoP layout: layer {i} uses {type(inner).__qualname__.split('.')[0]}, whose document "
+                "masks the sequence-to-head exchange does not shard; use the MoP configs (causal SDPA) "
+                "of boundpass.recipes (e.g. deepseek_v3_debug_mop)")
+    loss = config.loss
+    if (not config.boundpass.mop_ring_dtp and isinstance(loss, ChunkedLossWrapper.Config)
+            and (config.training.seq_len // world) % loss.num_chunks):
+        raise BoundpassInputError(
+            f"boundpass MoP layout: each rank holds {config.training.seq_len // world} tokens per sequence, which "
+            f"torchtitan's ChunkedLossWrapper cannot split into --loss.num_chunks {loss.num_chunks}; pick a "
+            "num_chunks dividing it, or --boundpass.mop_ring_dtp")
+    if config.boundpass.budget is not None and not isinstance(config.activation_checkpoint, FullAC.Config):
+        raise BoundpassInputError(
+            "boundpass MoP layout: --boundpass.budget is checked against the composed per-rank budget, which "
+            "assumes every block is activation-checkpointed (torchtitan's FullAC); got "
+            f"{type(config.activation_checkpoint).__qualname__}. Add activation-checkpoint:full or drop the budget")
+
+
+def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
+    """The composed per-rank budget of this MoP launch (boundpass.composed) from the model built on meta;
+    InfeasibleBudgetError naming the binding term when it does not fit the --boundpass.budget."""
+    import importlib
+
+    from boundpass.units import parse_bytes
+    # the modules: `boundpass.plan` is also the name of a function boundpass re-exports
+    composed, plan = importlib.import_module("boundpass.composed"), importlib.import_module("boundpass.plan")
+
+    bp, training = config.boundpass, config.training
+    layers = config.model_spec.model.layers
+    top_k = max((l.moe.router.top_k for l in layers if getattr(l, "moe", None) is not None), default=0)
+    shape = plan.shape_of_module(model, name=config.model_spec.name, heads_config=layers[0].attention, top_k=top_k)
+    world = dims.world_size
+    operators = frozenset(name for name, on in (("ring_dtp", options.ring_dtp),
+                                                ("pipelined_llep", options.pipelined_llep)) if on)
+    launch = composed.Launch(
+        ranks=world, ep=dims.ep, ring=world, tokens_per_rank=training.local_batch_size * training.seq_len // world,
+        operators=operators, b=2 if training.mixed_precision_param == "bfloat16" else 4, b_acc=4,
+        chunk_cap=options.chunk_cap if options.pipelined_llep else None,
+        # Ring-DTP's runtime strip is the whole local vocab shard unless a width is given
+        vocab_block=(options.vocab_block or shape.vocab // world) if options.ring_dtp else None)
+    return composed.check(shape, launch, budget=parse_bytes(bp.budget),
+                          host_budget=parse_bytes(bp.host_budget) if bp.host_budget else None)
 
 
 def upgrade_config(config: Trainer.Config) -> BoundpassTrainer.Config:

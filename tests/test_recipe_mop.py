@@ -1,0 +1,155 @@
+"""The MoP layout selected from the recipe: torchtitan's own Trainer with `--boundpass.layout mop`.
+
+Stock torchtitan on 1 rank (`deepseek_v3_debug`) vs the MoP layout on 2 gloo ranks (`deepseek_v3_debug_mop`:
+W = 2 sequence shards of the SAME global batch, E_p = 2, PipelinedLLEP dispatch, Ring-DTP head, FullAC), 3 steps,
+2 sequences of 64 tokens. Both start from one seed checkpoint (torchtitan's `--checkpoint.create_seed_checkpoint`,
+loaded with `--checkpoint.initial_load_path`): torchtitan initialises the sharded parameters of a multi-rank run
+from per-rank random streams on CPU, so without the seed every weight differs from the 1-rank init (measured:
+relative difference ~1.4 on every matrix; and since DTensor random ops have no CPU generator, every rank draws
+the same values, so the two halves of each sharded matrix are equal, RingDTPHead's vocab shards as much as
+torchtitan's FSDP2 tok_embeddings shards).
+
+Tolerance, and why:
+- fp32 parameters (`--training.mixed_precision_param float32`): the forward is the same function (attention per
+  head over the whole sequence, every other op per token, Ring-DTP = the same cross-entropy summed in another
+  order); what differs is the summation order of gradients (two half-batch partial gradients reduce-scattered
+  instead of one sum) and torchtitan's bf16 expert matmuls, whose per-rank partial gradients are rounded to bf16
+  before the sum. Measured: losses within 1.7e-7 relative over 3 steps (step 2 bitwise), grad norm 3e-5.
+  Bound 1e-5 relative: 60x the measured drift, 3,000x below one step's loss change (~4e-2 relative); a wrong
+  position, shard, token count or expert placement moves the loss by far more.
+- bf16 mixed precision (the config's default): FSDP2 computes every gradient in bf16 (unit roundoff 3.9e-3)
+  and reduces in fp32, so each rank's half-batch gradient is rounded once before the sum instead of the whole
+  batch's; after one AdamW step that shows as 7.9e-5 relative in the loss (measured, step 2). Bound 5e-4.
+The fail-fast test: an infeasible `--boundpass.budget` under the layout raises boundpass's InfeasibleBudgetError
+naming the binding term of the composed per-rank budget, from inside torchtitan's parallelize call (the model is
+still on meta: nothing of size allocated).
+"""
+import json
+import os
+import traceback
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+from boundpass.testing.distributed import run_on_ranks  # noqa: E402
+
+pytestmark = [pytest.mark.torchtitan, pytest.mark.distributed]
+
+FP32_RTOL, BF16_RTOL = 1e-5, 5e-4
+SHORT = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "3",
+         "--lr_scheduler.decay_ratio", "0"]
+PRECISIONS = {"fp32": ["--training.mixed_precision_param", "float32"], "bf16": []}
+
+
+def _argv(tmp, name, config, extra):
+    return ["--module", "boundpass.recipes", "--config", config, *SHORT, *extra, "--dump_folder", f"{tmp}/{name}",
+            "--boundpass.record_losses", os.path.join(tmp, f"{name}.jsonl")]
+
+
+def _seeded(tmp):
+    return ["--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.initial_load_path",
+            f"{tmp}/seed/checkpoint/step-0"]
+
+
+def _losses(path):
+    with open(path) as f:
+        return {row["step"]: row["loss"] for row in map(json.loads, f)}
+
+
+def _stock_one_rank(rank, world, tmp, assets):
+    """The seed checkpoint (torchtitan's own init of the 1-rank model), then stock torchtitan from it."""
+    os.environ["BOUNDPASS_ASSETS"] = assets
+    from boundpass.recipes.train import train_in_process
+    seed = train_in_process(_argv(tmp, "seed", "deepseek_v3_debug",
+                                  ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]))
+    head_std = float(seed.model_parts[0].lm_head.weight.detach().float().std())
+    for precision, flags in PRECISIONS.items():
+        train_in_process(_argv(tmp, f"stock_{precision}", "deepseek_v3_debug", [*_seeded(tmp), *flags]))
+    return head_std
+
+
+def _mop_two_ranks(rank, world, tmp, assets):
+    os.environ["BOUNDPASS_ASSETS"] = assets
+    from boundpass.errors import BoundpassInputError, InfeasibleBudgetError
+    from boundpass.recipes.train import build_in_process, train_in_process
+    facts = {}
+
+    # refused before anything is built: a sequence the W ranks cannot split evenly
+    with pytest.raises(BoundpassInputError, match="multiple of the 2 ranks") as refused:
+        build_in_process(_argv(tmp, "ragged", "deepseek_v3_debug_mop", ["--training.seq_len", "63"]))
+    facts["ragged"] = str(refused.value)
+
+    # an infeasible budget: the composed per-rank budget of this launch, checked on the meta model
+    try:
+        build_in_process(_argv(tmp, "tight", "deepseek_v3_debug_mop", ["--boundpass.budget", "64MiB"]))
+        facts["infeasible"] = None
+    except InfeasibleBudgetError as err:
+        frames = [f.name for f in traceback.extract_tb(err.__traceback__)]
+        facts["infeasible"] = dict(term=err.term, knob=err.knob, value=err.value_bytes, budget=err.budget_bytes,
+                                   message=str(err), in_parallelize="parallelize_under_mop" in frames,
+                                   materialised="init_weights" in frames or "to_empty" in frames)
+
+    # a feasible budget: the trainer builds; RingDTPHead was initialised by torchtitan's init walk
+    trainer = build_in_process(_argv(tmp, "fits", "deepseek_v3_debug_mop", ["--boundpass.budget", "16GiB"]))
+    try:
+        model = trainer.model_parts[0]
+        head = model.lm_head
+        local = head.weight.to_local().detach()
+        facts.update(
+            budget_total=trainer.mop_budget.total, head=type(head).__name__, head_shape=tuple(head.weight.shape),
+            local_rows=local.shape[0], head_std=float(local.float().std()), head_finite=bool(local.isfinite().all()),
+            attention={type(b.attention.inner_attention).__name__ for b in model.layers.values()},
+            dispatch=list(model._mop.dispatch), loss=trainer.loss_fn.__qualname__,
+            ep=trainer.parallel_dims.ep)
+    finally:
+        trainer.close()
+
+    for precision, flags in PRECISIONS.items():
+        train_in_process(_argv(tmp, f"mop_{precision}", "deepseek_v3_debug_mop", [*_seeded(tmp), *flags]))
+    return facts
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from boundpass.recipes.assets import ensure_assets
+    tmp = tmp_path_factory.mktemp("recipe_mop")
+    assets = tmp / "assets"
+    ensure_assets(assets)
+    head_std = run_on_ranks(_stock_one_rank, 1, str(tmp), str(assets), timeout_s=300)[0]
+    facts = run_on_ranks(_mop_two_ranks, 2, str(tmp), str(assets), timeout_s=400)
+    return tmp, head_std, facts
+
+
+def test_layout_is_built_by_the_trainer(runs):
+    _, head_std, facts = runs
+    for rank, f in enumerate(facts):
+        assert f["attention"] == {"SeqToHeadAttention"}, f
+        assert f["ep"] == 2 and len(f["dispatch"]) == 5, f  # deepseek_v3 debug: 5 MoE blocks on PipelinedLLEP
+        assert f["head"] == "RingDTPHead" and f["head_shape"] == (32_768, 256) and f["local_rows"] == 16_384, f
+        assert "mop_loss" in f["loss"], f
+        # torchtitan's init walk reached RingDTPHead._init_self_parameters: lm_head's own init (trunc. normal,
+        # std H^-1/2 truncated: 0.0617 on the 1-rank model), not to_empty's uninitialised memory
+        assert f["head_finite"] and f["head_std"] == pytest.approx(head_std, rel=0.05), (f["head_std"], head_std)
+        assert f["budget_total"] <= 16 << 30
+
+
+def test_mop_layout_follows_stock_torchtitan(runs):
+    tmp, _, _ = runs
+    for precision, rtol in (("fp32", FP32_RTOL), ("bf16", BF16_RTOL)):
+        stock, mop = _losses(tmp / f"stock_{precision}.jsonl"), _losses(tmp / f"mop_{precision}.jsonl")
+        assert sorted(stock) == sorted(mop) == [1, 2, 3], (stock, mop)
+        assert stock[3] < stock[1] - 0.3, stock  # it trains: a skipped update would show here
+        for step in stock:
+            assert mop[step] == pytest.approx(stock[step], rel=rtol), (precision, step, stock, mop)
+
+
+def test_refusals_and_infeasible_budget_fail_fast(runs):
+    _, _, facts = runs
+    for f in facts:
+        assert "pad or trim the sequence to 62 or 64 tokens" in f["ragged"], f["ragged"]
+        err = f["infeasible"]
+        assert err is not None, "a 64 MiB budget was accepted"
+        assert err["value"] > err["budget"] == 64 << 20
+        assert err["term"] in err["message"] and err["knob"] and err["knob"] in err["message"], err
+        assert err["in_parallelize"] and not err["materialised"], err  # raised on the meta model
