@@ -9,8 +9,22 @@ Once the per-rank token ceiling N is set, every term is fixed by model + launch 
 Phases (why the terms are not simply summed): the optimizer steps after backward freed its activations, and the
 loss head runs before (forward) or after (backward) any block's recomputation, never during one:
 
-    device peak = persistent + max(optimizer step, boundaries + gathered layer + max(layer, head))
-    layer       = attention + block glue + max(dense FFN, shared experts + router + expert dispatch)
+    device peak = persistent + max(optimizer step + all gradients,
+                                   boundaries + gathered layer + max(dense layer + gradients live in a dense block,
+                                                                     MoE layer + gradients live in a MoE block,
+                                                                     head + gradient of the head))
+    layer       = block glue + max(attention, attention saved + max(dense FFN, shared experts + router + dispatch))
+
+Gradients appear as backward produces them (one step, zero_grad(set_to_none=True) before the next, torchtitan's
+default; with gradient accumulation they are persistent): while the head runs only its own gradient exists,
+while any block runs the embedding's does not yet (its backward is the last), nor the blocks' before it (the dense
+blocks that precede every MoE block, while a MoE block runs), nor, under ZeRO-3 (W > 1), the block's own sharded
+gradient (its unsharded one is in the gathered-block term until the reduce-scatter after its backward); at the
+optimizer step all do.
+
+Within a recomputed block the attention's own forward + backward peak and the FFN's do not coexist: while the FFN
+runs forward and backward (its backward comes first) the attention holds only what it saved for its backward;
+its backward runs after the FFN's activations are freed.
 
 Each term's formula comes from the runtime module that owns it (imported, not copied): Ring-DTP / the full-logits
 reference (runtime/ring_dtp.py), PipelinedLLEP / standard EP / LLEP (runtime/pipelined_llep.py), SCO
@@ -43,6 +57,13 @@ rd = importlib.import_module("boundpass.runtime.ring_dtp")
 sco = importlib.import_module("boundpass.runtime.sco")
 
 OPERATORS = ("ring_dtp", "pipelined_llep", "sco", "offload_adamw")
+
+# Parameter elements of blocks whose gradients are absent while a block runs backward (this module's own symbols,
+# beside the shared vocabulary: only the composed budget needs them)
+_nonneg = dict(integer=True, nonnegative=True)
+G_lead = sympy.Symbol("G_lead", **_nonneg)            # the dense blocks before the first MoE block
+G_dense_min = sympy.Symbol("G_dense_min", **_nonneg)  # the smallest dense block
+G_moe_min = sympy.Symbol("G_moe_min", **_nonneg)      # the smallest MoE block, routed experts included
 DEFAULT_CHUNK_CAP = 4096        # tokens per source rank per PipelinedLLEP chunk (c)
 DEFAULT_VOCAB_BLOCK = 4096      # Ring-DTP strip width (C)
 DEFAULT_BUCKET = 1 << 24        # OffloadStreamAdamW bucket (β, parameters)
@@ -68,6 +89,10 @@ class ModelShape:
     params: int            # Θ of the whole model
     expert_params: int     # routed-expert elements over all blocks
     block_params: int      # non-routed-expert elements of the largest block (what ZeRO-3 gathers per block)
+    tied_embeddings: bool = False  # the embedding and the lm_head share one weight (one gradient)
+    leading_dense_params: int = 0  # elements of the dense blocks before the first MoE block (grads absent in MoE bwd)
+    min_dense_block_params: int = 0  # elements of the smallest dense block (0: none)
+    min_moe_block_params: int = 0    # elements of the smallest MoE block, its routed experts included (0: none)
 
     @property
     def dense_layers(self) -> int:
@@ -91,6 +116,7 @@ class Launch:
     borrowed_slots: int | None = None  # s_b (LLEP borrowed-weight slots per rank; None: E / E_p)
     routing: str = "worst"          # standard EP only: "worst" (a hot rank receives E_p·N·k rows) or "balanced"
     sco_max_layers: int | None = None  # SCO host subset: offload at most this many boundaries (None: all that fit)
+    grad_accumulation: int = 1      # microbatches per optimizer step (> 1: every gradient lives through all of them)
 
 
 def check_launch(shape: ModelShape, launch: Launch) -> None:
@@ -115,7 +141,8 @@ def check_launch(shape: ModelShape, launch: Launch) -> None:
         raise BoundpassInputError(f"unknown operators {sorted(unknown)}; known: {', '.join(OPERATORS)}")
     if launch.routing not in ("worst", "balanced"):
         raise BoundpassInputError(f"routing must be 'worst' or 'balanced', got {launch.routing!r}")
-    for name in ("chunk_cap", "vocab_block", "bucket", "slots", "borrowed_slots", "sco_max_layers"):
+    for name in ("chunk_cap", "vocab_block", "bucket", "slots", "borrowed_slots", "sco_max_layers",
+                 "grad_accumulation"):
         value = getattr(launch, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < (
                 0 if name in ("borrowed_slots", "sco_max_layers") else 1)):
@@ -129,15 +156,36 @@ def _divisors(n: int) -> list[int]:
 class ComposedBudget(BudgetTable):
     """A BudgetTable whose device peak follows the phases of a training step (see the module docstring).
 
-    Term kinds: persistent, transient (live through forward + backward), layer (every block), dense (dense
-    blocks), moe (MoE blocks), head (loss head), step (optimizer step), host.
+    Term kinds: persistent, transient (live through forward + backward), layer (every block, both phases of it),
+    attention (its forward + backward peak), attention_saved (what it holds while the FFN runs), dense (dense
+    blocks' FFN), moe (MoE blocks' FFN), head (loss head), step (optimizer step), host; gradients: grad (of the
+    blocks and head: live from the blocks' backward on), grad_embedding (live from the end of backward),
+    grad_head (the head's, a part of grad: the only one live while the head runs), grad_dense / grad_moe (the
+    part of grad live while a dense / MoE block runs).
     """
+
+    def layer_peak(self, ffn: str) -> int:
+        """Activation peak of one recomputed block: glue + max(attention, attention saved + FFN); ffn: "dense" or
+        "moe" (a block kind the model does not have: 0)."""
+        s = self.sum
+        if not any(t.kind == ffn and t.counted for t in self.terms):
+            return 0
+        return s("layer") + max(s("attention"), s("attention_saved") + s(ffn))
+
+    def phases(self) -> dict:
+        """Device bytes above the persistent state of each phase: optimizer step, dense block, MoE block, head."""
+        s = self.sum
+        out = {"step": s("step") + s("grad") + s("grad_embedding")}
+        for ffn in ("dense", "moe"):
+            if self.layer_peak(ffn):
+                grads = s(f"grad_{ffn}") if any(t.kind == f"grad_{ffn}" for t in self.terms) else s("grad")
+                out[ffn] = s("transient") + self.layer_peak(ffn) + grads
+        out["head"] = s("transient") + s("head") + s("grad_head")
+        return out
 
     @property
     def total(self) -> int:
-        s = self.sum
-        layer = s("layer") + max(s("dense"), s("moe"))
-        return s("persistent") + max(s("step"), s("transient") + max(layer, s("head")))
+        return self.sum("persistent") + max(self.phases().values())
 
     def binding(self) -> BoundTerm:
         """The term to name when the budget is missed: the largest host term if the host is over, else the
@@ -145,15 +193,15 @@ class ComposedBudget(BudgetTable):
         if not self.host_fits():
             return max((t for t in self.terms if t.kind == "host" and t.counted), key=lambda t: t.value)
         s = self.sum
-        phase = {"persistent"}
-        if s("step") >= s("transient") + max(s("layer") + max(s("dense"), s("moe")), s("head")):
-            phase |= {"step"}
+        phases = self.phases()
+        peak = max(phases, key=phases.get)
+        if peak == "step":
+            phase = {"persistent", "step", "grad", "grad_embedding"}
+        elif peak in ("dense", "moe"):
+            phase = {"persistent", "transient", f"grad_{peak}", "layer"} | (
+                {"attention"} if s("attention") >= s("attention_saved") + s(peak) else {"attention_saved", peak})
         else:
-            phase |= {"transient"}
-            if s("layer") + max(s("dense"), s("moe")) >= s("head"):
-                phase |= {"layer", "dense" if s("dense") > s("moe") else "moe"}
-            else:
-                phase |= {"head"}
+            phase = {"persistent", "transient", "head", "grad_head"}
         return max((t for t in self.terms if t.counted and t.kind in phase), key=lambda t: t.value)
 
 
@@ -175,6 +223,8 @@ def symbol_values(shape: ModelShape, launch: Launch, *, host_budget: int | None 
         sym.s_b: (shape.experts // E_p) if launch.borrowed_slots is None else launch.borrowed_slots,
         sym.R: (E_p if launch.routing == "worst" else 1) * N * max(shape.top_k, 1),
     }
+    values.update({G_lead: shape.leading_dense_params, G_dense_min: shape.min_dense_block_params,
+                   G_moe_min: shape.min_moe_block_params})
     values[sym.L_off] = offloaded_boundaries(shape, launch, host_budget) if "sco" in launch.operators else 0
     return values
 
@@ -197,9 +247,10 @@ def offloaded_boundaries(shape: ModelShape, launch: Launch, host_budget: int | N
     return fitting if launch.sco_max_layers is None else min(fitting, launch.sco_max_layers)
 
 
-def attention_bound() -> sympy.Expr:
-    """Peak bytes of one sequence-to-head attention forward + backward (runtime/seq_to_head.py)."""
-    return importlib.import_module("boundpass.runtime.seq_to_head").seq_to_head_bound()
+def attention_bound(part: str = "peak") -> sympy.Expr:
+    """Peak bytes of one sequence-to-head attention forward + backward, or (part="saved") what it holds from its
+    forward to its backward (runtime/seq_to_head.py)."""
+    return importlib.import_module("boundpass.runtime.seq_to_head").seq_to_head_bound(part=part)
 
 
 def _terms(shape: ModelShape, launch: Launch) -> tuple:
@@ -207,21 +258,47 @@ def _terms(shape: ModelShape, launch: Launch) -> tuple:
     branch = rd.choose_branch(launch.tokens_per_rank, shape.vocab, launch.ring) if "ring_dtp" in launch.operators \
         else ""
     return _term_formulas(shape.dense_layers > 0, shape.moe_layers > 0, shape.shared_hidden > 0,
-                          frozenset(launch.operators), launch.routing, launch.b < launch.b_acc, branch)
+                          frozenset(launch.operators), launch.routing, launch.b < launch.b_acc, branch,
+                          shape.tied_embeddings, launch.grad_accumulation > 1)
 
 
 @functools.lru_cache(maxsize=None)
 def _term_formulas(has_dense: bool, has_moe: bool, has_shared: bool, ops: frozenset, routing: str, mixed: bool,
-                   branch: str) -> tuple:
-    out = _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch)
+                   branch: str, tied: bool = False, accumulate: bool = False) -> tuple:
+    out = _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied, accumulate)
     return tuple((name, formula, kind, knob, _lambdify(formula)) for name, formula, kind, knob in out)
 
 
-def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch) -> list:
+def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied=False, accumulate=False) -> list:
     N, H, E, E_p, k, I, I_f = sym.N, sym.H, sym.E, sym.E_p, sym.k, sym.I, sym.I_f
     b, b_acc, W, Theta = sym.b, sym.b_acc, sym.W, sym.Theta
-    out = [("parameters (ZeRO-3 shard, Θ/W)", Theta * b, "persistent", "more ranks W (ZeRO-3 shards Θ/W)"),
-           ("gradients (ZeRO-3 shard)", Theta * b, "persistent", "more ranks W (ZeRO-3 shards Θ/W)")]
+    out = [("parameters (ZeRO-3 shard, Θ/W)", Theta * b, "persistent", "more ranks W (ZeRO-3 shards Θ/W)")]
+    # Gradients by when backward produces them (ZeRO-3 shards; Θ/W rounds up, the embedding's share down, so the
+    # split never undercounts): the embedding's last (absent while any block runs), the head's first (the only
+    # one while the head runs). Tied embeddings: one weight, its gradient starts in the head. Accumulating
+    # microbatches: every gradient lives through the whole step (persistent).
+    emb = 0 if tied else sympy.floor(sym.V / W) * H * b
+    head_grad = (sympy.ceiling(sym.V / W) * H + sympy.ceiling(H / W)) * b
+    if accumulate:
+        out.append(("gradients (ZeRO-3 shard, accumulated over microbatches)", Theta * b, "persistent",
+                    "more ranks W (ZeRO-3 shards Θ/W)"))
+    else:
+        out.append(("gradients of the blocks and head (ZeRO-3 shard)", Theta * b - emb, "grad",
+                    "more ranks W (ZeRO-3 shards Θ/W)"))
+        out.append(("gradient of the embedding (ZeRO-3 shard; produced last in backward)", emb, "grad_embedding",
+                    "more ranks W (ZeRO-3 shards Θ/W)"))
+        out.append(("gradient of the head (lm_head + final norm shard; while the head runs)", head_grad,
+                    "grad_head", "more ranks W (ZeRO-3 shards Θ/W)"))
+        # while block i runs backward, the blocks before it have no gradient yet, nor (W > 1) block i's own shard
+        own = sympy.Min(1, W - 1) * b
+        if has_dense:
+            out.append(("gradients live while a dense block runs (less its own shard)",
+                        Theta * b - emb - own * sympy.floor(G_dense_min / W), "grad_dense",
+                        "more ranks W (ZeRO-3 shards Θ/W)"))
+        if has_moe:
+            out.append(("gradients live while a MoE block runs (less the leading dense blocks' and its own shard)",
+                        Theta * b - emb - b * sympy.floor(G_lead / W) - own * sympy.floor(G_moe_min / W),
+                        "grad_moe", "more ranks W (ZeRO-3 shards Θ/W)"))
     adamw = oa.reference_adamw_bound(mixed_precision=mixed) - 2 * Theta * b  # its master + moments, not weights/grads
     if "offload_adamw" in ops:
         out.append(("optimizer staging (OffloadStreamAdamW, S·β)", oa.offload_adamw_staging_bound(), "step",
@@ -239,8 +316,10 @@ def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch) -> l
     if "sco" in ops:
         out.append(("checkpoint boundaries offloaded (SCO host pool)", sco.sco_host_bound(), "host",
                     "a larger host budget, or a shorter context"))
-    out.append(("attention (sequence-to-head all-to-all)", attention_bound(), "layer",
+    out.append(("attention (sequence-to-head all-to-all), fwd + bwd", attention_bound(), "attention",
                 "a shorter context or more ranks W"))
+    out.append(("attention saved for backward (live while the FFN runs)", attention_bound("saved"),
+                "attention_saved", "a shorter context or more ranks W"))
     out.append(("block glue (norm outputs, residual sum, their grads; rstd)", 6 * N * H * b + 2 * N * b_acc, "layer",
                 "a shorter context"))
     if has_dense:
@@ -270,7 +349,8 @@ def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch) -> l
                     "a smaller strip C (--vocab-block) or a larger ring P"))
     else:
         # reference_bound counts the head's weight shard (a parameter, persistent here) and, with no gather
-        # (P = 1), the whole weight's gradient (the persistent gradient): subtract both so neither counts twice
+        # (P = 1), the whole weight's gradient (the gradient-of-the-head term): subtract both so neither counts
+        # twice
         shard = sympy.ceiling(sym.V / sym.P) * H * b
         out.append(("vocab projection + loss (full logits)",
                     rd.reference_bound(mixed_precision=mixed) - shard * (2 - sympy.Min(1, sym.P - 1)), "head",
@@ -295,7 +375,7 @@ def compose(shape: ModelShape, launch: Launch, *, budget: int, host_budget: int 
     return table
 
 
-_ORDER = tuple(sym.ALL.values())
+_ORDER = tuple(sym.ALL.values()) + (G_lead, G_dense_min, G_moe_min)
 
 
 def _exact_value(formula, values: dict) -> int:
@@ -332,8 +412,13 @@ def total_formula(shape: ModelShape, launch: Launch, *, host_budget: int | None 
         expr = sympy.sympify(formula).subs(sym.N_max, sym.N).subs(values)
         parts[kind] = parts.get(kind, sympy.Integer(0)) + expr
     p = lambda kind: parts.get(kind, sympy.Integer(0))  # noqa: E731
-    return p("persistent") + sympy.Max(p("step"), p("transient") + sympy.Max(p("layer") + sympy.Max(p("dense"), p("moe")),
-                                                                             p("head")))
+    phases = [p("step") + p("grad") + p("grad_embedding"), p("transient") + p("head") + p("grad_head")]
+    for ffn, present in (("dense", shape.dense_layers > 0), ("moe", shape.moe_layers > 0)):
+        if present:
+            grads = p(f"grad_{ffn}") if f"grad_{ffn}" in parts else p("grad")
+            phases.append(p("transient") + p("layer") + sympy.Max(p("attention"), p("attention_saved") + p(ffn))
+                          + grads)
+    return p("persistent") + sympy.Max(*phases)
 
 
 def largest_tokens_per_rank(shape: ModelShape, launch: Launch, *, budget: int, host_budget: int | None = None,

@@ -216,8 +216,14 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
     V = net.lm_head.weight.shape[0]
     blocks = list(net.layers.values())
     moe, experts, expert_hidden, dense_hidden, shared_hidden, block_params, expert_params = 0, 0, 0, 0, 0, 0, 0
+    leading_dense, dense_sizes, moe_sizes = 0, [], []
     for blk in blocks:
         params = dict(blk.named_parameters())
+        size = sum(p.numel() for p in params.values())
+        is_moe = any(_is_routed(n) for n in params)
+        (moe_sizes if is_moe else dense_sizes).append(size)
+        if not is_moe and not moe_sizes:
+            leading_dense += size
         routed = {n: p for n, p in params.items() if _is_routed(n)}
         block_params = max(block_params, sum(p.numel() for n, p in params.items() if not _is_routed(n)))
         if routed:
@@ -239,7 +245,10 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
                       top_k=top_k, expert_hidden=expert_hidden, dense_hidden=dense_hidden, shared_hidden=shared_hidden,
                       heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                       params=sum(p.numel() for p in net.parameters()), expert_params=expert_params,
-                      block_params=block_params)
+                      block_params=block_params,
+                      tied_embeddings=net.tok_embeddings.weight is net.lm_head.weight,
+                      leading_dense_params=leading_dense, min_dense_block_params=min(dense_sizes, default=0),
+                      min_moe_block_params=min(moe_sizes, default=0))
 
 
 def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2) -> tuple[dict, list[str]]:
@@ -336,14 +345,13 @@ def _attach_trace(result: PlanResult, traced: dict) -> None:
             result.traced[x.name] = traced["boundary"] * resident
     one_rank = dataclasses.replace(launch_of(inp), ranks=1, ep=1, ring=1, operators=frozenset(), routing="balanced")
     ref = composed.compose(shape, one_rank, budget=t.budget)
-    by_kind = lambda *kinds: sum(x.value for x in ref.terms if x.kind in kinds)  # noqa: E731
     if "moe_block" in traced:
-        result.traced["[MoE block, one rank] reference bound | torchtitan block"] = (by_kind("layer", "moe"),
+        result.traced["[MoE block, one rank] reference bound | torchtitan block"] = (ref.layer_peak("moe"),
                                                                                     traced["moe_block"])
     if "dense_block" in traced:
-        result.traced["[dense block, one rank] reference bound | torchtitan block"] = (by_kind("layer", "dense"),
+        result.traced["[dense block, one rank] reference bound | torchtitan block"] = (ref.layer_peak("dense"),
                                                                                       traced["dense_block"])
-    result.traced["[head, one rank] full-logits bound | norm + lm_head + torchtitan loss"] = (by_kind("head"),
+    result.traced["[head, one rank] full-logits bound | norm + lm_head + torchtitan loss"] = (ref.sum("head"),
                                                                                                traced["head"])
     result.trace_notes.append("[...] rows: at this N on one rank (W = E_p = P = 1, no operator, R = N k), the "
                               "bound of the reference schedule beside torchtitan's own block / head traced forward "

