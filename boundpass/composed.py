@@ -250,7 +250,9 @@ def offloaded_boundaries(shape: ModelShape, launch: Launch, host_budget: int | N
 def attention_bound(part: str = "peak") -> sympy.Expr:
     """Peak bytes of one sequence-to-head attention forward + backward, or (part="saved") what it holds from its
     forward to its backward (runtime/seq_to_head.py)."""
-    return importlib.import_module("boundpass.runtime.seq_to_head").seq_to_head_bound(part=part)
+    # torchtitan's attention modules hold q/k/v only through the op and pass the output gradient on (measured)
+    return importlib.import_module("boundpass.runtime.seq_to_head").seq_to_head_bound(part=part,
+                                                                                      caller_keeps_inputs=False)
 
 
 def _terms(shape: ModelShape, launch: Launch) -> tuple:

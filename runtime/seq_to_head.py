@@ -222,7 +222,7 @@ class SeqToHeadAttention(torch.nn.Module):
 
 # ---- the bound ----------------------------------------------------------------------------------------------
 
-def seq_to_head_bound(*, count_io: bool = True, part: str = "peak") -> sympy.Expr:
+def seq_to_head_bound(*, count_io: bool = True, part: str = "peak", caller_keeps_inputs: bool = True) -> sympy.Expr:
     """Peak bytes on one rank of one sequence-to-head attention forward + backward, all-to-all buffers included.
 
     Symbols: N (tokens on this rank outside attention, summed over the batch), W (ranks), A_q, A_kv (heads),
@@ -241,10 +241,13 @@ def seq_to_head_bound(*, count_io: bool = True, part: str = "peak") -> sympy.Exp
     W = 1 (factor ``x = Min(1, W - 1)`` = 0): nothing is exchanged, so no exchange buffers and no gathered copies:
     the kernel runs on the caller's q/k/v (or, with ``equalize_head_dims``, on a zero-padded copy of the narrower
     ones, counted at D_h), its output is the caller's output, its dq/dk/dv are the input gradients and the output
-    gradient reaches it directly (or as one padded copy). Assumed, as in torchtitan's attention modules (RoPE,
-    cat and split outputs): the caller holds its q/k/v only through this op, so once the forward returns the
-    padded copy replaces the original (both are counted only during the forward). Measured on deepseek_v3's MLA
-    (qk 192, v 128) and on equal head dims (tests/test_seq_to_head.py).
+    gradient reaches it directly (or as one padded copy). ``caller_keeps_inputs`` (default): the caller may hold
+    its q/k/v and output gradient through backward (a test holding leaf tensors does), so at W = 1 the padded
+    copies of v and of the output gradient come on top of them. ``caller_keeps_inputs=False``: the caller holds
+    its q/k/v only through this op and passes the output gradient on (torchtitan's attention modules: RoPE, cat
+    and split outputs, autograd's incoming gradient; measured), so once the forward returns the padded copy
+    replaces the original. Measured on deepseek_v3's MLA (qk 192, v 128), equal head dims and GQA
+    (tests/test_seq_to_head.py); the composed budget (boundpass/composed.py) uses False.
 
     ``part="saved"``: what one attention keeps from its forward until its backward (the kernel's q/k/v and
     output, log-sum-exp; the caller's output): what is live beside the rest of the block (its FFN) while that
@@ -264,14 +267,16 @@ def seq_to_head_bound(*, count_io: bool = True, part: str = "peak") -> sympy.Exp
     keep = 1 if count_io else 0
     inputs, output, grad_output, input_grads = keep * (q + 2 * kv_in), keep * q, keep * q, keep * (q + 2 * kv_in)
     gathered = 2 * q + 2 * kv              # gathered q, k, v and output, saved from forward to backward (W > 1)
+    # W = 1 with a caller that keeps its tensors: the padded copies of v (or q, k) and of the output gradient
+    copies = (1 - x) * (kv + grad_output) if caller_keeps_inputs else 0
     if part == "saved":
-        return (1 - x) * inputs + x * gathered + output + lse
+        return (1 - x) * inputs + x * gathered + output + lse + (1 - x) * kv * int(caller_keeps_inputs)
     kernel_grads = q + 2 * kv              # dq, dk, dv on the gathered layout (W = 1: the input gradients)
     # forward: saved tensors + the output's exchange (its result is the output); W = 1: the padded copy + output
     forward = inputs + x * (gathered + exchange + held) + (1 - x) * (kv + output) + lse
     # backward in the kernel: + the gathered output gradient and the kernel's grads (W = 1: the kernel's q/k/v
     # are the inputs or their padded copies, its output the caller's, one output gradient)
-    backward_kernel = inputs + output + x * (grad_output + gathered + held) + lse + q + kernel_grads
+    backward_kernel = inputs + output + x * (grad_output + gathered + held) + lse + q + kernel_grads + copies
     # backward exchanges after the kernel freed what it saved: kernel grads not yet sent back, the input grads
     # being written (together at most the kernel grads + the replicated dk/dv before it is summed), one exchange
     backward_exchange = inputs + output + grad_output + kernel_grads + kv + exchange + held

@@ -136,6 +136,46 @@ def test_bound_both_ways(ranks):
             assert bound <= 1.25 * peak, f"W={world} rank {rank} {case}: bound {bound} B > 1.25 x {peak} B"
 
 
+def _measure_bound_one_rank(B, L, A_q, A_kv, D, dtype, caller_keeps_inputs):
+    """(peak, bound) bytes of one fwd + bwd with no group (W = 1: no exchange). caller_keeps_inputs: q/k/v are leaf
+    tensors the caller holds and the output gradient is tracked from the start; else q/k/v are projections of a
+    narrow input made inside the measurement and held only by the op, and the output gradient is not counted
+    (torchtitan's attention modules: autograd passes it on), as the composed budget assumes."""
+    from boundpass.memtrack import LiveStorageTracker
+    from boundpass.runtime.seq_to_head import seq_to_head_attention
+    qf, kf, vf, go = _problem(B, L, A_q, A_kv, D, dtype, seed=1)
+    b = qf.element_size()
+    bound = sym.evaluate(seq_to_head_bound(caller_keeps_inputs=caller_keeps_inputs),
+                         dict(N=B * L, W=1, A_q=A_q, A_kv=A_kv, b=b, D_h=D if isinstance(D, int) else max(D),
+                              b_acc=4 if dtype == "bfloat16" else b))
+    if caller_keeps_inputs:
+        q, k, v = (t.requires_grad_() for t in (qf, kf, vf))
+        with LiveStorageTracker() as tracker:
+            tracker.track_existing(q, k, v, go)
+            seq_to_head_attention(q, k, v, None).backward(go)
+        return tracker.peak_bytes(), bound
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(B, L, 4, generator=g, dtype=qf.dtype, requires_grad=True)
+    ws = [torch.randn(4, t.shape[2] * t.shape[3], generator=g, dtype=qf.dtype, requires_grad=True)
+          for t in (qf, kf, vf)]
+    with LiveStorageTracker() as tracker:
+        q, k, v = ((x @ w).view(t.shape) for w, t in zip(ws, (qf, kf, vf)))
+        out = seq_to_head_attention(q, k, v, None)
+        del q, k, v
+        out.backward(go)
+    return tracker.peak_bytes(), bound
+
+
+@pytest.mark.parametrize("caller_keeps_inputs", [True, False], ids=["caller-keeps", "caller-drops"])
+def test_bound_both_ways_on_one_rank(caller_keeps_inputs):
+    """W = 1: no exchange buffers or gathered copies are counted, and the bound still holds (padded head dims,
+    GQA, bf16) for a caller that keeps its q/k/v and for one that does not (the composed budget's case)."""
+    for case in BOUND_CASES:
+        peak, bound = _measure_bound_one_rank(*case, caller_keeps_inputs)
+        assert peak <= bound, f"W=1 {case}: measured {peak} B > bound {bound} B"
+        assert bound <= 1.25 * peak, f"W=1 {case}: bound {bound} B > 1.25 x {peak} B"
+
+
 def test_ragged_last_shard_refused_on_every_rank(ranks):
     world, results = ranks
     messages = [res["ragged"] for res in results]
@@ -200,3 +240,11 @@ def test_bound_symbols_and_growth():
     # linear in the per-rank tokens (no N x N term) and smaller without the caller's tensors
     assert sym.evaluate(bound, {**at, "N": 2048}) == 2 * sym.evaluate(bound, at)
     assert sym.evaluate(seq_to_head_bound(count_io=False), at) < sym.evaluate(bound, at)
+    # one rank exchanges nothing: less than the same tokens' bound at W = 2 (exchange buffers, gathered copies)
+    one = {**at, "W": 1, "A_kv": 8}
+    assert sym.evaluate(bound, one) < sym.evaluate(bound, {**one, "W": 2})
+    # what attention holds for its backward is part of its peak
+    for w in (1, 8):
+        assert sym.evaluate(seq_to_head_bound(part="saved"), {**at, "W": w}) < sym.evaluate(bound, {**at, "W": w})
+    with pytest.raises(BoundpassInputError, match="part must be"):
+        seq_to_head_bound(part="kernel")
