@@ -248,7 +248,10 @@ class BoundpassTrainer(Trainer):
         if isinstance(states, dict) and DATALOADER in states:
             states[DATALOADER] = self.dataloader
         state = self.mop_state
-        logger.info(f"[boundpass] MoP layout: W={self.parallel_dims.world_size} ranks, E_p={self.parallel_dims.ep}, "
+        world = self.parallel_dims.world_size
+        logger.info(f"[boundpass] MoP layout: W={world} ranks share each batch of {training.local_batch_size} x "
+                    f"{training.seq_len} tokens ({training.seq_len // world} per sequence per rank; torchtitan's "
+                    f"'global batch size' above counts W replicas), E_p={self.parallel_dims.ep}, "
                     f"sequence-to-head attention, dispatch="
                     f"{'PipelinedLLEP c=' + str(state.options.chunk_cap) if state.options.pipelined_llep else 'torchtitan EP'}"
                     f" ({len(state.dispatch)} regions), head={'Ring-DTP' if state.options.ring_dtp else 'FSDP2 lm_head'}"
