@@ -246,7 +246,8 @@ def seq_to_head_bound(*, count_io: bool = True, part: str = "peak", caller_keeps
     copies of v and of the output gradient come on top of them. ``caller_keeps_inputs=False``: the caller holds
     its q/k/v only through this op and passes the output gradient on (torchtitan's attention modules: RoPE, cat
     and split outputs, autograd's incoming gradient; measured), so once the forward returns the padded copy
-    replaces the original. Measured on deepseek_v3's MLA (qk 192, v 128), equal head dims and GQA
+    replaces the original, and at W > 1 the caller's q/k/v are gone by backward (the exchange copied them; they
+    count in the forward only). Measured on deepseek_v3's MLA (qk 192, v 128), equal head dims and GQA
     (tests/test_seq_to_head.py); the composed budget (boundpass/composed.py) uses False.
 
     ``part="saved"``: what one attention keeps from its forward until its backward (the kernel's q/k/v and
@@ -272,12 +273,14 @@ def seq_to_head_bound(*, count_io: bool = True, part: str = "peak", caller_keeps
     if part == "saved":
         return (1 - x) * inputs + x * gathered + output + lse + (1 - x) * kv * int(caller_keeps_inputs)
     kernel_grads = q + 2 * kv              # dq, dk, dv on the gathered layout (W = 1: the input gradients)
+    # the caller's q/k/v in backward: kept by the caller, or (W = 1) the kernel's own (inputs or padded copies)
+    inputs_bwd = inputs if caller_keeps_inputs else (1 - x) * inputs
     # forward: saved tensors + the output's exchange (its result is the output); W = 1: the padded copy + output
     forward = inputs + x * (gathered + exchange + held) + (1 - x) * (kv + output) + lse
     # backward in the kernel: + the gathered output gradient and the kernel's grads (W = 1: the kernel's q/k/v
     # are the inputs or their padded copies, its output the caller's, one output gradient)
-    backward_kernel = inputs + output + x * (grad_output + gathered + held) + lse + q + kernel_grads + copies
+    backward_kernel = inputs_bwd + output + x * (grad_output + gathered + held) + lse + q + kernel_grads + copies
     # backward exchanges after the kernel freed what it saved: kernel grads not yet sent back, the input grads
     # being written (together at most the kernel grads + the replicated dk/dv before it is summed), one exchange
-    backward_exchange = inputs + output + grad_output + kernel_grads + kv + exchange + held
+    backward_exchange = inputs_bwd + output + grad_output + kernel_grads + kv + exchange + held
     return sympy.Max(forward, backward_kernel, x * backward_exchange)

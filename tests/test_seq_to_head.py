@@ -105,6 +105,7 @@ def _all_on_ranks(rank, world, exact_cases, bound_cases):
     return dict(exact=[_sharded_vs_reference(rank, world, *c) for c in exact_cases],
                 local_positions=_sharded_vs_reference(rank, world, *CASES[0][:-1], "float64", positions="local"),
                 bound=[_measure_bound(rank, world, *c) for c in bound_cases],
+                bound_dropping=[_measure_bound_dropping_caller(rank, world, *c) for c in bound_cases],
                 ragged=_ragged(rank, world))
 
 
@@ -128,12 +129,51 @@ def test_rope_needs_global_positions(ranks):
     assert max(res["local_positions"][1] for res in results) > 1e-3
 
 
-def test_bound_both_ways(ranks):
+# bound / measured allowed: 1.25 (the project's tightness standard) for a caller that keeps its tensors; for one
+# that drops them (the composed budget's case) the bound is 1.30-1.46x the measurement at W = 2 and 4 (measured):
+# it still counts the previous exchange's send/receive pair, which gloo's worker may hold (timing dependent), and
+# what is left is mostly that pair and the exchange buffers, so they weigh more
+TIGHTNESS = {"bound": 1.25, "bound_dropping": 1.5}
+
+
+@pytest.mark.parametrize("caller", ["bound", "bound_dropping"], ids=["caller-keeps", "caller-drops"])
+def test_bound_both_ways(ranks, caller):
     world, results = ranks
     for rank, res in enumerate(results):
-        for case, (peak, bound) in zip(BOUND_CASES, res["bound"]):
+        for case, (peak, bound) in zip(BOUND_CASES, res[caller]):
             assert peak <= bound, f"W={world} rank {rank} {case}: measured {peak} B > bound {bound} B"
-            assert bound <= 1.25 * peak, f"W={world} rank {rank} {case}: bound {bound} B > 1.25 x {peak} B"
+            assert bound <= TIGHTNESS[caller] * peak, \
+                f"W={world} rank {rank} {case}: bound {bound} B > {TIGHTNESS[caller]} x {peak} B"
+
+
+def _measure_bound_dropping_caller(rank, world, B, L, A_q, A_kv, D, dtype):
+    """(peak, bound) of one fwd + bwd for a caller like torchtitan's attention: q/k/v are projections of a narrow
+    input, the output goes through an output projection, all made inside the measurement, so q/k/v are held only
+    by the op and the output gradient only by autograd. bound: seq_to_head_bound(caller_keeps_inputs=False), the
+    composed budget's, plus what is the caller's: the gradients of the narrow input and of the projection weights
+    and the output projection's result (small here)."""
+    import torch.distributed as dist
+    from boundpass.memtrack import LiveStorageTracker
+    from boundpass.runtime.seq_to_head import seq_to_head_attention
+    qf, kf, vf, _ = _problem(B, L, A_q, A_kv, D, dtype, seed=1)
+    n = L // world
+    shapes = [(B, n, *t.shape[2:]) for t in (qf, kf, vf)]
+    g = torch.Generator().manual_seed(2 + rank)
+    x = torch.randn(B, n, 4, generator=g, dtype=torch.float64).to(qf.dtype).requires_grad_()
+    ws = [torch.randn(4, sh[2] * sh[3], generator=g, dtype=torch.float64).to(qf.dtype).requires_grad_()
+          for sh in shapes]
+    wo = torch.randn(A_q * vf.shape[3], 4, generator=g, dtype=torch.float64).to(qf.dtype).requires_grad_()
+    with LiveStorageTracker() as tracker:
+        q, k, v = ((x @ w).view(sh) for w, sh in zip(ws, shapes))
+        out = seq_to_head_attention(q, k, v, dist.group.WORLD if world > 1 else None)
+        del q, k, v
+        (out.flatten(2) @ wo).sum().backward()
+    b = qf.element_size()
+    callers = sum(t.numel() for t in (x, *ws, wo)) * b + B * n * 4 * b
+    bound = sym.evaluate(seq_to_head_bound(caller_keeps_inputs=False),
+                         dict(N=B * L // world, W=world, A_q=A_q, A_kv=A_kv, b=b,
+                              D_h=D if isinstance(D, int) else max(D), b_acc=4 if dtype == "bfloat16" else b))
+    return tracker.peak_bytes(), bound + callers
 
 
 def _measure_bound_one_rank(B, L, A_q, A_kv, D, dtype, caller_keeps_inputs):
@@ -148,21 +188,12 @@ def _measure_bound_one_rank(B, L, A_q, A_kv, D, dtype, caller_keeps_inputs):
     bound = sym.evaluate(seq_to_head_bound(caller_keeps_inputs=caller_keeps_inputs),
                          dict(N=B * L, W=1, A_q=A_q, A_kv=A_kv, b=b, D_h=D if isinstance(D, int) else max(D),
                               b_acc=4 if dtype == "bfloat16" else b))
-    if caller_keeps_inputs:
-        q, k, v = (t.requires_grad_() for t in (qf, kf, vf))
-        with LiveStorageTracker() as tracker:
-            tracker.track_existing(q, k, v, go)
-            seq_to_head_attention(q, k, v, None).backward(go)
-        return tracker.peak_bytes(), bound
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(B, L, 4, generator=g, dtype=qf.dtype, requires_grad=True)
-    ws = [torch.randn(4, t.shape[2] * t.shape[3], generator=g, dtype=qf.dtype, requires_grad=True)
-          for t in (qf, kf, vf)]
+    if not caller_keeps_inputs:
+        return _measure_bound_dropping_caller(0, 1, B, L, A_q, A_kv, D, dtype)
+    q, k, v = (t.requires_grad_() for t in (qf, kf, vf))
     with LiveStorageTracker() as tracker:
-        q, k, v = ((x @ w).view(t.shape) for w, t in zip(ws, (qf, kf, vf)))
-        out = seq_to_head_attention(q, k, v, None)
-        del q, k, v
-        out.backward(go)
+        tracker.track_existing(q, k, v, go)
+        seq_to_head_attention(q, k, v, None).backward(go)
     return tracker.peak_bytes(), bound
 
 
