@@ -33,9 +33,10 @@ LAYERS = 3  # one dense + two MoE blocks
 ONE_RANK_CASES = [(1, 1024, 2048, "full logits"), (2, 512, 2048, "full logits"),
                   (1, 1024, 32768, "full logits"), (1, 1024, 32768, "ring_dtp")]
 MOP_WORLD, MOP_EP, MOP_BATCH, MOP_SEQ, MOP_VOCAB = 2, 2, 2, 256, 2048
-# The MoP layout's prediction is 1.23x its measured peak (docs/plan.md: where the slack is); the 10% is
-# met on one rank, not here, so this case holds the project's bound-tightness standard (1.25x) instead.
-MOP_TIGHTNESS = 1.25
+# The MoP layout's prediction is 1.181x its measured peak (docs/plan.md: where the slack is, mostly the ZeRO-3
+# gathered block's allowance for unsharded gradients); the 10% is met on one rank, not here: asserted at
+# the tightest ratio the terms defend (deterministic: live storages of a fixed schedule).
+MOP_TIGHTNESS = 1.20
 
 
 def _trimmed_debug_model(vocab: int, seq: int):
