@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from boundpass.errors import BoundpassInputError
+from boundpass.errors import BoundpassInputError, InfeasibleBudgetError
 from boundpass.units import format_bytes
 
 from torchtitan.components.checkpointer import LR_SCHEDULER
@@ -206,11 +206,13 @@ class BoundpassTrainer(Trainer):
             # wrapper (which calls lm_head itself) must not be set up by torchtitan
             config.loss = config.loss.loss_fn
         original = config.model_spec.parallelize_fn
-        self.mop_budget = None
+        self.mop_budget = self.mop_bucket = None
+        self.mop_offload = bp.offload_optimizer == "true"  # without a budget, "auto" keeps AdamW on the device
 
         def parallelize_under_mop(model, *, parallel_dims, **kwargs):
             if bp.budget is not None:  # model still on meta: nothing of size has been allocated
-                self.mop_budget = check_mop_budget(model, config, parallel_dims, options)
+                self.mop_budget, self.mop_bucket, self.mop_offload = check_mop_budget(model, config, parallel_dims,
+                                                                                      options)
             state = prepare_mop(model, parallel_dims, options)
             model = original(model, parallel_dims=parallel_dims, **kwargs)
             finish_mop(model, parallel_dims, state)
@@ -247,6 +249,8 @@ class BoundpassTrainer(Trainer):
         states = getattr(self.checkpointer, "states", None)
         if isinstance(states, dict) and DATALOADER in states:
             states[DATALOADER] = self.dataloader
+        if self.mop_offload:
+            self._offload_optimizer_under_mop(config.boundpass)
         state = self.mop_state
         world = self.parallel_dims.world_size
         logger.info(f"[boundpass] MoP layout: W={world} ranks share each batch of {training.local_batch_size} x "
@@ -255,8 +259,27 @@ class BoundpassTrainer(Trainer):
                     f"sequence-to-head attention, dispatch="
                     f"{'PipelinedLLEP c=' + str(state.options.chunk_cap) if state.options.pipelined_llep else 'torchtitan EP'}"
                     f" ({len(state.dispatch)} regions), head={'Ring-DTP' if state.options.ring_dtp else 'FSDP2 lm_head'}"
+                    f", optimizer {'OffloadStreamAdamW (host state)' if self.mop_offload else 'on the device'}"
                     f"; boundpass.compile off" + (f"; composed budget {format_bytes(self.mop_budget.total)} of "
                                                    f"{config.boundpass.budget}" if self.mop_budget else ""))
+
+    def _offload_optimizer_under_mop(self, bp: BoundpassConfig) -> None:
+        """OffloadStreamAdamW in place of the container's AdamWs (state on the host, stepped in buckets of β on
+        the device): what the composed budget's offload_adamw operator counts. Same container object; the LR
+        schedulers hold the old optimizers, so they are rebuilt and the checkpointer re-pointed."""
+        import importlib
+
+        composed = importlib.import_module("boundpass.composed")
+        oa = importlib.import_module("boundpass.runtime.offload_adamw")
+        bucket = self.mop_bucket or bp.optimizer_bucket or composed.DEFAULT_BUCKET  # the budgeted β when checked
+        oa.offload_optimizers_container(self.optimizers, bucket_params=bucket,
+                                        staging_slots=bp.optimizer_slots or composed.DEFAULT_SLOTS)
+        self.lr_schedulers = self.config.lr_scheduler.build(optimizers=self.optimizers,
+                                                           training_steps=self.config.training.steps)
+        states = getattr(self.checkpointer, "states", None)
+        if isinstance(states, dict) and LR_SCHEDULER in states:
+            states[LR_SCHEDULER] = self.lr_schedulers
+        self.metrics_processor.optimizers = self.optimizers
 
     def batch_generator(self, data_iterable):
         if self.mop_state is None:
@@ -404,10 +427,13 @@ def check_mop_launch(config: Trainer.Config, world: int) -> None:
 
 
 def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
-    """The composed per-rank budget of this MoP launch (boundpass.composed) from the model built on meta;
-    InfeasibleBudgetError naming the binding term when it does not fit the --boundpass.budget."""
+    """(composed per-rank budget of this MoP launch, OffloadStreamAdamW bucket β or None, whether AdamW's state goes
+    to the host), from the model built
+    on meta (boundpass.composed; `--boundpass.offload_optimizer` auto/true/false decides the offload_adamw
+    operator as boundpass.compile does); InfeasibleBudgetError naming the binding term when it does not fit."""
     import importlib
 
+    from boundpass.bounds import largest_fitting
     from boundpass.units import parse_bytes
     # the modules: `boundpass.plan` is also the name of a function boundpass re-exports
     composed, plan = importlib.import_module("boundpass.composed"), importlib.import_module("boundpass.plan")
@@ -417,16 +443,43 @@ def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
     top_k = max((l.moe.router.top_k for l in layers if getattr(l, "moe", None) is not None), default=0)
     shape = plan.shape_of_module(model, name=config.model_spec.name, heads_config=layers[0].attention, top_k=top_k)
     world = dims.world_size
-    operators = frozenset(name for name, on in (("ring_dtp", options.ring_dtp),
-                                                ("pipelined_llep", options.pipelined_llep)) if on)
-    launch = composed.Launch(
-        ranks=world, ep=dims.ep, ring=world, tokens_per_rank=training.local_batch_size * training.seq_len // world,
-        operators=operators, b=2 if training.mixed_precision_param == "bfloat16" else 4, b_acc=4,
-        chunk_cap=options.chunk_cap if options.pipelined_llep else None,
-        # Ring-DTP's runtime strip is the whole local vocab shard unless a width is given
-        vocab_block=(options.vocab_block or shape.vocab // world) if options.ring_dtp else None)
-    return composed.check(shape, launch, budget=parse_bytes(bp.budget),
-                          host_budget=parse_bytes(bp.host_budget) if bp.host_budget else None)
+    base = frozenset(name for name, on in (("ring_dtp", options.ring_dtp),
+                                           ("pipelined_llep", options.pipelined_llep)) if on)
+
+    budget = parse_bytes(bp.budget)
+    host_budget = parse_bytes(bp.host_budget) if bp.host_budget else None
+
+    def launch(offload: bool, bucket: int | None = None):
+        return composed.Launch(
+            ranks=world, ep=dims.ep, ring=world, tokens_per_rank=training.local_batch_size * training.seq_len // world,
+            operators=base | {"offload_adamw"} if offload else base,
+            # b = 4 even under bf16 mixed precision: FSDP2 keeps the sharded parameters and their gradients in fp32
+            # (only the gathered copies are bf16), and the composed budget counts both at b; activations are then
+            # counted at 4 bytes where torchtitan holds 2: conservative, never below
+            b=4, b_acc=4,
+            chunk_cap=options.chunk_cap if options.pipelined_llep else None,
+            # Ring-DTP's runtime strip is the whole local vocab shard unless a width is given
+            vocab_block=(options.vocab_block or shape.vocab // world) if options.ring_dtp else None,
+            bucket=bucket, slots=bp.optimizer_slots or composed.DEFAULT_SLOTS)
+
+    def offloaded():
+        bucket = bp.optimizer_bucket
+        if bucket is None:  # the largest β (up to the composed default) whose staging fits, as boundpass.compile
+            bucket = largest_fitting(1, composed.DEFAULT_BUCKET, lambda beta: composed.compose(
+                shape, launch(True, beta), budget=budget, host_budget=host_budget, fast=True).fits())
+            bucket = bucket or 1  # nothing fits: the check below names what binds at the smallest bucket
+        return composed.check(shape, launch(True, bucket), budget=budget, host_budget=host_budget), bucket
+
+    if bp.offload_optimizer == "true":
+        return (*offloaded(), True)
+    try:
+        return composed.check(shape, launch(False), budget=budget, host_budget=host_budget), None, False
+    except InfeasibleBudgetError:
+        if bp.offload_optimizer == "false":
+            raise
+        # "auto": AdamW's state on the host when that makes it fit; if it still does not, the error names what
+        # binds with the state already offloaded
+        return (*offloaded(), True)
 
 
 def upgrade_config(config: Trainer.Config) -> BoundpassTrainer.Config:

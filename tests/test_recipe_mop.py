@@ -35,13 +35,17 @@ import pytest
 pytest.importorskip("torchtitan")
 
 from boundpass.testing.distributed import run_on_ranks  # noqa: E402
+from boundpass.units import parse_bytes  # noqa: E402
 
 pytestmark = [pytest.mark.torchtitan, pytest.mark.distributed]
 
 FP32_RTOL, BF16_RTOL, STEP1_RTOL = 2e-6, 5e-4, 1e-6
 SHORT = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "3",
          "--lr_scheduler.decay_ratio", "0"]
+# the fp32 MoP run also swaps the optimizer for OffloadStreamAdamW (bitwise the same update as the fused AdamW here)
 PRECISIONS = {"fp32": ["--training.mixed_precision_param", "float32"], "bf16": []}
+MOP_EXTRA = {"fp32": ["--boundpass.offload_optimizer", "true"], "bf16": []}
+OFFLOAD_BUDGET = "300MiB"
 REFUSED = {  # launch -> what the error must say
     "ragged": (["--training.seq_len", "63"], "pad or trim the sequence to 62 or 64 tokens"),
     "pipeline": (["--parallelism.pipeline_parallel_degree", "2"], "--parallelism.pipeline_parallel_degree 1"),
@@ -102,14 +106,16 @@ def _mop_two_ranks(rank, world, tmp, assets):
                                    message=str(err), in_parallelize="parallelize_under_mop" in frames,
                                    materialised="init_weights" in frames or "to_empty" in frames)
 
-    # a feasible budget: the trainer builds; RingDTPHead was initialised by torchtitan's init walk
-    trainer = build_in_process(_argv(tmp, "fits", "deepseek_v3_debug_mop", ["--boundpass.budget", "16GiB"]))
+    # a budget that fits only with AdamW's state on the host (composed: 391 MiB with it on the device): the default
+    # --boundpass.offload_optimizer auto offloads it; RingDTPHead was initialised by torchtitan's init walk
+    trainer = build_in_process(_argv(tmp, "fits", "deepseek_v3_debug_mop", ["--boundpass.budget", OFFLOAD_BUDGET]))
     try:
         model = trainer.model_parts[0]
         head = model.lm_head
         local = head.weight.to_local().detach()
         facts.update(
-            budget_total=trainer.mop_budget.total, head=type(head).__name__, head_shape=tuple(head.weight.shape),
+            budget_total=trainer.mop_budget.total, offload=trainer.mop_offload,
+            optimizers=sorted({type(o).__name__ for o in trainer.optimizers.optimizers}), head=type(head).__name__, head_shape=tuple(head.weight.shape),
             local_rows=local.shape[0], head_std=float(local.float().std()), head_finite=bool(local.isfinite().all()),
             attention={type(b.attention.inner_attention).__name__ for b in model.layers.values()},
             dispatch=list(model._mop.dispatch), loss=trainer.loss_fn.__qualname__,
@@ -118,7 +124,8 @@ def _mop_two_ranks(rank, world, tmp, assets):
         trainer.close()
 
     for precision, flags in PRECISIONS.items():
-        train_in_process(_argv(tmp, f"mop_{precision}", "deepseek_v3_debug_mop", [*_seeded(tmp), *flags]))
+        train_in_process(_argv(tmp, f"mop_{precision}", "deepseek_v3_debug_mop",
+                               [*_seeded(tmp), *flags, *MOP_EXTRA[precision]]))
     return facts
 
 
@@ -143,7 +150,8 @@ def test_layout_is_built_by_the_trainer(runs):
         # torchtitan's init walk reached RingDTPHead._init_self_parameters: lm_head's own init (trunc. normal,
         # std H^-1/2 truncated: 0.0617 on the 1-rank model), not to_empty's uninitialised memory
         assert f["head_finite"] and f["head_std"] == pytest.approx(head_std, rel=0.05), (f["head_std"], head_std)
-        assert f["budget_total"] <= 16 << 30
+        assert f["offload"] and f["optimizers"] == ["OffloadStreamAdamW"], f
+        assert f["budget_total"] <= parse_bytes(OFFLOAD_BUDGET), f
 
 
 def test_mop_layout_follows_stock_torchtitan(runs):
@@ -164,6 +172,8 @@ def test_refusals_and_infeasible_budget_fail_fast(runs):
             assert says in f["refused"][name], (name, f["refused"][name])
         err = f["infeasible"]
         assert err is not None, "a 64 MiB budget was accepted"
-        assert err["value"] > err["budget"] == 64 << 20
+        assert err["budget"] == 64 << 20 and "cannot be met" in err["message"], err
+        # offload_optimizer auto already moved AdamW's state to the host: what binds is another term
+        assert not err["term"].startswith("optimizer state on device"), err["term"]
         assert err["term"] in err["message"] and err["knob"] and err["knob"] in err["message"], err
         assert err["in_parallelize"] and not err["materialised"], err  # raised on the meta model
