@@ -6,6 +6,9 @@ checkpointed (torchtitan FullAC), AdamW, torchtitan's cross-entropy. One sequenc
   MoP         the sequence is split over the W = 4 ranks (L/4 tokens each, global positions), attention runs
               under the sequence-to-head all-to-all, dense weights FSDP2 over 4 ranks, experts E_p = 2
               (recipes/mop.py). Global batch: 1 sequence of L tokens.
+  MoP+ops     the same layout with both bounded operators of the layout on: PipelinedLLEP dispatch over the
+              E_p group (chunk cap c = 4096) and the Ring-DTP head over the 4-rank ring (lm_head vocab-sharded,
+              never gathered, no [N, V] logits).
   FSDP2-only  torchtitan's FSDP2 over the same 4 ranks, no sequence split, no EP: every rank holds a whole
               sequence (L tokens). Global batch: 4 sequences (one per rank), the only way FSDP2 alone uses 4
               ranks on sequences of length L.
@@ -14,8 +17,8 @@ Per-rank peak: LiveStorageTracker over one whole training step (forward, backwar
 the rank's parameter shards, gradients-to-be, optimizer state and buffers counted from the start: storage
 bytes of tensors, on CPU (no allocator caching, no kernel-internal workspace). Step time: median of
 ``repeats`` steps after one warm-up, barrier before each clock read; tokens/s = global tokens / step time.
-For MoP the composed per-rank budget (boundpass.composed, operators off: standard EP, full logits, AdamW
-on the device) is shown next to the measurement.
+For MoP the composed per-rank budget (boundpass.composed: standard EP at worst-case routing and full logits,
+or PipelinedLLEP + Ring-DTP for MoP+ops; AdamW on the device) is shown next to the measurement.
 
 Writes docs/results/mop.json and mop.md.
 
@@ -47,7 +50,16 @@ def _local(t):
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-def _bench_rank(rank, world, layout, seqs, repeats):
+def _route_all_to(model, experts):
+    """Adversarial routing: the selection bias makes every token pick ``experts`` (all on EP rank 0)."""
+    for layer in model.layers.values():
+        moe = getattr(layer, "moe", None)
+        if moe is not None and getattr(moe, "expert_bias_E", None) is not None:
+            moe.expert_bias_E.zero_()
+            moe.expert_bias_E[list(experts)] = 1e4
+
+
+def _bench_rank(rank, world, layout, seqs, repeats, vocab=VOCAB, skew=False):
     """Per sequence length: (peak bytes, median step s, composed bound or None) of this rank."""
     import statistics
     import importlib
@@ -55,29 +67,32 @@ def _bench_rank(rank, world, layout, seqs, repeats):
     _w.filterwarnings("ignore")
     import torch.distributed as dist
     from boundpass.memtrack import LiveStorageTracker
-    from boundpass.recipes.models import torchtitan_loss
-    from boundpass.recipes.mop import mop_config, parallelize_mop, shard_batch
+    from boundpass.recipes.mop import mop_config, mop_loss, parallelize_mop, shard_batch
     from torchtitan.distributed.activation_checkpoint import FullAC
 
-    mop = layout == "MoP"
+    mop = layout.startswith("MoP")
+    ops = layout == "MoP+ops"
     ep = EP if mop else 1
-    cfg = mop_config("deepseek_v3", world=world, ep=ep, seq_len=max(seqs), vocab_size=VOCAB)
+    cfg = mop_config("deepseek_v3", world=world, ep=ep, seq_len=max(seqs), vocab_size=vocab)
     with torch.device("meta"):
         model = cfg.model_spec.model.build()
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     model.init_weights(buffer_device=None)
+    if skew:
+        _route_all_to(model, (0, 1, 2))
     model.train()
     composed, plan = importlib.import_module("boundpass.composed"), importlib.import_module("boundpass.plan")
     shape = plan.shape_of_module(model, name="deepseek_v3 debugmodel", top_k=3,
                                  heads_config=cfg.model_spec.model.layers[0].attention)
-    parallelize_mop(model, cfg, world=world, ac_config=FullAC.Config(), sequence_to_head=mop)
+    parallelize_mop(model, cfg, world=world, ac_config=FullAC.Config(), sequence_to_head=mop, pipelined_llep=ops,
+                    ring_dtp=ops)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    loss_fn = torchtitan_loss()
+    loss_fn = mop_loss(model)
     out = []
     for L in seqs:
         g = torch.Generator().manual_seed(1000 + L + (0 if mop else rank))  # FSDP2-only: a sequence per rank
-        tokens, labels = torch.randint(0, VOCAB, (1, L), generator=g), torch.randint(0, VOCAB, (1, L), generator=g)
+        tokens, labels = torch.randint(0, vocab, (1, L), generator=g), torch.randint(0, vocab, (1, L), generator=g)
         positions, global_tokens = None, (L if mop else world * L)
         if mop:
             tokens, labels, positions = shard_batch(tokens, labels, rank, world)
@@ -103,14 +118,18 @@ def _bench_rank(rank, world, layout, seqs, repeats):
         bound = None
         if mop:
             launch = composed.Launch(ranks=world, ep=ep, ring=world, tokens_per_rank=L // world,
-                                     operators=frozenset(), b=4, b_acc=4)
+                                     operators=frozenset({"pipelined_llep", "ring_dtp"} if ops else ()),
+                                     b=4, b_acc=4)
             bound = composed.compose(shape, launch, budget=1 << 50).total
         out.append(dict(seq=L, tokens_per_rank=L // world if mop else L, global_tokens=global_tokens,
                         peak=tracker.peak_bytes(), step_s=statistics.median(times), bound=bound))
     return out
 
 
-def run(seqs, repeats, layouts_to_run=("MoP", "FSDP2-only")) -> dict:
+LAYOUTS = ("MoP", "MoP+ops", "FSDP2-only")
+
+
+def run(seqs, repeats, layouts_to_run=LAYOUTS) -> dict:
     from boundpass.testing.distributed import run_on_ranks
     layouts = {}
     for layout in layouts_to_run:
@@ -127,6 +146,26 @@ def run(seqs, repeats, layouts_to_run=("MoP", "FSDP2-only")) -> dict:
                              tokens_per_s=ranks[0]["global_tokens"] / step_s))
         layouts[layout] = dict(rows=rows, wall_s=time.perf_counter() - start)
     return layouts
+
+
+OPS_EFFECT = dict(seq=1024, vocab=32768)  # where the head and the dispatch are a visible part of the peak
+
+
+def run_operators_effect(repeats) -> list[dict]:
+    """MoP vs MoP+ops at one length with a 32K vocabulary, balanced and all-tokens-to-EP-rank-0 routing."""
+    from boundpass.testing.distributed import run_on_ranks
+    rows = []
+    for skew in (False, True):
+        for layout in ("MoP", "MoP+ops"):
+            start = time.perf_counter()
+            per_rank = run_on_ranks(_bench_rank, WORLD, layout, (OPS_EFFECT["seq"],), repeats, OPS_EFFECT["vocab"],
+                                    skew, timeout_s=1800)
+            ranks = [r[0] for r in per_rank]
+            rows.append(dict(layout=layout, routing="all to EP rank 0" if skew else "router's own",
+                             peak_per_rank=[r["peak"] for r in ranks], peak_max=max(r["peak"] for r in ranks),
+                             composed_bound=ranks[0]["bound"], step_s=max(r["step_s"] for r in ranks),
+                             wall_s=time.perf_counter() - start))
+    return rows
 
 
 def render(data: dict) -> str:
@@ -146,21 +185,34 @@ def render(data: dict) -> str:
         lines += [f"FSDP2-only rows reused from the run of {data['baseline_from']} (`--reuse-baseline`: its "
                   "code path did not change since); MoP rows from this run.", ""]
     lines += ["## Per-rank peak and step time vs sequence length", ""]
-    mop, base = data["layouts"]["MoP"]["rows"], data["layouts"]["FSDP2-only"]["rows"]
+    names = [n for n in LAYOUTS if n in data["layouts"]]
+    base = data["layouts"]["FSDP2-only"]["rows"]
     rows = []
-    for m, f in zip(mop, base):
-        rows.append([str(m["seq"]), fmt_bytes(m["peak_max"]), fmt_bytes(m["composed_bound"]),
-                     f"{m['peak_max'] / m['composed_bound']:.2f}", fmt_bytes(f["peak_max"]),
-                     f"{m['peak_max'] / f['peak_max']:.2f}", fmt_seconds(m["step_s"]), fmt_seconds(f["step_s"]),
-                     f"{m['tokens_per_s']:.0f}", f"{f['tokens_per_s']:.0f}"])
-    lines.append(markdown_table(["L (tokens/seq)", "MoP peak/rank", "MoP composed bound", "peak/bound",
-                                 "FSDP2-only peak/rank", "MoP/FSDP2 peak", "MoP step", "FSDP2 step",
-                                 "MoP tokens/s", "FSDP2 tokens/s"], rows))
+    for name in names:
+        for r, f in zip(data["layouts"][name]["rows"], base):
+            bound = r["composed_bound"]
+            rows.append([name, str(r["seq"]), fmt_bytes(r["peak_max"]), fmt_bytes(bound) if bound else "-",
+                         f"{r['peak_max'] / bound:.2f}" if bound else "-", f"{r['peak_max'] / f['peak_max']:.2f}",
+                         fmt_seconds(r["step_s"]), f"{r['step_s'] / f['step_s']:.2f}", f"{r['tokens_per_s']:.0f}"])
+    lines.append(markdown_table(["layout", "L (tokens/seq)", "peak/rank", "composed bound", "peak/bound",
+                                 "peak / FSDP2-only's", "step", "step / FSDP2-only's", "tokens/s"], rows))
     lines += ["", "Activation part of the peak (peak minus the smallest length's peak of the same layout): "
               "MoP grows with L/4 tokens per rank, FSDP2-only with L.", ""]
-    rows = [[str(m["seq"]), fmt_bytes(m["peak_max"] - mop[0]["peak_max"]),
-             fmt_bytes(f["peak_max"] - base[0]["peak_max"])] for m, f in zip(mop, base)]
-    lines.append(markdown_table(["L", "MoP peak growth", "FSDP2-only peak growth"], rows))
+    rows = [[str(r0["seq"])] + [fmt_bytes(data["layouts"][n]["rows"][i]["peak_max"] -
+                                          data["layouts"][n]["rows"][0]["peak_max"]) for n in names]
+            for i, r0 in enumerate(base)]
+    lines.append(markdown_table(["L"] + [f"{n} peak growth" for n in names], rows))
+    if data.get("operators_effect"):
+        lines += ["", f"## The operators' part: L = {OPS_EFFECT['seq']}, V = {OPS_EFFECT['vocab']:,}, MoP vs MoP+ops",
+                  "", "Same layout and model with a 32K vocabulary (the head's [N/W, V] logits become a visible part "
+                  "of the peak), under the router's own routing and with every token sent to experts 0..2 (all "
+                  "on EP rank 0: torchtitan's dispatcher hands that rank every routed row). Bounds: standard EP "
+                  "at worst-case routing + full logits, vs PipelinedLLEP + Ring-DTP.", ""]
+        rows = [[r["layout"], r["routing"], fmt_bytes(r["peak_max"]), fmt_bytes(r["composed_bound"]),
+                 f"{r['peak_max'] / r['composed_bound']:.2f}", fmt_seconds(r["step_s"])]
+                for r in data["operators_effect"]]
+        lines.append(markdown_table(["layout", "routing", "peak/rank (max over ranks)", "composed bound",
+                                     "peak/bound", "step"], rows))
     lines += [""] + targets_section(data["targets"])
     lines += ["Limits: CPU storage bytes, not a GPU allocator's reserved memory; gloo collectives; 2 shared "
               "cores run 4 ranks, so step times show overhead trends, not GPU throughput. The 120B-class "
@@ -172,7 +224,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two short lengths, 2 timed steps")
     parser.add_argument("--reuse-baseline", action="store_true",
-                        help="rerun MoP only; take the FSDP2-only rows from docs/results/mop.json (same lengths)")
+                        help="rerun the MoP layouts only; take the FSDP2-only rows from docs/results/mop.json (same lengths)")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     start = time.perf_counter()
@@ -183,22 +235,31 @@ def main(argv=None) -> dict:
         old = json.loads((RESULTS_DIR / "mop.json").read_text())
         if [r["seq"] for r in old["layouts"]["FSDP2-only"]["rows"]] != list(cfg["seqs"]):
             raise SystemExit("--reuse-baseline: the saved FSDP2-only rows are for other lengths; run without it")
-        layouts = run(cfg["seqs"], cfg["repeats"], ("MoP",))
+        layouts = run(cfg["seqs"], cfg["repeats"], ("MoP", "MoP+ops"))
         layouts["FSDP2-only"] = old["layouts"]["FSDP2-only"]
         baseline_from = old.get("baseline_from") or old["meta"]["date_utc"]
     else:
         layouts = run(cfg["seqs"], cfg["repeats"])
-    mop, base = layouts["MoP"]["rows"], layouts["FSDP2-only"]["rows"]
-    sound = all(r["peak_max"] <= r["composed_bound"] for r in mop)
-    longest = mop[-1]["peak_max"] < base[-1]["peak_max"]
-    targets = [dict(target="MoP per-rank peak <= its composed bound at every length",
-                    figures=", ".join(f"{r['seq']}: {r['peak_max'] / r['composed_bound']:.2f}" for r in mop),
-                    met=sound),
-               dict(target="MoP per-rank peak below FSDP2-only's at the longest length",
-                    figures=f"{fmt_bytes(mop[-1]['peak_max'])} vs {fmt_bytes(base[-1]['peak_max'])}", met=longest)]
+    effect = [] if args.quick else run_operators_effect(cfg["repeats"])
+    base = layouts["FSDP2-only"]["rows"]
+    targets = []
+    for name in ("MoP", "MoP+ops"):
+        mop = layouts[name]["rows"]
+        targets += [dict(target=f"{name} per-rank peak <= its composed bound at every length",
+                         figures=", ".join(f"{r['seq']}: {r['peak_max'] / r['composed_bound']:.2f}" for r in mop),
+                         met=all(r["peak_max"] <= r["composed_bound"] for r in mop)),
+                    dict(target=f"{name} per-rank peak below FSDP2-only's at the longest length",
+                         figures=f"{fmt_bytes(mop[-1]['peak_max'])} vs {fmt_bytes(base[-1]['peak_max'])}",
+                         met=mop[-1]["peak_max"] < base[-1]["peak_max"])]
+    if effect:
+        targets.append(dict(target="operators effect: every peak <= its composed bound",
+                            figures=", ".join(f"{r['layout']} / {r['routing']}: {r['peak_max'] / r['composed_bound']:.2f}"
+                                              for r in effect),
+                            met=all(r["peak_max"] <= r["composed_bound"] for r in effect)))
     data = dict(model="torchtitan deepseek_v3 debugmodel (6 layers, 8 experts top-3, MLA 16 heads, vocab "
                       f"{VOCAB}), fp32, FullAC, AdamW; MoP W={WORLD}, E_p={EP}", world=WORLD, ep=EP,
                 repeats=cfg["repeats"], quick=args.quick, meta=run_metadata(), layouts=layouts, targets=targets,
+                operators_effect=effect,
                 baseline_from=baseline_from)
     return publish("mop", data, render, start)
 
