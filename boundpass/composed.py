@@ -322,8 +322,16 @@ def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied
                 "a shorter context or more ranks W"))
     out.append(("attention saved for backward (live while the FFN runs)", attention_bound("saved"),
                 "attention_saved", "a shorter context or more ranks W"))
-    out.append(("block glue (norm outputs, residual sum, their grads; rstd)", 6 * N * H * b + 2 * N * b_acc, "layer",
-                "a shorter context"))
+    # W = 1: the output projection saves its own contiguous copy of the kernel's output (torchtitan reshapes the
+    # [B, N, heads, D] output; the kernel keeps its own for backward); at W > 1 that copy is the exchange's result,
+    # already the attention bound's output (traced at full scale: docs/plan.md)
+    out.append(("attention output as the output projection saves it (W = 1: a copy)",
+                (1 - sympy.Min(1, W - 1)) * N * sym.A_q * sym.D_h * b, "attention_saved",
+                "a shorter context or more ranks W"))
+    # bf16/fp16: each of the block's two RMSNorms saves its input upcast to fp32 (traced at full scale)
+    upcast = 2 * N * H * b_acc if mixed else 0
+    out.append(("block glue (norm outputs, residual sum, their grads; rstd; fp32 norm inputs if mixed)",
+                6 * N * H * b + 2 * N * b_acc + upcast, "layer", "a shorter context"))
     if has_dense:
         out.append(("dense FFN activations (recompute, fwd + bwd)", 2 * N * (H + 3 * I_f) * b, "dense",
                     "a shorter context"))

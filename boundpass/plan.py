@@ -257,6 +257,11 @@ def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2) -> tupl
     Returns {"boundary": bytes a checkpointed block keeps (its input), "dense_block" / "moe_block": forward +
     backward peak of one block above its input, "head": forward + backward peak of norm + lm_head + loss}, and
     notes. Parameters and their gradients are left out (budgeted as persistent state): activations only.
+
+    Attention whose qk and v head dims differ (deepseek_v3's MLA: 192 / 128) is traced through
+    runtime/seq_to_head's SeqToHeadAttention on one rank (no exchange; the narrower dim zero-padded), which keeps
+    SDPA on its fused O(N) kernel, the kernel the bound counts and the MoP layout runs: torch's stock SDPA on CPU
+    takes the math path for unequal dims and materialises [N, N] scores per head.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -267,7 +272,7 @@ def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2) -> tupl
     dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
     moe_at = next((i for i, l in enumerate(cfg.layers) if getattr(l, "moe", None) is not None), None)
     dense_at = next((i for i, l in enumerate(cfg.layers) if getattr(l, "moe", None) is None), None)
-    out, notes = {}, []
+    out, notes, padded = {}, [], False
     previous = torch.get_default_dtype()
     with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"):
         torch.set_default_dtype(dtype)
@@ -276,6 +281,7 @@ def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2) -> tupl
                 if at is None:
                     continue
                 blk = cfg.layers[at].build()
+                padded = _fuse_unequal_head_dims(blk, cfg.layers[at].attention) or padded
                 x = torch.empty(1, tokens, cfg.dim, dtype=dtype, requires_grad=True)
                 with LiveStorageTracker() as tracker:
                     y = blk(x, None, None)
@@ -294,10 +300,22 @@ def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2) -> tupl
                                                      for p in m.parameters())
         finally:
             torch.set_default_dtype(previous)
-    if model == "deepseek_v3":
-        notes.append("trace: MLA's qk and v head dims differ, so SDPA's CPU path materializes the [N, N] scores per "
-                     "head; a GPU flash/flex kernel does not (the attention bound assumes a flash-style kernel)")
+    if padded:
+        notes.append("trace: the attention's qk and v head dims differ (MLA), so it is traced through "
+                     "SeqToHeadAttention on one rank (v zero-padded: SDPA's fused O(N) kernel, as the MoP layout "
+                     "runs it; torch's stock CPU SDPA would take the [N, N] math path)")
     return out, notes
+
+
+def _fuse_unequal_head_dims(block: torch.nn.Module, attention_config) -> bool:
+    """Wrap the block's inner attention in SeqToHeadAttention (no group) when its qk and v head dims differ."""
+    qk = getattr(attention_config, "qk_nope_head_dim", None)
+    v = getattr(attention_config, "v_head_dim", None)
+    if qk is None or v is None or qk + attention_config.qk_rope_head_dim == v:
+        return False
+    from boundpass.runtime.seq_to_head import SeqToHeadAttention
+    block.attention.inner_attention = SeqToHeadAttention(block.attention.inner_attention, None)
+    return True
 
 
 # ------------------------------------------------------------------------------------------- plan
