@@ -44,7 +44,7 @@ SHORT = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--trai
          "--lr_scheduler.decay_ratio", "0"]
 # the fp32 MoP run also swaps the optimizer for OffloadStreamAdamW (bitwise the same update as the fused AdamW here)
 PRECISIONS = {"fp32": ["--training.mixed_precision_param", "float32"], "bf16": []}
-MOP_EXTRA = {"fp32": ["--boundpass.offload_optimizer", "true"], "bf16": []}
+MOP_EXTRA = {"fp32": ["--boundpass.offload_optimizer", "true"], "bf16": ["--boundpass.budget", "4GiB"]}
 OFFLOAD_BUDGET = "300MiB"
 REFUSED = {  # launch -> what the error must say
     "ragged": (["--training.seq_len", "63"], "pad or trim the sequence to 62 or 64 tokens"),
@@ -124,8 +124,39 @@ def _mop_two_ranks(rank, world, tmp, assets):
         trainer.close()
 
     for precision, flags in PRECISIONS.items():
-        train_in_process(_argv(tmp, f"mop_{precision}", "deepseek_v3_debug_mop",
-                               [*_seeded(tmp), *flags, *MOP_EXTRA[precision]]))
+        argv = _argv(tmp, f"mop_{precision}", "deepseek_v3_debug_mop", [*_seeded(tmp), *flags, *MOP_EXTRA[precision]])
+        if precision == "bf16":  # AdamW on the device: the whole step's live storage is the rank's device memory
+            facts.update(_train_measuring_last_step(build_in_process(argv)))
+        else:
+            train_in_process(argv)
+    return facts
+
+
+def _train_measuring_last_step(trainer):
+    """Train; the last step (data, fwd, bwd, clip, optimizer) runs under a LiveStorageTracker that counts this rank's
+    parameter shards, buffers and optimizer state from the start. Returns its peak and the composed budget."""
+    import torch
+    from boundpass.memtrack import LiveStorageTracker
+    facts = {}
+    model, train_step = trainer.model_parts[0], trainer.train_step
+
+    def measured_train_step(data_iterator):
+        if trainer.step != trainer.config.training.steps:
+            return train_step(data_iterator)
+        state = [t for o in trainer.optimizers.optimizers for st in o.state.values() for t in st.values()
+                 if torch.is_tensor(t)]
+        with LiveStorageTracker() as tracker:
+            tracker.track_existing(*[getattr(t, "_local_tensor", t) for t in
+                                     [*model.parameters(), *model.buffers(), *state]])
+            train_step(data_iterator)
+        facts["peak"] = tracker.peak_bytes()
+
+    trainer.train_step = measured_train_step
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    facts["bound"] = trainer.mop_budget.total
     return facts
 
 
@@ -177,3 +208,17 @@ def test_refusals_and_infeasible_budget_fail_fast(runs):
         assert not err["term"].startswith("optimizer state on device"), err["term"]
         assert err["term"] in err["message"] and err["knob"] and err["knob"] in err["message"], err
         assert err["in_parallelize"] and not err["materialised"], err  # raised on the meta model
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "known gap in boundpass/composed.py at a large vocabulary under torchtitan's FSDP2: the measured step peaks in "
+    "the embedding's backward (420.0 MiB bf16 / 436.0 MiB fp32 per rank vs 410.05 MiB composed, V = 32,768): "
+    "FSDP2 keeps the root unit (tok_embeddings) gathered through backward and materialises its unsharded "
+    "gradient (V*H*b = 32 MiB) before the reduce-scatter; composed counts only the H*b*floor(V/W) shard. "
+    "tests/test_mop.py (V = 256) cannot see it. Strict: fixing composed makes this pass, then drop the marker"))
+def test_measured_step_within_the_checked_budget(runs):
+    """The budget the recipe checks before launch should hold for what the layout then does: the last bf16 step's
+    measured live storage per rank <= the composed per-rank budget (b = 4: conservative for bf16 activations)."""
+    _, _, facts = runs
+    for rank, f in enumerate(facts):
+        assert 0 < f["peak"] <= f["bound"], f"rank {rank}: measured {f['peak']} B > composed {f['bound']} B"
