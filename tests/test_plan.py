@@ -269,3 +269,32 @@ def test_search_picks_knobs_that_fit_and_reports_none_when_nothing_can():
     assert best["step_seconds"] == pytest.approx(sum(v for k, v in best["parts"].items() if k != "total"))
     nothing = plan("deepseek_v3", "debugmodel", ep=2, budget="64MiB", search=True, **kw)
     assert nothing.search["best"] is None
+
+
+def test_gradients_follow_the_phases_of_a_step():
+    """Gradients by phase: none of the blocks' while the head runs, all at the optimizer step; accumulation
+    (microbatches) makes them persistent; a tied embedding has no gradient of its own; total_formula (one sympy
+    expression in N) agrees with compose's phase-by-phase total."""
+    import dataclasses
+
+    import sympy
+    shape = model_shape("deepseek_v3", "debugmodel")
+    launch = composed.Launch(ranks=2, ep=2, ring=2, tokens_per_rank=2048, operators=frozenset(), b=4, b_acc=4)
+    table = composed.compose(shape, launch, budget=1 << 40)
+    theta = -(-shape.params // 2) * 4
+    assert table.sum("grad") + table.sum("grad_embedding") == theta
+    assert table.sum("grad_head") < table.sum("grad_moe") < table.sum("grad_dense") <= table.sum("grad") < theta
+    phases = table.phases()
+    assert table.total == table.sum("persistent") + max(phases.values())
+    assert phases["step"] == theta  # fused AdamW: every gradient, nothing else above the persistent state
+    accumulated = composed.compose(shape, dataclasses.replace(launch, grad_accumulation=4), budget=1 << 40)
+    assert accumulated.sum("persistent") == table.sum("persistent") + theta > 0
+    assert accumulated.total > table.total
+    tied = composed.compose(dataclasses.replace(shape, tied_embeddings=True), launch, budget=1 << 40)
+    assert tied.sum("grad_embedding") == 0 and tied.sum("grad") == theta
+    for n in (512, 2048, 65536):
+        expr = composed.total_formula(shape, dataclasses.replace(launch, tokens_per_rank=n))
+        exact = composed.compose(shape, dataclasses.replace(launch, tokens_per_rank=n), budget=1 << 40).total
+        assert int(sympy.ceiling(expr.subs(composed.sym.N, n))) == exact, n
+    with pytest.raises(BoundpassInputError, match="grad_accumulation must be a positive int"):
+        composed.compose(shape, dataclasses.replace(launch, grad_accumulation=0), budget=1 << 40)
