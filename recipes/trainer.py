@@ -17,6 +17,13 @@ Under FSDP2 (every torchtitan multi-rank run, EP = 2 included) the model cannot 
 hooks and the expert-parallel dispatcher's host sync (`.tolist()` of the split sizes) break the graph. We
 compile with `fullgraph=False`; Dynamo then hands boundpass one graph per region between breaks, and
 `summary()` lists what each graph rewrote and skipped (logged after the first step, never silent).
+
+`--boundpass.layout mop` trains under the MoP rank layout of recipes/mop.py instead (docs/recipe.md): the trainer
+wraps torchtitan's parallelize function with `prepare_mop` / `finish_mop`, every rank reads the same batches and
+keeps its L/W tokens of each sequence (with their positions), and the loss is `mop_loss` (Ring-DTP) when the head
+is vocab-sharded. torchtitan's own train_step is unchanged: its valid-token and loss all-reduces over the batch
+mesh are right once each token lives on exactly one rank. boundpass.compile stays off; a budget is checked against
+the composed per-rank budget on the meta model, before anything is materialised.
 """
 from __future__ import annotations
 
@@ -235,9 +242,10 @@ class BoundpassTrainer(Trainer):
         if training.global_batch_size > 0:
             # torchtitan counted W data replicas; under MoP the W ranks read the same local_batch_size sequences
             if training.global_batch_size % training.local_batch_size:
-                raise ValueError(f"boundpass MoP layout: --training.global_batch_size ({training.global_batch_size}) "
-                                 f"must be a multiple of --training.local_batch_size ({training.local_batch_size}): "
-                                 "the W ranks share each batch (no data replicas)")
+                raise BoundpassInputError(
+                    f"boundpass MoP layout: --training.global_batch_size ({training.global_batch_size}) must be a "
+                    f"multiple of --training.local_batch_size ({training.local_batch_size}): the W ranks share each "
+                    "batch (no data replicas)")
             self.gradient_accumulation_steps = training.global_batch_size // training.local_batch_size
         # torchtitan's dataloader gives each of the W "data-parallel" ranks its own sequences; under MoP the W ranks
         # are one sequence-sharding group: every rank reads the same batches (dp world 1) and keeps its L/W tokens
@@ -253,12 +261,13 @@ class BoundpassTrainer(Trainer):
             self._offload_optimizer_under_mop(config.boundpass)
         state = self.mop_state
         world = self.parallel_dims.world_size
+        dispatch = (f"PipelinedLLEP c={state.options.chunk_cap}" if state.options.pipelined_llep else "torchtitan EP")
         logger.info(f"[boundpass] MoP layout: W={world} ranks share each batch of {training.local_batch_size} x "
                     f"{training.seq_len} tokens ({training.seq_len // world} per sequence per rank; torchtitan's "
                     f"'global batch size' above counts W replicas), E_p={self.parallel_dims.ep}, "
                     f"sequence-to-head attention, dispatch="
-                    f"{'PipelinedLLEP c=' + str(state.options.chunk_cap) if state.options.pipelined_llep else 'torchtitan EP'}"
-                    f" ({len(state.dispatch)} regions), head={'Ring-DTP' if state.options.ring_dtp else 'FSDP2 lm_head'}"
+                    f"{dispatch} ({len(state.dispatch)} regions), "
+                    f"head={'Ring-DTP' if state.options.ring_dtp else 'FSDP2 lm_head'}"
                     f", optimizer {'OffloadStreamAdamW (host state)' if self.mop_offload else 'on the device'}"
                     f"; boundpass.compile off" + (f"; composed budget {format_bytes(self.mop_budget.total)} of "
                                                    f"{config.boundpass.budget}" if self.mop_budget else ""))
@@ -293,6 +302,7 @@ class BoundpassTrainer(Trainer):
         from boundpass.runtime.seq_to_head import shard_positions, shard_sequence
 
         world = self.parallel_dims.world_size
+        # the layout's sequence group is every rank (no PP/TP/CP/replicas: check_mop_launch): its rank is the global one
         rank = torch.distributed.get_rank() if world > 1 else 0
         for input_dict, labels in data_iterable:
             seq_len = labels.shape[1]
@@ -300,8 +310,9 @@ class BoundpassTrainer(Trainer):
             shard = {}
             for key, value in input_dict.items():
                 if not (torch.is_tensor(value) and value.shape == labels.shape):
-                    raise ValueError(f"boundpass MoP layout: the dataloader's {key!r} is not a [batch, seq] tensor "
-                                     "like the labels; the layout only knows how to split those along the sequence")
+                    raise BoundpassInputError(
+                        f"boundpass MoP layout: the dataloader's {key!r} is not a [batch, seq] tensor like the labels; "
+                        "the layout only knows how to split those along the sequence")
                 shard[key] = value[:, keep].contiguous()
             if "positions" not in shard:  # the unsharded model's positions are 0..L-1
                 shard["positions"] = shard_positions(seq_len, rank, world).expand(labels.shape[0], -1)
@@ -428,9 +439,9 @@ def check_mop_launch(config: Trainer.Config, world: int) -> None:
 
 def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
     """(composed per-rank budget of this MoP launch, OffloadStreamAdamW bucket β or None, whether AdamW's state goes
-    to the host), from the model built
-    on meta (boundpass.composed; `--boundpass.offload_optimizer` auto/true/false decides the offload_adamw
-    operator as boundpass.compile does); InfeasibleBudgetError naming the binding term when it does not fit."""
+    to the host), read off the model built on meta (boundpass.composed; `--boundpass.offload_optimizer` auto / true
+    / false decides the offload_adamw operator as boundpass.compile does); InfeasibleBudgetError naming the binding
+    term when it does not fit. Known gap: docs/recipe.md (the embedding's unsharded gradient at a large vocab)."""
     import importlib
 
     from boundpass.bounds import largest_fitting
@@ -454,8 +465,8 @@ def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
             ranks=world, ep=dims.ep, ring=world, tokens_per_rank=training.local_batch_size * training.seq_len // world,
             operators=base | {"offload_adamw"} if offload else base,
             # b = 4 even under bf16 mixed precision: FSDP2 keeps the sharded parameters and their gradients in fp32
-            # (only the gathered copies are bf16), and the composed budget counts both at b; activations are then
-            # counted at 4 bytes where torchtitan holds 2: conservative, never below
+            # (only the gathered copies are bf16), and the composed budget counts both at b (b = 2 would undercount
+            # them); activations are then counted at 4 bytes where torchtitan holds 2 (conservative there)
             b=4, b_acc=4,
             chunk_cap=options.chunk_cap if options.pipelined_llep else None,
             # Ring-DTP's runtime strip is the whole local vocab shard unless a width is given

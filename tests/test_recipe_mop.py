@@ -115,7 +115,8 @@ def _mop_two_ranks(rank, world, tmp, assets):
         local = head.weight.to_local().detach()
         facts.update(
             budget_total=trainer.mop_budget.total, offload=trainer.mop_offload,
-            optimizers=sorted({type(o).__name__ for o in trainer.optimizers.optimizers}), head=type(head).__name__, head_shape=tuple(head.weight.shape),
+            optimizers=sorted({type(o).__name__ for o in trainer.optimizers.optimizers}), head=type(head).__name__,
+            head_shape=tuple(head.weight.shape),
             local_rows=local.shape[0], head_std=float(local.float().std()), head_finite=bool(local.isfinite().all()),
             attention={type(b.attention.inner_attention).__name__ for b in model.layers.values()},
             dispatch=list(model._mop.dispatch), loss=trainer.loss_fn.__qualname__,
