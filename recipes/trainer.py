@@ -264,7 +264,8 @@ class BoundpassTrainer(Trainer):
         dispatch = (f"PipelinedLLEP c={state.options.chunk_cap}" if state.options.pipelined_llep else "torchtitan EP")
         logger.info(f"[boundpass] MoP layout: W={world} ranks share each batch of {training.local_batch_size} x "
                     f"{training.seq_len} tokens ({training.seq_len // world} per sequence per rank; torchtitan's "
-                    f"'global batch size' above counts W replicas), E_p={self.parallel_dims.ep}, "
+                    f"'global batch size' above counts W replicas; {self.gradient_accumulation_steps} batch(es) per "
+                    f"optimizer step), E_p={self.parallel_dims.ep}, "
                     f"sequence-to-head attention, dispatch="
                     f"{dispatch} ({len(state.dispatch)} regions), "
                     f"head={'Ring-DTP' if state.options.ring_dtp else 'FSDP2 lm_head'}"
