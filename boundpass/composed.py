@@ -349,8 +349,16 @@ def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied
                         pl.pipelined_llep_bound(mixed_precision=mixed) - own_experts, "moe",
                         "a smaller chunk cap c (--chunk-cap) or fewer borrowed slots s_b"))
         else:
-            out.append((f"expert dispatch (standard EP, {routing}-case routing R)",
-                        pl.standard_ep_bound() - own_experts, "moe",
+            # torchtitan's GroupedExperts runs the expert MLP in bf16 whatever the parameters' dtype (it casts the
+            # routed rows and the expert weights with .bfloat16()): standard_ep_bound counts the received rows and
+            # MLP activations (R·(2H + 4I), and their gradients) at b; here they are at b_e = Min(b, 2), and the
+            # bf16 weight copies the grouped matmuls save (and their gradients) are added when the parameters are
+            # wider than bf16 (measured: docs/plan.md)
+            b_e = sympy.Min(b, 2)
+            rows_at_bf16 = 2 * sym.R * (2 * H + 4 * I) * (b - b_e)
+            weight_copies = 2 * (E / E_p) * 3 * I * H * b_e * sympy.Min(1, b - b_e)  # none when b is bf16 already
+            out.append((f"expert dispatch (standard EP as torchtitan runs it: bf16 experts, {routing}-case routing R)",
+                        pl.standard_ep_bound() - own_experts - rows_at_bf16 + weight_copies, "moe",
                         "enable pipelined_llep (a bound that does not depend on routing)"))
     out.append(("final norm (fp32 upcast + output, fwd + bwd)", N * H * (b + b_acc), "head", "a shorter context"))
     if "ring_dtp" in ops:

@@ -29,13 +29,9 @@ from boundpass.plan import make_input, model_config, model_shape, plan, shape_of
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = 3  # one dense + two MoE blocks
 
-# (batch, sequence, vocab, loss head, predicted / measured allowed): ratios recorded in docs/plan.md. At 2,048
-# tokens the MoE blocks' phase binds and its standard-EP dispatch term (runtime/pipelined_llep.standard_ep_bound,
-# fp32 rows, every saved tensor's gradient at once) is 2.5x what torchtitan's MoE holds (its expert matmuls run in
-# bf16): 1.111 measured, over the 10% target, asserted at what is true.
-ONE_RANK_CASES = [(1, 1024, 2048, "full logits", 1.10), (2, 512, 2048, "full logits", 1.10),
-                  (1, 1024, 32768, "full logits", 1.10), (1, 1024, 32768, "ring_dtp", 1.10),
-                  (1, 2048, 2048, "full logits", 1.12)]
+# (batch, sequence, vocab, loss head): predicted / measured recorded in docs/plan.md
+ONE_RANK_CASES = [(1, 1024, 2048, "full logits"), (2, 512, 2048, "full logits"), (1, 2048, 2048, "full logits"),
+                  (1, 1024, 32768, "full logits"), (1, 1024, 32768, "ring_dtp")]
 MOP_WORLD, MOP_EP, MOP_BATCH, MOP_SEQ, MOP_VOCAB = 2, 2, 2, 256, 2048
 # The MoP layout's prediction is 1.181x its measured peak (docs/plan.md: where the slack is, mostly the ZeRO-3
 # gathered block's allowance for unsharded gradients); the issue's 10% is met on one rank, not here: asserted at
@@ -105,10 +101,9 @@ def debug_models():
     return get
 
 
-@pytest.mark.parametrize("batch,seq,vocab,loss,tightness", ONE_RANK_CASES,
-                         ids=[f"{b}x{s}-V{v}-{'ring' if l == 'ring_dtp' else 'full'}" for b, s, v, l, _ in ONE_RANK_CASES])
-def test_predicted_peak_is_within_10_percent_of_measured_and_never_below(debug_models, batch, seq, vocab, loss,
-                                                                         tightness):
+@pytest.mark.parametrize("batch,seq,vocab,loss", ONE_RANK_CASES,
+                         ids=[f"{b}x{s}-V{v}-{'ring' if l == 'ring_dtp' else 'full'}" for b, s, v, l in ONE_RANK_CASES])
+def test_predicted_peak_is_within_10_percent_of_measured_and_never_below(debug_models, batch, seq, vocab, loss):
     model = debug_models(vocab)
     shape = _shape(model)
     assert (shape.layers, shape.moe_layers, shape.vocab) == (LAYERS, LAYERS - 1, vocab)
@@ -119,7 +114,7 @@ def test_predicted_peak_is_within_10_percent_of_measured_and_never_below(debug_m
     measured = _measured_step_peak(model, batch, seq, vocab, loss)
     print(f"{batch}x{seq} V={vocab} {loss}: predicted {predicted} B, measured {measured} B, "
           f"ratio {predicted / measured:.4f}")
-    assert measured <= predicted <= tightness * measured
+    assert measured <= predicted <= 1.10 * measured
     # the state terms are exact: 12 bytes per fp32 parameter (weights, two AdamW moments) persist, 4 more
     # (gradients) by the optimizer step
     params = sum(p.numel() for p in model.parameters())
