@@ -10,6 +10,8 @@ Phases (why the terms are not simply summed): the optimizer steps after backward
 loss head runs before (forward) or after (backward) any block's recomputation, never during one:
 
     device peak = persistent + max(optimizer step + all gradients,
+                                   all gradients + the embedding's ZeRO-3 backward (gathered weight, unsharded
+                                                                                  gradient, reduce-scatter),
                                    boundaries + gathered layer + max(dense layer + gradients live in a dense block,
                                                                      MoE layer + gradients live in a MoE block,
                                                                      head + gradient of the head))
@@ -161,7 +163,8 @@ class ComposedBudget(BudgetTable):
     blocks' FFN), moe (MoE blocks' FFN), head (loss head), step (optimizer step), host; gradients: grad (of the
     blocks and head: live from the blocks' backward on), grad_embedding (live from the end of backward),
     grad_head (the head's, a part of grad: the only one live while the head runs), grad_dense / grad_moe (the
-    part of grad live while a dense / MoE block runs).
+    part of grad live while a dense / MoE block runs); embedding_backward (the embedding's ZeRO-3 backward, last
+    in backward: every other gradient exists).
     """
 
     def layer_peak(self, ffn: str) -> int:
@@ -176,6 +179,8 @@ class ComposedBudget(BudgetTable):
         """Device bytes above the persistent state of each phase: optimizer step, dense block, MoE block, head."""
         s = self.sum
         out = {"step": s("step") + s("grad") + s("grad_embedding")}
+        if any(t.kind == "embedding_backward" for t in self.terms):
+            out["embedding"] = s("grad") + s("grad_embedding") + s("embedding_backward")
         for ffn in ("dense", "moe"):
             if self.layer_peak(ffn):
                 grads = s(f"grad_{ffn}") if any(t.kind == f"grad_{ffn}" for t in self.terms) else s("grad")
@@ -197,6 +202,8 @@ class ComposedBudget(BudgetTable):
         peak = max(phases, key=phases.get)
         if peak == "step":
             phase = {"persistent", "step", "grad", "grad_embedding"}
+        elif peak == "embedding":
+            phase = {"persistent", "grad", "grad_embedding", "embedding_backward"}
         elif peak in ("dense", "moe"):
             phase = {"persistent", "transient", f"grad_{peak}", "layer"} | (
                 {"attention"} if s("attention") >= s("attention_saved") + s(peak) else {"attention_saved", peak})
@@ -289,6 +296,17 @@ def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied
                     "more ranks W (ZeRO-3 shards Θ/W)"))
         out.append(("gradient of the embedding (ZeRO-3 shard; produced last in backward)", emb, "grad_embedding",
                     "more ranks W (ZeRO-3 shards Θ/W)"))
+        # The embedding's backward, the last of backward, under ZeRO-3 (W > 1): FSDP2 gathers its unit again
+        # (V·H·b), autograd writes its whole unsharded gradient (an embedding's gradient is dense: V·H·b), and
+        # after resharding the weight FSDP2 copies that gradient into the reduce-scatter input, in the reduce dtype
+        # (fp32 under mixed precision); the reduce-scatter output is the gradient shard above. Measured under the
+        # recipe's MoP layout at V = 32,768: the step's peak is here (tests/test_recipe_mop.py). Tied embeddings
+        # share the head's unit: not modelled apart (the head terms count its gathered weight).
+        if not tied:
+            reduce_b = b_acc if mixed else b
+            out.append(("embedding backward under ZeRO-3 (gathered weight, unsharded gradient, reduce-scatter input)",
+                        sympy.Min(1, W - 1) * sym.V * H * (b + reduce_b) + N * H * b, "embedding_backward",
+                        "not a launch knob (an embedding gradient is dense V×H under FSDP2); a smaller vocabulary"))
         out.append(("gradient of the head (lm_head + final norm shard; while the head runs)", head_grad,
                     "grad_head", "more ranks W (ZeRO-3 shards Θ/W)"))
         # while block i runs backward, the blocks before it have no gradient yet, nor (W > 1) block i's own shard
@@ -431,6 +449,8 @@ def total_formula(shape: ModelShape, launch: Launch, *, host_budget: int | None 
         parts[kind] = parts.get(kind, sympy.Integer(0)) + expr
     p = lambda kind: parts.get(kind, sympy.Integer(0))  # noqa: E731
     phases = [p("step") + p("grad") + p("grad_embedding"), p("transient") + p("head") + p("grad_head")]
+    if "embedding_backward" in parts:
+        phases.append(p("grad") + p("grad_embedding") + p("embedding_backward"))
     for ffn, present in (("dense", shape.dense_layers > 0), ("moe", shape.moe_layers > 0)):
         if present:
             grads = p(f"grad_{ffn}") if f"grad_{ffn}" in parts else p("grad")
