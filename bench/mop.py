@@ -50,15 +50,6 @@ def _local(t):
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-def _route_all_to(model, experts):
-    """Adversarial routing: the selection bias makes every token pick ``experts`` (all on EP rank 0)."""
-    for layer in model.layers.values():
-        moe = getattr(layer, "moe", None)
-        if moe is not None and getattr(moe, "expert_bias_E", None) is not None:
-            moe.expert_bias_E.zero_()
-            moe.expert_bias_E[list(experts)] = 1e4
-
-
 def _bench_rank(rank, world, layout, seqs, repeats, vocab=VOCAB, skew=False):
     """Per sequence length: (peak bytes, median step s, composed bound or None) of this rank."""
     import statistics
@@ -67,21 +58,17 @@ def _bench_rank(rank, world, layout, seqs, repeats, vocab=VOCAB, skew=False):
     _w.filterwarnings("ignore")
     import torch.distributed as dist
     from boundpass.memtrack import LiveStorageTracker
-    from boundpass.recipes.mop import mop_config, mop_loss, parallelize_mop, shard_batch
+    from boundpass.recipes.mop import build_model, mop_config, mop_loss, parallelize_mop, shard_batch
+    from boundpass.testing.routing import route_all_to
     from torchtitan.distributed.activation_checkpoint import FullAC
 
     mop = layout.startswith("MoP")
     ops = layout == "MoP+ops"
     ep = EP if mop else 1
     cfg = mop_config("deepseek_v3", world=world, ep=ep, seq_len=max(seqs), vocab_size=vocab)
-    with torch.device("meta"):
-        model = cfg.model_spec.model.build()
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights(buffer_device=None)
+    model = build_model(cfg)
     if skew:
-        _route_all_to(model, (0, 1, 2))
-    model.train()
+        route_all_to(model, (0, 1, 2))
     composed, plan = importlib.import_module("boundpass.composed"), importlib.import_module("boundpass.plan")
     shape = plan.shape_of_module(model, name="deepseek_v3 debugmodel", top_k=3,
                                  heads_config=cfg.model_spec.model.layers[0].attention)

@@ -43,7 +43,7 @@ from boundpass.runtime.seq_to_head import SeqToHeadAttention, check_head_counts,
 apply_cpu_device_fix()
 from torchtitan.protocols.module import Module as TorchtitanModule  # noqa: E402
 
-__all__ = ["mop_config", "apply_seq_to_head", "apply_pipelined_llep", "prepare_mop", "finish_mop", "parallelize_mop",
+__all__ = ["mop_config", "build_model", "apply_seq_to_head", "apply_pipelined_llep", "prepare_mop", "finish_mop", "parallelize_mop",
            "mop_loss", "shard_batch", "attention_heads", "MoPOptions", "DEFAULT_CHUNK_CAP"]
 
 DEFAULT_CHUNK_CAP = 4096  # c: tokens per source rank per PipelinedLLEP chunk (the composed budget's default)
@@ -98,6 +98,21 @@ def mop_config(name: str = "deepseek_v3", *, world: int, ep: int, seq_len: int, 
     A_q, A_kv = attention_heads(cfg)
     check_head_counts(A_q, A_kv, world)
     return cfg
+
+
+def build_model(cfg, *, layers: int | None = None, seed: int = 0) -> torch.nn.Module:
+    """The model of ``cfg`` materialised on CPU with the same full weights on every rank (seeded init, as one rank
+    would have them), cut to its first ``layers`` blocks (None: all), in training mode: ``parallelize_mop`` then
+    shards it in place. (torchtitan's Trainer initialises after parallelizing instead: recipes/trainer.py.)"""
+    with torch.device("meta"):
+        model = cfg.model_spec.model.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    model.init_weights(buffer_device=None)
+    if layers is not None:
+        for name in list(model.layers)[layers:]:
+            del model.layers[name]
+    return model.train()
 
 
 def attention_heads(cfg) -> tuple[int, int]:

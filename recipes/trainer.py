@@ -186,12 +186,7 @@ class BoundpassTrainer(Trainer):
             optimizer_slots=bp.optimizer_slots, inner=bp.inner, fullgraph=True)
         plan = self.bounded.optimizer_plan
         if plan is not None and list(self.optimizers.optimizers) != before:
-            # boundpass swapped the container's AdamWs in place: torchtitan's LambdaLRs still hold the old ones.
-            self.lr_schedulers = self.config.lr_scheduler.build(optimizers=self.optimizers,
-                                                               training_steps=self.config.training.steps)
-            states = getattr(self.checkpointer, "states", None)
-            if isinstance(states, dict) and LR_SCHEDULER in states:
-                states[LR_SCHEDULER] = self.lr_schedulers
+            self._repoint_at_swapped_optimizers()
         self.metrics_processor.optimizers = self.optimizers
         logger.info(f"[boundpass] on: budget {bp.budget}, vocab rewrite {'on' if bp.vocab else 'off'}, "
                     f"capture={capture}{' (model is FSDP2-wrapped)' if self.fsdp_wrapped else ''}, optimizer: "
@@ -284,12 +279,17 @@ class BoundpassTrainer(Trainer):
         bucket = self.mop_bucket or bp.optimizer_bucket or composed.DEFAULT_BUCKET  # the budgeted β when checked
         oa.offload_optimizers_container(self.optimizers, bucket_params=bucket,
                                         staging_slots=bp.optimizer_slots or composed.DEFAULT_SLOTS)
+        self._repoint_at_swapped_optimizers()
+        self.metrics_processor.optimizers = self.optimizers
+
+    def _repoint_at_swapped_optimizers(self) -> None:
+        """The container's AdamWs were swapped in place: torchtitan's LambdaLRs still hold the old ones, so they
+        are rebuilt on the new inner optimizers and the checkpointer is pointed at the new schedulers."""
         self.lr_schedulers = self.config.lr_scheduler.build(optimizers=self.optimizers,
                                                            training_steps=self.config.training.steps)
         states = getattr(self.checkpointer, "states", None)
         if isinstance(states, dict) and LR_SCHEDULER in states:
             states[LR_SCHEDULER] = self.lr_schedulers
-        self.metrics_processor.optimizers = self.optimizers
 
     def batch_generator(self, data_iterable):
         if self.mop_state is None:

@@ -23,6 +23,7 @@ from boundpass import symbols as sym
 from boundpass.errors import BoundpassInputError, InfeasibleBudgetError
 from boundpass.runtime.pipelined_llep import bound_values, pipelined_llep_bound
 from boundpass.testing.distributed import run_on_ranks
+from boundpass.testing.routing import route_all_to
 
 from boundpass.recipes.models import apply_cpu_device_fix  # noqa: E402
 
@@ -55,15 +56,6 @@ def _cut(model, layers):
     for name in list(model.layers)[layers:]:
         del model.layers[name]
     return model
-
-
-def _route_all_to(model, experts):
-    """Adversarial routing: every token picks the same experts (the router's selection bias dominates)."""
-    for layer in model.layers.values():
-        moe = getattr(layer, "moe", None)
-        if moe is not None and getattr(moe, "expert_bias_E", None) is not None:
-            moe.expert_bias_E.zero_()
-            moe.expert_bias_E[list(experts)] = 1e4
 
 
 def _rel(a, b):
@@ -108,8 +100,8 @@ def test_rewrite_matches_torchtitan(name, layers, ac):
     routings = [None, (0, 1, 2)] if name == "deepseek_v3" else [None]  # qwen3 routes without a selection bias
     for experts in routings:
         if experts is not None:
-            _route_all_to(model, experts)
-            _route_all_to(ref, experts)
+            route_all_to(model, experts)
+            route_all_to(ref, experts)
         loss, ref_loss, worst = _step_both(compiled, model, ref, tokens, labels)
         assert abs(loss - ref_loss) <= LOSS_TOL * abs(ref_loss), (experts, loss, ref_loss)
         assert worst <= GRAD_TOL, (experts, worst)
@@ -218,8 +210,8 @@ def _ep_rank(rank, world, cases):
         ref = _ep_model(name, layers, world)  # same seed, same shards
         ref.load_state_dict(model.state_dict())
         if experts is not None:
-            _route_all_to(model, experts)
-            _route_all_to(ref, experts)
+            route_all_to(model, experts)
+            route_all_to(ref, experts)
         compiled = boundpass.compile(model, budget="4GiB", loss_fn=_ce)
         tokens, labels = _batch(seed=1 + rank)  # different tokens per rank
         loss, ref_loss, worst = _step_both(compiled, model, ref, tokens, labels)

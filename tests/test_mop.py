@@ -42,15 +42,6 @@ def _local(t):
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-def _route_all_to(model, experts):
-    """Adversarial routing: the selection bias makes every token pick ``experts`` (scores stay the router's)."""
-    for layer in model.layers.values():
-        moe = getattr(layer, "moe", None)
-        if moe is not None and getattr(moe, "expert_bias_E", None) is not None:
-            moe.expert_bias_E.zero_()
-            moe.expert_bias_E[list(experts)] = 1e4
-
-
 def _composed_bound(model, cfg, world, ep, ops):
     """The composed per-rank budget (boundpass.composed) of this launch: AdamW on the device, every block
     checkpointed, fp32 (b = b_acc = 4); standard EP at worst-case routing and full logits, or PipelinedLLEP (cap
@@ -74,19 +65,13 @@ def _train(rank, world, ep, ops=False, skew=False):
     import torch.distributed as dist
     from boundpass.memtrack import LiveStorageTracker
     from boundpass.recipes.models import torchtitan_loss
-    from boundpass.recipes.mop import mop_config, mop_loss, parallelize_mop, shard_batch
+    from boundpass.recipes.mop import build_model, mop_config, mop_loss, parallelize_mop, shard_batch
+    from boundpass.testing.routing import route_all_to
     from torchtitan.distributed.activation_checkpoint import FullAC
     cfg = mop_config(NAME, world=world, ep=ep, seq_len=SEQ, vocab_size=VOCAB)
-    with torch.device("meta"):
-        model = cfg.model_spec.model.build()
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights(buffer_device=None)  # the same full weights on every rank, then sharded in place
-    for name in list(model.layers)[LAYERS:]:  # layer 0 dense + 2 MoE layers keep the test cheap
-        del model.layers[name]
+    model = build_model(cfg, layers=LAYERS)  # layer 0 dense + 2 MoE layers keep the test cheap
     if skew:
-        _route_all_to(model, HOT)
-    model.train()
+        route_all_to(model, HOT)
     facts = {}
     if world > 1:
         facts["bound"] = _composed_bound(model, cfg, world, ep, ops)
@@ -199,17 +184,10 @@ OTHER = {"qwen3_moe": dict(ops=True, dtype="float32", loss_rtol=1e-6, dense_rtol
 def _one_step(rank, world, name):
     import torch.distributed as dist
     from boundpass.recipes.models import torchtitan_loss
-    from boundpass.recipes.mop import mop_config, mop_loss, parallelize_mop, shard_batch
+    from boundpass.recipes.mop import build_model, mop_config, mop_loss, parallelize_mop, shard_batch
     spec = OTHER[name]
     cfg = mop_config(name, world=max(world, 2), ep=2, seq_len=SEQ, vocab_size=VOCAB, param_dtype=spec["dtype"])
-    with torch.device("meta"):
-        model = cfg.model_spec.model.build()
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights(buffer_device=None)
-    for layer in list(model.layers)[LAYERS:]:
-        del model.layers[layer]
-    model.to(getattr(torch, spec["dtype"])).train()
+    model = build_model(cfg, layers=LAYERS).to(getattr(torch, spec["dtype"]))
     tokens, labels = _batch(0)
     positions, loss_fn, facts = None, torchtitan_loss(), {}
     if world > 1:

@@ -129,20 +129,13 @@ def _local(t):
 def _mop_step_peak(rank, world, ep, batch, seq, vocab):
     """(measured, predicted) per-rank peak of a steady-state training step under the MoP layout (FSDP2 dense
     weights, sequence-to-head attention, torchtitan EP; parallelize_mop's defaults, operators off)."""
-    from boundpass.recipes.mop import mop_config, parallelize_mop, shard_batch  # before torchtitan: CPU device fix
+    from boundpass.recipes.mop import build_model, mop_config, parallelize_mop, shard_batch  # before torchtitan
     from torchtitan.distributed.activation_checkpoint import FullAC
 
     from boundpass.memtrack import LiveStorageTracker
     from boundpass.recipes.models import torchtitan_loss
     cfg = mop_config("deepseek_v3", world=world, ep=ep, seq_len=seq, vocab_size=vocab)
-    with torch.device("meta"):
-        model = cfg.model_spec.model.build()
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights(buffer_device=None)
-    for name in list(model.layers)[LAYERS:]:
-        del model.layers[name]
-    model.train()
+    model = build_model(cfg, layers=LAYERS)
     shape = shape_of_module(model, name="deepseek_v3 debug (3 blocks)",
                             heads_config=cfg.model_spec.model.layers[0].attention,
                             top_k=cfg.model_spec.model.layers[1].moe.router.top_k)
