@@ -169,24 +169,18 @@ class ComposedBudget(BudgetTable):
 
     def layer_peak(self, ffn: str) -> int:
         """Activation peak of one recomputed block: glue + max(attention, attention saved + FFN); ffn: "dense" or
-        "moe" (a block kind the model does not have: 0)."""
+        "moe" (a block kind the model does not have: 0). Gathered weights and gradients not included."""
         s = self.sum
         if not any(t.kind == ffn and t.counted for t in self.terms):
             return 0
         return s("layer") + max(s("attention"), s("attention_saved") + s(ffn))
 
     def phases(self) -> dict:
-        """Device bytes above the persistent state of each phase: optimizer step, dense block, MoE block, head."""
-        s = self.sum
-        out = {"step": s("step") + s("grad") + s("grad_embedding")}
-        if any(t.kind == "embedding_backward" for t in self.terms):
-            out["embedding"] = s("grad") + s("grad_embedding") + s("embedding_backward")
-        for ffn in ("dense", "moe"):
-            if self.layer_peak(ffn):
-                grads = s(f"grad_{ffn}") if any(t.kind == f"grad_{ffn}" for t in self.terms) else s("grad")
-                out[ffn] = s("transient") + self.layer_peak(ffn) + grads
-        out["head"] = s("transient") + s("head") + s("grad_head")
-        return out
+        """Device bytes above the persistent state of each phase: optimizer step, embedding backward, dense block,
+        MoE block, head (each the largest of its sub-phases, ``_phase_alternatives``)."""
+        kinds = {t.kind for t in self.terms}
+        return {phase: max(value for value, _ in alts)
+                for phase, alts in _phase_alternatives(self.sum, kinds).items()}
 
     @property
     def total(self) -> int:
@@ -194,22 +188,49 @@ class ComposedBudget(BudgetTable):
 
     def binding(self) -> BoundTerm:
         """The term to name when the budget is missed: the largest host term if the host is over, else the
-        largest device term in the phase that sets the peak."""
+        largest device term in the sub-phase that sets the peak."""
         if not self.host_fits():
             return max((t for t in self.terms if t.kind == "host" and t.counted), key=lambda t: t.value)
-        s = self.sum
-        phases = self.phases()
-        peak = max(phases, key=phases.get)
-        if peak == "step":
-            phase = {"persistent", "step", "grad", "grad_embedding"}
-        elif peak == "embedding":
-            phase = {"persistent", "grad", "grad_embedding", "embedding_backward"}
-        elif peak in ("dense", "moe"):
-            phase = {"persistent", "transient", f"grad_{peak}", "layer"} | (
-                {"attention"} if s("attention") >= s("attention_saved") + s(peak) else {"attention_saved", peak})
-        else:
-            phase = {"persistent", "transient", "head", "grad_head"}
-        return max((t for t in self.terms if t.counted and t.kind in phase), key=lambda t: t.value)
+        kinds = {t.kind for t in self.terms}
+        alts = [alt for phase_alts in _phase_alternatives(self.sum, kinds).values() for alt in phase_alts]
+        _, phase = max(alts, key=lambda alt: alt[0])
+        return max((t for t in self.terms if t.counted and t.kind in phase | {"persistent"}), key=lambda t: t.value)
+
+
+def _phase_alternatives(s, kinds: set) -> dict:
+    """Each phase of a step as its sub-phases: [(bytes above the persistent state, the kinds it sums)].
+
+    ``s(kind)`` sums the terms of a kind (ints, or sympy expressions for total_formula).
+    A block phase is its forward (this block and the prefetched one gathered, the block's activations, no
+    gradients) or one of three backward sub-phases (the FFN's backward, the attention kernel's, the input
+    projections' after it), each with the gradients backward has produced by then (see _term_list).
+    """
+    def alt(*ks):
+        ks = [k for k in ks if k in kinds]
+        total = 0
+        for k in ks:
+            total = total + s(k)
+        return total, set(ks)
+
+    out = {"step": [alt("step", "grad", "grad_embedding")], "head": [alt("transient", "gather_prefetch", "head",
+                                                                        "grad_head")]}
+    if "embedding_backward" in kinds:
+        out["embedding"] = [alt("grad", "grad_embedding", "embedding_backward")]
+    for ffn in ("dense", "moe"):
+        if ffn not in kinds:
+            continue
+        grads = f"grad_{ffn}" if f"grad_{ffn}" in kinds else "grad"
+        prefetch_bwd = "gather_prefetch_first" if ffn == "dense" and "gather_prefetch_first" in kinds \
+            else "gather_prefetch"
+        base = ("transient", "gather_current", "layer")
+        out[ffn] = [
+            alt(*base, "gather_prefetch", "attention"),                                    # forward
+            alt(*base, "gather_prefetch", "attention_saved", ffn),                         # forward
+            alt(*base, prefetch_bwd, grads, "attention_saved", ffn, f"grads_ffn_{ffn}"),   # FFN backward
+            alt(*base, prefetch_bwd, grads, "attention", f"grads_attention_{ffn}"),        # attention kernel bwd
+            alt(*base, prefetch_bwd, grads, f"grads_tail_{ffn}"),                          # input projections bwd
+        ]
+    return out
 
 
 def symbol_values(shape: ModelShape, launch: Launch, *, host_budget: int | None = None) -> dict:
@@ -268,17 +289,23 @@ def _terms(shape: ModelShape, launch: Launch) -> tuple:
         else ""
     return _term_formulas(shape.dense_layers > 0, shape.moe_layers > 0, shape.shared_hidden > 0,
                           frozenset(launch.operators), launch.routing, launch.b < launch.b_acc, branch,
-                          shape.tied_embeddings, launch.grad_accumulation > 1)
+                          shape.tied_embeddings, launch.grad_accumulation > 1, _first_dense_only(shape))
+
+
+def _first_dense_only(shape: ModelShape) -> bool:
+    """The model's only dense block is its first (deepseek's debug model): nothing but the embedding precedes it."""
+    return shape.dense_layers == 1 and shape.leading_dense_params > 0
 
 
 @functools.lru_cache(maxsize=None)
 def _term_formulas(has_dense: bool, has_moe: bool, has_shared: bool, ops: frozenset, routing: str, mixed: bool,
-                   branch: str, tied: bool = False, accumulate: bool = False) -> tuple:
-    out = _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied, accumulate)
+                   branch: str, tied: bool = False, accumulate: bool = False, first_dense_only: bool = False) -> tuple:
+    out = _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied, accumulate, first_dense_only)
     return tuple((name, formula, kind, knob, _lambdify(formula)) for name, formula, kind, knob in out)
 
 
-def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied=False, accumulate=False) -> list:
+def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied=False, accumulate=False,
+               first_dense_only=False) -> list:
     N, H, E, E_p, k, I, I_f = sym.N, sym.H, sym.E, sym.E_p, sym.k, sym.I, sym.I_f
     b, b_acc, W, Theta = sym.b, sym.b_acc, sym.W, sym.Theta
     out = [("parameters (ZeRO-3 shard, Θ/W)", Theta * b, "persistent", "more ranks W (ZeRO-3 shards Θ/W)")]
@@ -328,9 +355,44 @@ def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied
     else:
         out.append(("optimizer state on device (AdamW master + moments)", adamw, "persistent",
                     "enable offload_adamw (moves it to the host)"))
-    gather = sympy.Min(1, W - 1) * (3 * sym.Theta_blk * b + (E / E_p) * 3 * I * H * b * int(has_moe))
-    out.append(("ZeRO-3 gathered block (current + prefetched + unsharded grads)", gather, "transient",
+    # ZeRO-3 (W > 1) under FSDP2, per block: the block's own gathered parameters; the unit FSDP2 prefetches (the
+    # block after it in forward, the block before it in backward with that block's experts, or, before the first
+    # block in backward, the embedding); and the block's unsharded gradients, which backward produces in order:
+    # the FFN's first (while the FFN runs backward only they exist), then the attention output projection's (at
+    # the attention kernel's backward: FFN's + wo's + the norm's), then the rest (the attention's input
+    # projections, after its kernel freed what it saved). Forward holds no gradients. The block's routed experts
+    # (gathered weights and unsharded gradients) are in the dispatch term while the FFN runs and added to the
+    # attention's sub-phases of a MoE block, which run while FSDP2 still holds them.
+    m = sympy.Min(1, W - 1)
+    experts = (E / E_p) * 3 * I * H * b * int(has_moe)
+    out.append(("ZeRO-3 gathered block (this block)", m * sym.Theta_blk * b, "gather_current",
                 "fewer parameters per block; not a launch knob"))
+    out.append(("ZeRO-3 prefetched unit (the next / previous block with its experts, or the embedding)",
+                m * sympy.Max(sym.Theta_blk * b + experts, sym.V * H * b), "gather_prefetch",
+                "fewer parameters per block; not a launch knob"))
+    if first_dense_only:
+        # the only dense block is block 0: in backward FSDP2 prefetches only the embedding before it
+        out.append(("ZeRO-3 prefetched unit in block 0's backward (the embedding)", m * sym.V * H * b,
+                    "gather_prefetch_first", "not a launch knob"))
+    wo = sym.A_q * sym.D_h * H + H  # output projection (+ bias), an upper bound: D_v <= D_h
+    q_io = N * sym.A_q * sym.D_h * b + 2 * N * sym.A_kv * sym.D_h * b  # q, k, v (or their gradients) on the rank
+    for ffn, present, ffn_params, own in (("dense", has_dense, 3 * I_f * H + H, 0),
+                                         ("moe", has_moe, 3 * sym.I_s * H * int(has_shared) + E * H + H,
+                                          2 * experts)):
+        if not present:
+            continue
+        out.append((f"unsharded gradients of a {ffn} block's FFN (while its FFN runs backward)",
+                    m * ffn_params * b, f"grads_ffn_{ffn}", "fewer parameters per block; not a launch knob"))
+        out.append((f"unsharded gradients of a {ffn} block at its attention kernel's backward (FFN + wo + norm)"
+                    + (", its experts gathered with their gradients" if own else ""),
+                    m * ((ffn_params + wo + H) * b + own), f"grads_attention_{ffn}",
+                    "fewer parameters per block; not a launch knob"))
+        # after the attention's backward: the q/k/v gradients it returned (and their copies before RoPE), the
+        # input projections' inputs and gradients, MLA's low-rank intermediates (measured at W = 2: the tail's
+        # activations are below one q_io; docs/plan.md)
+        out.append((f"a {ffn} block's last backward (all its unsharded gradients, q/k/v gradients, the "
+                    "projections' inputs)", m * (sym.Theta_blk * b + own + 2 * q_io + 3 * N * H * b),
+                    f"grads_tail_{ffn}", "fewer parameters per block; not a launch knob"))
     out.append(("checkpoint boundaries (device) + SCO prefetch window", sco.sco_device_bound(), "transient",
                 "enable sco / a larger host budget (offloads more boundaries), or a shorter context"))
     if "sco" in ops:
@@ -448,14 +510,7 @@ def total_formula(shape: ModelShape, launch: Launch, *, host_budget: int | None 
         expr = sympy.sympify(formula).subs(sym.N_max, sym.N).subs(values)
         parts[kind] = parts.get(kind, sympy.Integer(0)) + expr
     p = lambda kind: parts.get(kind, sympy.Integer(0))  # noqa: E731
-    phases = [p("step") + p("grad") + p("grad_embedding"), p("transient") + p("head") + p("grad_head")]
-    if "embedding_backward" in parts:
-        phases.append(p("grad") + p("grad_embedding") + p("embedding_backward"))
-    for ffn, present in (("dense", shape.dense_layers > 0), ("moe", shape.moe_layers > 0)):
-        if present:
-            grads = p(f"grad_{ffn}") if f"grad_{ffn}" in parts else p("grad")
-            phases.append(p("transient") + p("layer") + sympy.Max(p("attention"), p("attention_saved") + p(ffn))
-                          + grads)
+    phases = [value for alts in _phase_alternatives(p, set(parts)).values() for value, _ in alts]
     return p("persistent") + sympy.Max(*phases)
 
 

@@ -33,10 +33,10 @@ LAYERS = 3  # one dense + two MoE blocks
 ONE_RANK_CASES = [(1, 1024, 2048, "full logits"), (2, 512, 2048, "full logits"), (1, 2048, 2048, "full logits"),
                   (1, 1024, 32768, "full logits"), (1, 1024, 32768, "ring_dtp")]
 MOP_WORLD, MOP_EP, MOP_BATCH, MOP_SEQ, MOP_VOCAB = 2, 2, 2, 256, 2048
-# The MoP layout's prediction is 1.181x its measured peak (docs/plan.md: where the slack is, mostly the ZeRO-3
-# gathered block's allowance for unsharded gradients); the issue's 10% is met on one rank, not here: asserted at
-# the tightest ratio the terms defend (deterministic: live storages of a fixed schedule).
-MOP_TIGHTNESS = 1.20
+# The MoP layout on 2 gloo ranks: 1.086x its measured peak (1.074x on a run where gloo still held an exchange
+# pair: that timing only raises the measurement), after the ZeRO-3 terms follow FSDP2's order (docs/plan.md).
+# Other layouts measured once, not asserted here: W=2 E_p=1 1.106x, W=4 E_p=2 1.116-1.122x, W=4 E_p=4 1.106-1.124x.
+MOP_TIGHTNESS = 1.10
 
 
 def _trimmed_debug_model(vocab: int, seq: int):
