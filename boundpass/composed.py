@@ -12,10 +12,13 @@ loss head runs before (forward) or after (backward) any block's recomputation, n
     device peak = persistent + max(optimizer step + all gradients,
                                    all gradients + the embedding's ZeRO-3 backward (gathered weight, unsharded
                                                                                   gradient, reduce-scatter),
-                                   boundaries + gathered layer + max(dense layer + gradients live in a dense block,
-                                                                     MoE layer + gradients live in a MoE block,
-                                                                     head + gradient of the head))
-    layer       = block glue + max(attention, attention saved + max(dense FFN, shared experts + router + dispatch))
+                                   a dense block, a MoE block,
+                                   boundaries + prefetched unit + head + gradient of the head)
+    block       = boundaries + this block gathered (ZeRO-3) + block glue + max over its sub-phases: forward
+                  (prefetched unit, attention or attention saved + FFN, no gradients) and, in backward, with the
+                  gradients live then and the block's unsharded gradients produced so far: the FFN's backward,
+                  the attention kernel's, the input projections' (``_phase_alternatives``)
+    FFN         = dense FFN, or shared experts + router + dispatch
 
 Gradients appear as backward produces them (one step, zero_grad(set_to_none=True) before the next, torchtitan's
 default; with gradient accumulation they are persistent): while the head runs only its own gradient exists,
