@@ -146,23 +146,19 @@ def apply_pipelined_llep(model: torch.nn.Module, cap: int) -> list[str]:
     the same checks: a dispatcher or experts class other than torchtitan's plain SwiGLU ones (e.g. gpt_oss's
     biased experts, DeepEP) is refused, not reinterpreted. Returns the rewritten module paths.
     """
-    from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
-    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
+    from torchtitan.models.common.moe import RoutedExperts
+
+    from boundpass.passes.dispatch_pass import unsupported_reason
 
     paths = []
     for path, module in model.named_modules():
         if not isinstance(module, RoutedExperts):
             continue
-        if type(module.inner_experts) is not GroupedExperts:
-            raise BoundpassInputError(
-                f"MoP pipelined_llep: {path}.inner_experts is {type(module.inner_experts).__name__}, not torchtitan's "
-                "SwiGLU GroupedExperts (PipelinedLLEP computes silu(x w1) * (x w3) -> w2 without biases); run this "
-                "model's MoP layout with pipelined_llep=False (torchtitan's EP dispatcher)")
-        if type(module.token_dispatcher) not in (LocalTokenDispatcher, AllToAllTokenDispatcher):
-            raise BoundpassInputError(
-                f"MoP pipelined_llep: {path}.token_dispatcher is {type(module.token_dispatcher).__name__}; only "
-                "torchtitan's LocalTokenDispatcher / AllToAllTokenDispatcher are replaced (others move different "
-                "data); use pipelined_llep=False")
+        reason = unsupported_reason(module)
+        if reason:
+            raise BoundpassInputError(f"MoP pipelined_llep: {path}: {reason}; PipelinedLLEP reproduces only "
+                                      "torchtitan's bias-free SwiGLU experts behind its local / all-to-all "
+                                      "dispatcher: run this model's layout with pipelined_llep=False")
         module.forward = types.MethodType(_pipelined_routed_forward(cap), module)
         paths.append(path)
     return paths
@@ -214,11 +210,7 @@ def _shard_lm_head(head: torch.nn.Module, mesh) -> RingDTPHead:
     from torch.distributed.tensor import DTensor, Shard
 
     weight = head.weight
-    V, W = weight.shape[0], mesh.size()
-    if V % W:
-        raise BoundpassInputError(f"MoP ring_dtp: the vocabulary ({V}) must divide by the {W} ranks of the ring "
-                                  "(equal vocab shards); pad the vocabulary or use ring_dtp=False")
-    rows = V // W
+    rows = weight.shape[0] // mesh.size()  # prepare_mop refused a vocabulary the ring does not divide
     rank = mesh.get_local_rank()
     local = weight.detach()[rank * rows:(rank + 1) * rows].clone()  # meta stays meta: initialised later
     param = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
@@ -235,6 +227,10 @@ def prepare_mop(model: torch.nn.Module, dims, options: MoPOptions) -> MoPState:
     if options.ring_dtp:
         if getattr(model, "lm_head", None) is None:
             raise BoundpassInputError("MoP ring_dtp: the model has no lm_head to shard")
+        V, W = model.lm_head.weight.shape[0], dims.get_mesh("fsdp").size()
+        if V % W:
+            raise BoundpassInputError(f"MoP ring_dtp: the vocabulary ({V}) must divide by the {W} ranks of the ring "
+                                      "(equal vocab shards); pad the vocabulary or use ring_dtp=False")
         tok = getattr(model, "tok_embeddings", None)
         if tok is not None and tok.weight is model.lm_head.weight:
             raise BoundpassInputError("MoP ring_dtp: lm_head is tied to the token embedding; Ring-DTP shards the "

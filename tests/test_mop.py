@@ -242,5 +242,24 @@ def test_pipelined_llep_refuses_experts_it_does_not_compute():
     from boundpass.recipes.models import build_debug_moe
     from boundpass.recipes.mop import apply_pipelined_llep
     model = build_debug_moe("gpt_oss", vocab_size=VOCAB, seq_len=SEQ)
-    with pytest.raises(BoundpassInputError, match="GptOssGroupedExperts, not torchtitan's SwiGLU GroupedExperts"):
+    with pytest.raises(BoundpassInputError, match="experts GptOssGroupedExperts compute something other than torchtitan's SwiGLU"):
         apply_pipelined_llep(model, CAP)
+
+
+def test_ring_dtp_refuses_a_vocabulary_the_ring_does_not_divide_before_parallelizing():
+    from boundpass.errors import BoundpassInputError
+    from boundpass.recipes.models import build_debug_moe
+    from boundpass.recipes.mop import MoPOptions, prepare_mop
+
+    class _Mesh:  # prepare_mop reads only the ring's size before anything is wrapped or sharded
+        def size(self):
+            return 3
+
+    class _Dims:
+        def get_mesh(self, name):
+            return _Mesh()
+
+    model = build_debug_moe("deepseek_v3", vocab_size=VOCAB, seq_len=SEQ)  # 256 rows: 3 ranks do not divide them
+    with pytest.raises(BoundpassInputError, match=r"vocabulary \(256\) must divide by the 3 ranks"):
+        prepare_mop(model, _Dims(), MoPOptions(sequence_to_head=False, ring_dtp=True))
+    assert model.lm_head is not None  # refused before the head was taken out of the model

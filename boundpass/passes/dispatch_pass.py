@@ -206,7 +206,7 @@ def rewrite_dispatch_regions(gm: fx.GraphModule, root: torch.nn.Module) -> list[
     regions = []
     for parts in groups.values():
         graph_module, key, module, nodes = parts[0]
-        reason = _module_reason(module)
+        reason = unsupported_reason(module)
         if reason:
             regions.append(DispatchRegion(module_path=_pretty(key), rewritten=False, reason=reason))
             continue
@@ -221,8 +221,9 @@ def rewrite_dispatch_regions(gm: fx.GraphModule, root: torch.nn.Module) -> list[
     return regions
 
 
-def _module_reason(module) -> str:
-    """Why a RoutedExperts module's semantics are not the ones the op reproduces ('' when they are)."""
+def unsupported_reason(module) -> str:
+    """Why a RoutedExperts module's semantics are not the ones the op reproduces ('' when they are). Shared by
+    this pass (a reported skip) and the MoP layout's eager swap (recipes/mop.py: a refusal)."""
     from torchtitan.models.common.moe import GroupedExperts
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
     if module is None:
