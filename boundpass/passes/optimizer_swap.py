@@ -1,5 +1,6 @@
 """Optimizer pass: replace torch AdamW (or the AdamWs in a torchtitan OptimizersContainer) with OffloadStreamAdamW
-when the budget needs it or the user asks, migrating existing state, and budget the optimizer's terms.
+when the budget needs it or the user asks, migrating existing state, and budget the optimizer's terms: any
+optimizer kept on the device is measured by fake steps (boundpass.optimizer_phase), state and step workspace.
 
 This is not a graph rewrite: the optimizer step runs outside every captured graph (torchtitan never compiles
 it, and a compiled `opt.step` holds its state as graph constants that cannot move to the host). The decision
@@ -9,11 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 
 from boundpass import symbols as sym
 from boundpass.bounds import BoundTerm
 from boundpass.errors import BoundpassError, BoundpassInputError
+from boundpass.optimizer_phase import OptimizerPhase, optimizer_phase
 from boundpass.runtime import offload_adamw as oa
 from boundpass.units import format_bytes
 
@@ -67,22 +70,23 @@ def plan_optimizer(optimizer, *, budget: int, persistent: int, offload="auto", b
     if isinstance(optimizer, oa.OffloadStreamAdamW):
         return _offloaded_plan(optimizer, [optimizer], "already OffloadStreamAdamW", host_budget)
     adamws = _adamws(optimizer)
-    if adamws is None:
-        if offload is True:
-            raise BoundpassInputError(f"offload_optimizer=True needs torch.optim.AdamW or a torchtitan "
-                                      f"OptimizersContainer of AdamW; got {type(optimizer).__name__}")
-        return OptimizerPlan(optimizer, False, f"{type(optimizer).__name__} is not AdamW: its state is not budgeted",
-                             terms=[])
-    theta, b = _state_elements(adamws)
-    on_device = theta * 2 * b  # torch AdamW keeps exp_avg and exp_avg_sq in the parameter dtype
-    moments = BoundTerm("optimizer state (AdamW moments on device)", 2 * sym.Theta * sym.b, on_device,
-                        kind="persistent", knob="")
-    saves = format_bytes(on_device)
-    needed = persistent + on_device > budget
-    if offload is False or (offload == "auto" and not needed):
-        moments.knob = f"boundpass.compile(..., offload_optimizer=True) moves it to the host (saves {saves})"
+    if adamws is None and offload is True:
+        raise BoundpassInputError(f"offload_optimizer=True needs torch.optim.AdamW or a torchtitan "
+                                  f"OptimizersContainer of AdamW; got {type(optimizer).__name__}")
+    on_device = 0
+    if offload is not True:  # what keeping it costs, measured by fake steps: state + step workspace, bytes
+        phase = optimizer_phase(optimizer)
+        kept = _kept_terms(phase)
+        if adamws is None:
+            return OptimizerPlan(optimizer, False, f"{phase.name} kept on device (OffloadStreamAdamW takes only "
+                                 f"AdamW): state and step workspace measured by a fake step", terms=kept)
+        on_device = phase.state_bytes + phase.step_peak_bytes
+    theta = _state_elements(adamws)[0]
+    if offload is False or (offload == "auto" and persistent + on_device <= budget):
+        kept[0].knob = (f"boundpass.compile(..., offload_optimizer=True) moves it to the host "
+                        f"(saves {format_bytes(phase.state_bytes)})")
         reason = "kept on device (asked)" if offload is False else "kept on device: it fits the budget"
-        return OptimizerPlan(optimizer, False, reason, terms=[moments])
+        return OptimizerPlan(optimizer, False, reason, terms=kept)
     room = max(budget - persistent, 0) // (4 * 4)  # fp32 elements x 4 buffers per slot that fit what is left
     if slots is None:
         slots = DEFAULT_SLOTS if room >= DEFAULT_SLOTS * min(theta, MIN_OVERLAP_BUCKET) else 1
@@ -97,8 +101,19 @@ def plan_optimizer(optimizer, *, budget: int, persistent: int, offload="auto", b
         _refuse_stale_steps(optimizer)
         inner = [migrated]
     reason = "offloaded (asked)" if offload is True else (
-        f"offloaded: parameters + gradients + AdamW moments ({format_bytes(persistent + on_device)}) exceed the budget")
+        f"offloaded: parameters + gradients + AdamW state and step workspace ({format_bytes(persistent + on_device)}) "
+        f"exceed the budget")
     return _offloaded_plan(migrated, inner, reason, host_budget)
+
+
+def _kept_terms(phase: OptimizerPhase) -> list[BoundTerm]:
+    """The device terms of an optimizer kept on the device: its state and its step() workspace (bytes)."""
+    knob = "an optimizer with less state, or shard parameters over more ranks (FSDP2 / ZeRO-3)"
+    return [BoundTerm(f"optimizer state ({phase.name}: {phase.describe()})", sympy.Integer(phase.state_bytes),
+                      phase.state_bytes, kind="persistent", knob=knob),
+            BoundTerm(f"optimizer step workspace ({phase.name})", sympy.Integer(phase.step_peak_bytes),
+                      phase.step_peak_bytes, kind="step",
+                      knob="fused=True (no foreach temporaries) or foreach=False (per-tensor temporaries)")]
 
 
 def _offloaded_plan(optimizer, inner, reason: str, host_budget: int | None) -> OptimizerPlan:
