@@ -1,29 +1,32 @@
 """`boundpass.compile`: capture model + loss with torch.compile, rewrite bounded regions, check the budget first.
 
-Pipeline (DESIGN.md): Dynamo graph -> match + rewrite (passes/) -> sympy bounds -> budget check (raise
-before any real compute) -> aot_autograd -> eager kernels ("aot_eager") or Inductor ("inductor").
+Pipeline (DESIGN.md): Dynamo graph -> find + match + replace (passes/) -> aot_autograd partition -> the step's
+peak from the forward and backward graphs (step_peak.py) -> the planner chooses the knobs against it and checks
+the budget (planner.py; raises before any real compute) -> eager kernels ("aot_eager") or Inductor ("inductor").
 """
 from __future__ import annotations
+
+import uuid
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import sympy
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from boundpass import symbols as sym
-from boundpass.bounds import BoundTerm, BudgetTable, largest_fitting, raise_infeasible
+from boundpass.bounds import BoundTerm, BudgetTable, raise_infeasible
 from boundpass.errors import BoundpassError, BoundpassInputError
 from boundpass.explain import ExplainReport
 from boundpass.passes import sco_pass
 from boundpass.passes.dispatch_pass import rewrite_dispatch_regions
 from boundpass.passes.optimizer_swap import plan_optimizer
 from boundpass.passes.vocab_pass import VocabRewriteConfig, rewrite_vocab_regions
-from boundpass.runtime.pipelined_llep import bound_values as dispatch_bound_values
-from boundpass.runtime.pipelined_llep import pipelined_llep_bound, standard_ep_bound
+from boundpass.planner import Knob, StepPlanner, infeasible, set_op_arg
 from boundpass.runtime import ring_dtp
-from boundpass.units import parse_bytes
+from boundpass.step_peak import analyze_graphs
+from boundpass.units import format_bytes, parse_bytes
 
 INNER_COMPILERS = ("aot_eager", "inductor")
 MIN_VOCAB_BLOCK = 128  # narrower strips only add per-strip overhead; below this, change P or N instead
@@ -52,7 +55,10 @@ class BoundedModule(nn.Module):
         self.vocab_block = vocab_block
         self.max_tokens_per_rank = max_tokens_per_rank
         self.inner = inner
+        self.fullgraph = fullgraph
         self.reports: list[ExplainReport] = []
+        self.certificates: list = []            # planner.StepCertificate per compiled graph
+        self.saved_of_earlier_graphs: list[int] = []  # graph breaks: what each graph's forward leaves for backward
         self._compiled = torch.compile(self._step, backend=self._backend, fullgraph=fullgraph, dynamic=dynamic)
 
     def _step(self, inputs, labels=None, *loss_args, **model_kwargs):
@@ -63,6 +69,8 @@ class BoundedModule(nn.Module):
 
     def forward(self, inputs, labels=None, *loss_args, **model_kwargs):
         # suppress_errors=True would make Dynamo swallow a budget error and run eagerly: force errors through.
+        if self.certificates and self._grads_held():
+            self.check_accumulation()
         with torch._dynamo.config.patch(suppress_errors=False):
             try:
                 return self._compiled(inputs, labels, *loss_args, **model_kwargs)
@@ -81,211 +89,229 @@ class BoundedModule(nn.Module):
             ring_size, ring_rank = dist.get_world_size(self.ring_group), dist.get_rank(self.ring_group)
             group_name = ring_dtp.group_name_of(self.ring_group)
         config = VocabRewriteConfig(group_name=group_name, ring_size=ring_size, ring_rank=ring_rank)
-        # the pass rewrites every eligible region; the bounds below then fix each op's strip width and branch
+        # passes: find -> match -> replace; the knobs they leave open (C, c, L_off) are the planner's
         regions = rewrite_vocab_regions(gm, config)
         report.regions.extend(regions)
         dispatch_regions = rewrite_dispatch_regions(gm, self) if self.dispatch else []
         report.regions.extend(dispatch_regions)
-        table = report.table = BudgetTable(budget=self.budget, host_budget=self.host_budget)
-        table.terms.extend(self.state_terms)
         report.optimizer = self.optimizer_plan
         report.composed = self.composed_table
-        # SCO first: its boundary term is fixed by the host budget, the vocab strip then fits what is left
-        sco_plan = report.sco = sco_pass.plan_sco(gm, self.sco, table=table, budget=self.budget,
-                                                   host_budget=self.host_budget)
+        knobs = self._vocab_knobs(regions, ring_size) + self._dispatch_knobs(dispatch_regions)
+        optimizer_host = sum(t.value for t in self.state_terms if t.counted and t.kind == "host")
+        host_pool = None if self.host_budget is None else max(self.host_budget - optimizer_host, 0)
+        sco_plan = report.sco = sco_pass.find_sco(gm, self.sco, host_pool=host_pool)
         self.sco_plans.append(sco_plan)
-        partitioner = sco_pass.partition_fn(sco_plan, self.inner)
-        # Dispatch and vocab share what state and SCO leave: the vocab strip may take at most half of that
-        # slack while a dispatch term exists (which keeps its minimum c=1 reserved meanwhile), then the
-        # dispatch cap c takes the widest that fits the rest.
-        dispatch = self._dispatch_bound([r for r in dispatch_regions if r.rewritten], table)
-        for region in regions:
-            if region.rewritten:
-                self._bound_vocab_region(gm, region, table, ring_size,
-                                         share=dispatch.vocab_share if dispatch is not None else None)
-        if dispatch is not None:
-            self._choose_dispatch_cap(dispatch, table)
         gm.recompile()
-        report.graph_code = gm.print_readable(print_output=False)
+        partitioner = _PlanningPartitioner(self, report, knobs, sco_plan)
+        with torch._functorch.config.patch(enable_autograd_cache=False):  # a cache hit would skip the planner
+            if self.inner == "inductor":
+                from torch._inductor.compile_fx import compile_fx
+                plan_fn = _InductorPartitioner(partitioner)
+                return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": plan_fn})
 
-        def record(graph, is_backward: bool) -> None:
-            code = graph.print_readable(print_output=False)
-            if is_backward:
-                report.backward_code, report.backward_graph = code, graph
-            else:
-                report.forward_code, report.forward_graph = code, graph
+            def eager(graph, inputs):
+                return sco_pass.eager_callable(graph)  # boxed: saved tensors die at their last use
+            # aot_autograd is required even for eager kernels: torchtitan's MoE mutates a buffer in forward.
+            return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partitioner)(gm, example_inputs)
 
-        if self.inner == "inductor":
-            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    def _vocab_knobs(self, regions, ring_size: int) -> list[Knob]:
+        """Set each vocab op's branch from N_max (a launch fact) and open its strip width C for the planner."""
+        rewritten = [r for r in regions if r.rewritten]
+        if not rewritten:
+            return []
+        hi = 0
+        for region in rewritten:
+            tokens_here = _concrete(_as_expr(region.tokens), _shape_env(region.op_node))
+            max_tokens = self.max_tokens_per_rank or tokens_here
+            if max_tokens < tokens_here:
+                raise BoundpassInputError(f"max_tokens_per_rank={max_tokens} but this rank holds {tokens_here} tokens "
+                                          f"at the vocab projection ({region.module_path})")
+            region.branch = ring_dtp.choose_branch(max_tokens, region.vocab, ring_size)
+            set_op_arg(region.op_node, "branch", region.branch)
+            hi = max(hi, -(-region.vocab // ring_size))
+        return [Knob("vocab_block", sym.C, lo=min(MIN_VOCAB_BLOCK, hi), hi=hi, arg="block",
+                     ops=(torch.ops.boundpass.ring_dtp_fwd.default, torch.ops.boundpass.ring_dtp_bwd.default),
+                     user=self.vocab_block, regions=rewritten)]
 
-            def inner_compile(graph, inputs, **kwargs):
-                record(graph, kwargs.get("is_backward", False))
-                return compile_fx_inner(graph, inputs, **kwargs)
-            # Inductor runs its own aot_autograd with its decompositions; our op stays one opaque extern call.
-            patches = {} if partitioner is None else {"custom_partitioner_fn": partitioner}
-            return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+    def _dispatch_knobs(self, regions) -> list[Knob]:
+        """Open the chunk cap c of every PipelinedLLEP op for the planner (one cap: layers run one at a time)."""
+        rewritten = [r for r in regions if r.rewritten]
+        if not rewritten:
+            return []
+        tokens = max(_concrete(_as_expr(r.tokens), _shape_env(r.op_node)) for r in rewritten)
+        tokens = max(self.max_tokens_per_rank or 0, tokens)
+        return [Knob("dispatch_cap", sym.c, lo=1, hi=tokens, arg="cap",
+                     ops=(torch.ops.boundpass.pipelined_llep_fwd.default, torch.ops.boundpass.pipelined_llep_bwd.default),
+                     user=self.dispatch_cap, regions=rewritten)]
 
-        def eager_compiler(is_backward):
-            def compile_graph(graph, inputs):
-                record(graph, is_backward)
-                return sco_pass.eager_callable(graph)  # make_boxed_func, or boxed codegen after SCO
-            return compile_graph
+    def _grads_held(self) -> bool:
+        return any(p.grad is not None for p in self.model.parameters())
 
-        # aot_autograd is required even for eager kernels: torchtitan's MoE mutates a buffer in forward.
-        extra = {} if partitioner is None else {"partition_fn": partitioner}
-        return aot_autograd(fw_compiler=eager_compiler(False), bw_compiler=eager_compiler(True),
-                            **extra)(gm, example_inputs)
+    def check_accumulation(self) -> None:
+        """Gradients from an earlier backward are held through this step: its peak must still fit."""
+        for cert in self.certificates:
+            if cert.accumulation_total > self.budget:
+                grads = sum(t.value for t in self.state_terms if t.name == "gradients")
+                cert.table.terms.append(BoundTerm("gradients held from the previous backward (accumulation)",
+                                                  sym.Theta * sym.b, grads, kind="transient", knob=""))
+                infeasible(cert, knob="zero the gradients (optimizer.zero_grad(set_to_none=True)) before this step, "
+                           "or compile for accumulation with a larger budget / fewer tokens per micro-batch",
+                           detail=f"gradient accumulation: the {format_bytes(grads)} of gradients an earlier "
+                                  f"backward left are held through this step: {format_bytes(cert.accumulation_total)}")
 
-    def _dispatch_bound(self, regions, table: BudgetTable):
-        """Add the dispatch term at its minimum (c = 1) and the standard schedule it replaces; None: no region.
 
-        Layers run their dispatch one at a time and free it before the next, so one term covers all of them:
-        the regions of one graph share T, H, I, E, k and E_p (checked).
-        """
-        if not regions:
-            return None
-        first = regions[0]
-        shapes = {(str(r.tokens), r.hidden, r.inter, r.experts, r.top_k, r.ep_size, r.dtype, r.compute_dtype)
-                  for r in regions}
-        if len(shapes) != 1:
-            raise BoundpassInputError(f"MoE layers of one graph differ in dispatch shape {sorted(shapes)}; "
-                                      "boundpass bounds one dispatch term per graph")
-        shape_env = _shape_env(first.op_node)
-        tokens_here = _concrete(_as_expr(first.tokens), shape_env)
-        tokens = max(self.max_tokens_per_rank or 0, tokens_here)
-        values = dispatch_bound_values(first.dtype, N=tokens, H=first.hidden, I=first.inter, E=first.experts,
-                                      E_p=first.ep_size, k=first.top_k, s_b=first.local_experts)
-        values.pop(sym.c)
-        values.pop(sym.R)
-        mixed = torch.promote_types(first.dtype, torch.float32) != first.dtype
-        fixed = {s: values[s] for s in (sym.E, sym.E_p, sym.k, sym.s_b, sym.b, sym.b_acc, sym.b_idx)}
-        formula = pipelined_llep_bound(mixed_precision=mixed, narrow_compute=first.compute_dtype != first.dtype,
-                                               count_own_weights=False).subs(fixed)
-        where = f"{first.module_path} (+{len(regions) - 1} more MoE layers, one at a time)" if len(regions) > 1 \
-            else first.module_path
-        term = BoundTerm(_dispatch_term_name(first), formula, sym.evaluate(formula, {**values, sym.c: 1}),
-                         where=where, knob="")
-        table.terms.append(term)
-        worst = {**values, sym.R: first.ep_size * tokens * first.top_k, sym.c: 1}  # every route to this rank
-        ref = standard_ep_bound().subs(fixed)
-        table.terms.append(BoundTerm("dispatch, standard EP at worst-case routing (replaced)", ref,
-                                     sym.evaluate(ref, worst), counted=False, where=where,
-                                     knob="boundpass rewrites it"))
-        persistent, transient = (table.sum(kind) for kind in ("persistent", "transient"))
-        return _DispatchBound(regions, formula, values, tokens, term,
-                              vocab_share=max(0, (self.budget - persistent - transient) // 2))
+class _PlanningPartitioner:
+    """AOTAutograd's partition step with the planner inside it: partition, (SCO rewrite), analyse, choose, check.
 
-    def _choose_dispatch_cap(self, dispatch: "_DispatchBound", table: BudgetTable) -> None:
-        """Set c on every dispatch op: the user's, or the widest whose term fits what the table leaves."""
-        term, tokens = dispatch.term, dispatch.tokens
-        table.terms.remove(term)
-        persistent, transient, step = (table.sum(kind) for kind in ("persistent", "transient", "step"))
+    Runs before any graph is lowered or executed, so an infeasible budget raises before any real compute.
+    """
 
-        def fits(cap: int) -> bool:
-            return persistent + max(transient + dispatch.cost(cap), step) <= self.budget
+    def __init__(self, owner: "BoundedModule", report: ExplainReport, knobs: list[Knob], sco_plan):
+        self.owner, self.report, self.knobs, self.sco_plan = owner, report, knobs, sco_plan
 
-        if self.dispatch_cap is not None:
-            cap = min(self.dispatch_cap, tokens)
+    def __call__(self, joint: torch.fx.GraphModule, joint_inputs, **kwargs):
+        from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+        owner, plan = self.owner, self.sco_plan
+        base = min_cut_rematerialization_partition if owner.inner == "inductor" else default_partition
+        static = set(kwargs.get("static_lifetime_input_indices") or ())
+        outputs = kwargs["num_fwd_outputs"]
+        ctx = {"max_tokens_per_rank": owner.max_tokens_per_rank}
+
+        def attempt(count: int):
+            fw, bw = base(joint, joint_inputs, **kwargs)
+            held = []
+            if plan.eligible:
+                sco_pass.apply_count(plan, count)
+                if count:
+                    if owner.inner == "inductor":
+                        plan.runtime.offload_waits = True  # see CompiledSCO.offload_waits
+                    sco_pass.rewrite_partitioned(plan, joint, fw, bw, outputs)
+                    held = sco_pass.held_intervals(plan, bw)
+            return fw, bw, analyze_graphs(fw, bw, static_inputs=static, num_user_outputs=outputs, held=held, ctx=ctx)
+
+        shape_env = _graph_shape_env(joint)
+        backed = dict(shape_env.backed_var_to_val) if shape_env is not None else {}
+        # fullgraph: one graph per step (a recompile replaces it). Otherwise the graphs of one step run forward
+        # in order and backward in reverse, so what earlier graphs saved is live here: counted, conservatively
+        # for every graph compiled before (a recompile is counted as if it were another piece of the step).
+        carry = 0 if owner.fullgraph else sum(owner.saved_of_earlier_graphs)
+        planner = StepPlanner(budget=owner.budget, host_budget=owner.host_budget, state_terms=owner.state_terms,
+                              knobs=self.knobs, symbol_values=backed, carry=carry)
+        count = 0 if plan.mode != True else plan.most  # noqa: E712 (sco may be the string "auto")
+        fw, bw, peak = attempt(count)
+        if plan.mode == "auto" and plan.most and not planner.fits(peak, planner.values()):
+            lo, hi, best = 1, plan.most, None
+            while lo <= hi:  # the fewest boundaries that make the narrowest schedule fit (monotone in L_off)
+                mid = (lo + hi) // 2
+                _, _, trial = attempt(mid)
+                if planner.fits(trial, planner.values()):
+                    best, hi = mid, mid - 1
+                else:
+                    lo = mid + 1
+            count = best if best is not None else plan.most
+            fw, bw, peak = attempt(count)
+        values = planner.choose(peak)
+        extra = [sco_pass.host_term(plan)] if plan.offloaded else []
+        cert = planner.certify(peak, values, extra_terms=extra, sco_count=plan.offloaded)
+        self.report.table, self.report.certificate = cert.table, cert
+        owner.certificates.append(cert)
+        for knob in self.knobs:  # the planner writes its choice into every graph by argument name
+            for graph in (fw.graph, bw.graph):
+                for node in graph.nodes:
+                    if node.op == "call_function" and node.target in knob.ops:
+                        set_op_arg(node, knob.arg, knob.value)
+            for region in knob.regions:
+                set_op_arg(region.op_node, knob.arg, knob.value)
+                setattr(region, knob.attr, knob.value)
+        for gm in (fw, bw):
+            gm.recompile()
+        self.report.forward_code = fw.print_readable(print_output=False)
+        self.report.backward_code = bw.print_readable(print_output=False)
+        self.report.forward_graph, self.report.backward_graph = fw, bw
+        if not cert.table.host_fits():
+            raise_infeasible(cert.table, max((t for t in cert.table.terms if t.kind == "host"), key=lambda t: t.value))
+        if not cert.table.fits():
+            _raise_step_infeasible(owner, cert, self.knobs, plan)
+        if shape_env is not None:  # a dynamic N must not grow past what was checked: guard on the budget
+            total = planner._sum("persistent") + sympy.Max(carry + peak.peak_expr().xreplace(
+                {k.symbol: k.value for k in self.knobs}), planner._sum("step"))
+            if total.free_symbols:
+                shape_env.evaluate_expr(sympy.Le(total, owner.budget))
+        owner.saved_of_earlier_graphs.append(_int_or_hint(peak.saved_bytes, backed))
+        return fw, bw
+
+
+class _InductorPartitioner(CustomPartitionerFn):
+    """Inductor's custom_partitioner_fn around the planning partitioner (its uuid keeps caches apart)."""
+
+    def __init__(self, inner: _PlanningPartitioner):
+        self.inner = inner
+        self._uuid = f"boundpass-plan-{uuid.uuid4().hex}"
+
+    def __call__(self, joint, joint_inputs, **kwargs):
+        return self.inner(joint, joint_inputs, **kwargs)
+
+    def uuid(self):
+        return self._uuid
+
+    def __deepcopy__(self, memo):  # Inductor copies its config for the cache key; the planner is shared
+        return self
+
+
+def _graph_shape_env(gm):
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        mode = getattr(val, "fake_mode", None)
+        if mode is not None:
+            return mode.shape_env
+    return None
+
+
+def _int_or_hint(expr, backed: dict) -> int:
+    out = sympy.sympify(expr).xreplace(backed)
+    return int(out) if out.is_number else 0
+
+
+def _raise_step_infeasible(owner: "BoundedModule", cert, knobs: list[Knob], plan) -> None:
+    """Name the knob that would help most at the peak's program point (never one that cannot help)."""
+    table, point = cert.table, cert.point
+    budget = owner.budget
+    persistent, step = table.sum("persistent"), table.sum("step")
+    if persistent + step > budget or persistent > budget:
+        binding = _binding_state_term(table, budget)
+        infeasible(cert, knob=binding.knob, binding=binding,
+                   detail="parameters, gradients and the optimizer alone exceed the budget")
+    target = point.target if point is not None else ""
+    for knob in knobs:
+        at_op = any(target == str(op) for op in knob.ops)
+        if not at_op:
+            continue
+        if knob.user is not None and knob.user > knob.lo:
+            infeasible(cert, knob=f"use {knob.name} <= {knob.lo} (now {knob.user}) or raise the budget")
+        if knob.name == "vocab_block":
+            infeasible(cert, knob="increase the ring size P (boundpass.compile(..., ring_group=<group of more ranks>)) "
+                       f"or reduce tokens per rank N; the narrowest strip C={knob.lo} does not fit",
+                       detail=f"at C={knob.value}")
+        infeasible(cert, knob="reduce tokens per rank N or raise the budget: even c=1 token per source per chunk "
+                   "does not fit beside the rest of the step (more EP ranks shrink the experts each rank holds)",
+                   detail=f"at c={knob.value}")
+    saved = sum(n for s, n in cert.peak.live_at(point, cert.values, top=10**6) if s.kind == "saved") if point else 0
+    if plan.eligible and plan.offloaded < len(plan.eligible) and saved:
+        if plan.mode is False:
+            knob = "boundpass.compile(..., sco=True, host_budget=<host bytes>) offloads checkpoint boundaries"
+        elif plan.offloaded < plan.most:
+            knob = "boundpass.compile(..., sco=True) offloads every boundary the host pool holds"
         else:
-            cap = largest_fitting(1, tokens, fits) or 1
-        term.value = dispatch.cost(cap)
-        table.terms.append(term)
-        term.knob = "boundpass.compile(..., dispatch_cap=c), more EP ranks, or fewer tokens per rank"
-        if not table.fits():
-            best = largest_fitting(1, tokens, fits)
-            if self.dispatch_cap is not None and best is not None:
-                term.knob = f"use dispatch_cap <= {best} (now {cap})"
-            else:
-                term.knob = (f"reduce tokens per rank N (now {tokens}) or raise the budget: even c=1 token per source "
-                             f"per chunk does not fit beside the other terms")
-            raise_infeasible(table, term, detail=f"at c={cap}, N={tokens}")
-        for region in dispatch.regions:
-            region.op_node.update_arg(7, cap)
-            region.cap = cap
-
-    def _bound_vocab_region(self, gm, region, table: BudgetTable, ring_size: int, share: int | None = None) -> None:
-        """Choose the strip width C (and branch) for one region so the budget holds, or raise.
-
-        share: bytes the vocab term may take at most while a dispatch term still waits for its cap (None: no limit;
-        the narrowest strip is always allowed, so the budget check, not the share, decides feasibility).
-        """
-        tokens = _as_expr(region.tokens)
-        shape_env = _shape_env(region.op_node)
-        tokens_here = _concrete(tokens, shape_env)
-        max_tokens = self.max_tokens_per_rank or tokens_here
-        if max_tokens < tokens_here:
-            raise BoundpassInputError(f"max_tokens_per_rank={max_tokens} but this rank holds {tokens_here} tokens "
-                                      f"at the vocab projection ({region.module_path})")
-        branch = ring_dtp.choose_branch(max_tokens, region.vocab, ring_size)
-        mixed = torch.promote_types(region.dtype, torch.float32) != region.dtype
-        values = ring_dtp.bound_values(region.dtype, N=tokens_here, H=region.hidden, V=region.vocab, P=ring_size,
-                                       N_max=max_tokens)
-        values.pop(sym.C)
-        # P and the element sizes are fixed by this launch: fold them in so the formula reads in N, H, V, C.
-        fixed = {s: values[s] for s in (sym.P, sym.b, sym.b_acc, sym.b_idx)}
-        formula = ring_dtp.ring_dtp_bound(branch, mixed_precision=mixed, count_weight_shard=False).subs(fixed)
-        shard_rows = -(-region.vocab // ring_size)
-        # the vocab term is a forward/backward transient: it adds to the other transients, and the device
-        # peak is persistent + max(transients, optimizer step)
-        persistent, transient, step = (table.sum(kind) for kind in ("persistent", "transient", "step"))
-
-        def cost(block: int) -> int:
-            return sym.evaluate(formula, {**values, sym.C: block})
-
-
-        def fits(block: int) -> bool:
-            within_share = share is None or cost(block) <= share or block == min(MIN_VOCAB_BLOCK, shard_rows)
-            return within_share and persistent + max(transient + cost(block), step) <= self.budget
-
-        name = f"vocab (Ring-DTP, {branch}, P={ring_size})"
-        if self.vocab_block is not None:
-            block = min(self.vocab_block, shard_rows)
-        else:
-            block = largest_fitting(min(MIN_VOCAB_BLOCK, shard_rows), shard_rows, fits) \
-                or min(MIN_VOCAB_BLOCK, shard_rows)
-        term = BoundTerm(name, formula, cost(block), where=region.module_path, knob="")
-        table.terms.append(term)
-        ref_formula = ring_dtp.reference_bound(mixed_precision=mixed).subs(fixed)
-        table.terms.append(BoundTerm("vocab, standard schedule (replaced)", ref_formula,
-                                     sym.evaluate(ref_formula, {**values, sym.C: block}), counted=False,
-                                     where=region.module_path, knob="boundpass rewrites it"))
-        if not table.fits():
-            best = largest_fitting(1, shard_rows, fits)
-            if self.vocab_block is not None and best is not None:
-                term.knob = f"use vocab_block <= {best} (now {block})"
-            else:
-                term.knob = (f"increase the ring size P (boundpass.compile(..., ring_group=<group of more ranks>)) or "
-                             f"reduce tokens per rank N (now {tokens_here}); the narrowest strip C={block} does not fit")
-            if persistent + step > self.budget or persistent + transient > self.budget:
-                raise_infeasible(table, _binding_state_term(table, self.budget))
-            raise_infeasible(table, term, detail=f"at C={block}, N={tokens_here}, N_max={max_tokens}")
-        # A dynamic N must not grow past what was checked: guard the graph on the budget inequality.
-        # Without a declared max_tokens_per_rank, N_max is this rank's N, and grows with it.
-        symbolic = {**values, sym.C: block, sym.N: tokens}
-        if self.max_tokens_per_rank is None:
-            symbolic[sym.N_max] = tokens
-        total_expr = persistent + sympy.Max(transient + formula.subs(symbolic), step)
-        if shape_env is not None and total_expr.free_symbols:
-            shape_env.evaluate_expr(sympy.Le(total_expr, self.budget))
-        term.knob = "boundpass.compile(..., vocab_block=C) or a larger ring (ring_group)"
-        region.op_node.update_arg(5, block)
-        region.op_node.update_arg(7, branch)
-        region.block, region.branch = block, branch
-
-
-class _DispatchBound:
-    """The dispatch term of a graph while its cap c is being chosen."""
-
-    def __init__(self, regions, formula, values, tokens, term, vocab_share):
-        self.regions, self.formula, self.values, self.tokens, self.term = regions, formula, values, tokens, term
-        self.vocab_share = vocab_share  # the most the vocab term may take meanwhile (half the slack)
-
-    def cost(self, cap: int) -> int:
-        return sym.evaluate(self.formula, {**self.values, sym.c: cap})
-
-
-def _dispatch_term_name(region) -> str:
-    return f"dispatch (PipelinedLLEP, E_p={region.ep_size}, k={region.top_k})"
+            knob = (f"boundpass.compile(..., host_budget=<larger>): the host pool holds {plan.most} of "
+                    f"{len(plan.eligible)} checkpoint boundaries")
+        infeasible(cert, knob=knob)
+    opt = owner.optimizer_plan
+    if opt is not None and not opt.offloaded and any(t.name.startswith("optimizer state") for t in table.terms):
+        state = sum(t.value for t in table.terms if t.name.startswith("optimizer state") and t.counted)
+        if table.total - state <= budget:
+            infeasible(cert, knob="boundpass.compile(..., offload_optimizer=True) moves the optimizer state to the host")
+    hint = "" if plan.regions or saved == 0 else " or checkpoint activations (e.g. torchtitan FullAC) and let SCO offload"
+    infeasible(cert, knob=f"reduce tokens per rank (micro-batch x sequence length){hint}, or raise the budget")
 
 
 def _binding_state_term(table: BudgetTable, budget: int) -> BoundTerm:
@@ -303,13 +329,20 @@ def _state_terms(model: nn.Module, optimizer, *, budget: int, host_budget, offlo
     params = [(getattr(p, "_local_tensor", p), p.requires_grad) for p in model.parameters()]
     param_bytes = sum(t.numel() * t.element_size() for t, _ in params)
     grad_bytes = sum(t.numel() * t.element_size() for t, trained in params if trained)
+    buffers = [getattr(t, "_local_tensor", t) for t in model.buffers()]
+    buffer_bytes = sum(t.numel() * t.element_size() for t in buffers)
+    # gradients live from the backward that writes them to the optimizer step (zero_grad(set_to_none=True)):
+    # inside backward the graph analysis counts them as they are produced; here they join the optimizer phase
     terms = [BoundTerm("parameters", sym.Theta * sym.b, param_bytes, kind="persistent",
                        knob="shard parameters over more ranks (FSDP2 / ZeRO-3) or raise the budget"),
-             BoundTerm("gradients", sym.Theta * sym.b, grad_bytes, kind="persistent",
+             BoundTerm("gradients", sym.Theta * sym.b, grad_bytes, kind="step",
                        knob="shard gradients over more ranks (FSDP2 / ZeRO-3) or raise the budget")]
+    if buffer_bytes:
+        terms.append(BoundTerm("buffers", sympy.Integer(buffer_bytes), buffer_bytes, kind="persistent",
+                               knob="shard the model over more ranks or raise the budget"))
     plan = None
     if optimizer is not None:
-        plan = plan_optimizer(optimizer, budget=budget, persistent=param_bytes + grad_bytes, offload=offload,
+        plan = plan_optimizer(optimizer, budget=budget, persistent=param_bytes + grad_bytes + buffer_bytes, offload=offload,
                               bucket=bucket, slots=slots, host_budget=host_budget)
         terms += plan.terms
     table = BudgetTable(budget=budget, terms=terms, host_budget=host_budget)

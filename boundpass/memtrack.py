@@ -85,11 +85,17 @@ class LiveStorageTracker(TorchDispatchMode):
     Works in either nesting order with FakeTensorMode (an infra mode, always dispatched below this one).
     Storages are keyed by StorageImpl identity (``UntypedStorage._cdata``; fake data pointers are all 0);
     a ``weakref.finalize`` on the storage subtracts them when the last tensor using them dies. Allocations
-    made inside a custom op's kernel are invisible (the mode is popped there): only the op's outputs count.
+    made inside a boundpass custom op are counted (its Python implementation runs under the mode); other custom
+    ops' kernels are invisible (the mode is popped there): only their outputs count. Under torch.compile the mode
+    is off while compiling and on while the compiled artifacts run (``ignore_compile_internals``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, record: bool = False) -> None:
+        """record=True: append the all-device live bytes to ``self.samples`` after every op that allocates (or
+        grows a storage), and once per ``track_existing`` call: the measured memory timeline of what ran."""
         super().__init__()
+        self.record = record
+        self.samples: list[int] = []
         self._by_key: dict[int, _Alloc] = {}  # StorageImpl address -> allocation
         self._by_ptr: dict[int, _Alloc] = {}  # real data pointer -> allocation (catches new StorageImpls on old memory)
         self._live: dict[str, int] = {}
@@ -127,6 +133,15 @@ class LiveStorageTracker(TorchDispatchMode):
             self._by_ptr[alloc.ptr] = alloc
         self._add(device, alloc.nbytes)
 
+    def _run(self, func, args, kwargs):
+        """Run an op; a boundpass custom op runs its Python implementation under this mode, so its workspace
+        (strips, chunks, receive buffers) is measured too, not only its outputs."""
+        opdef = _opdef(func)
+        if opdef is None or any(isinstance(t, torch._subclasses.FakeTensor) for t in _leaf_tensors((args, kwargs))):
+            return func(*args, **kwargs)
+        with self:
+            return opdef._init_fn(*args, **kwargs)
+
     def _resized(self, st: torch.UntypedStorage, alloc: _Alloc) -> None:
         # resize_ and out= can grow a storage in place; keep its bytes current.
         n = _nbytes(st)
@@ -151,6 +166,8 @@ class LiveStorageTracker(TorchDispatchMode):
                 self._new(st, t.device.type)
             elif st._cdata not in alloc.keys:
                 self._attach(st, alloc)
+        if self.record:
+            self.samples.append(self._live_total)
         return self
 
     def live_bytes(self, device: str | None = None) -> int:
@@ -167,12 +184,19 @@ class LiveStorageTracker(TorchDispatchMode):
         self._peak_total = self._live_total
 
     # ---- dispatch -------------------------------------------------------------------------------------
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Off while torch.compile traces and compiles, on while the compiled artifacts run: a compiled step is
+        # measured by the ops it executes (aot_eager: every aten op; Inductor kernels allocate outside it).
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = self._run(func, args, kwargs)
         inputs = [(t, st) for t in _leaf_tensors((args, kwargs)) if (st := _storage(t)) is not None]
         in_keys = {st._cdata for _, st in inputs}
         in_ptrs = {p for _, st in inputs if (p := _ptr(st))}
+        before = self._live_total
         for t in _leaf_tensors(out):
             st = _storage(t)
             if st is None:
@@ -197,7 +221,17 @@ class LiveStorageTracker(TorchDispatchMode):
                     self._attach(st, src)
                 continue
             self._new(st, t.device.type)
+        if self.record and self._live_total > before:
+            self.samples.append(self._live_total)
         return out
+
+
+def _opdef(func):
+    """The CustomOpDef of a boundpass custom op (its Python implementation), else None."""
+    if getattr(func, "namespace", None) != "boundpass":
+        return None
+    from torch._library.custom_ops import _maybe_get_opdef
+    return _maybe_get_opdef(func)
 
 
 def measure_peak(fn: Callable[..., Any], *args: Any, track: tuple = (), **kwargs: Any) -> tuple[Any, int]:

@@ -291,3 +291,36 @@ def _rewrite_one(gm, key, module, nodes) -> DispatchRegion:
                           experts=e * ep_size, local_experts=e, top_k=k, ep_size=ep_size, group_name=group_name,
                           dtype=x_val.dtype, compute_dtype=compute_dtype, op_node=fused)
 
+
+
+# ------------------------------------------------------------------------------- step-peak workspace
+def pipelined_llep_peak(node: fx.Node, ctx: dict):
+    """PipelinedLLEP's whole bound (inputs, own experts, outputs, workspace) at one fwd/bwd node; cap c symbolic."""
+    from boundpass import symbols as sym
+    from boundpass.runtime.pipelined_llep import _Group, bound_values, pipelined_llep_bound
+    from boundpass.step_peak import as_expr
+    forward = node.target is torch.ops.boundpass.pipelined_llep_fwd.default
+    x, ids, w1 = (node.args[0], node.args[1], node.args[3]) if forward else (node.args[1], node.args[2], node.args[4])
+    group_name = node.args[6] if forward else node.args[8]
+    slots = node.args[11] if forward else node.args[13]
+    compute_dtype = node.args[14] if forward else node.args[15]
+    x_val, ids_val, w1_val = x.meta["val"], ids.meta["val"], w1.meta["val"]
+    e, inter, hidden = (int(d) for d in w1_val.shape)
+    ep = _Group(group_name).size
+    values = bound_values(x_val.dtype, N=1, H=hidden, I=inter, E=e * ep, E_p=ep, k=int(ids_val.shape[-1]), s_b=slots)
+    values[sym.N] = as_expr(x_val.shape[0])
+    values.pop(sym.c)
+    values.pop(sym.R)
+    mixed = torch.promote_types(x_val.dtype, torch.float32) != x_val.dtype
+    bound = pipelined_llep_bound(mixed_precision=mixed, narrow_compute=compute_dtype != x_val.dtype,
+                                 count_own_weights=True)
+    return bound.xreplace(values)
+
+
+def _register_workspace() -> None:
+    from boundpass.step_peak import register_workspace
+    register_workspace(torch.ops.boundpass.pipelined_llep_fwd.default, pipelined_llep_peak)
+    register_workspace(torch.ops.boundpass.pipelined_llep_bwd.default, pipelined_llep_peak)
+
+
+_register_workspace()

@@ -2,13 +2,15 @@
 
 Two stages, because the decision must come before any real compute and the rewrite needs the partitioned graphs:
 
-1. ``plan_sco`` (in ``boundpass.compile``'s backend, on the Dynamo graph): every
+1. ``find_sco`` (in ``boundpass.compile``'s backend, on the Dynamo graph): every
    ``torch.ops.higher_order.tag_activation_checkpoint`` call is a checkpointed block; its first operand after
    the body is the block input the checkpoint keeps for recomputation (its boundary). Walking the blocks in
    forward order, the greedy prefix that fits the host pool (what the host budget leaves after the optimizer's
-   host terms) is the most SCO may offload — the same plan as the eager runtime (``planned_offloaded_layers``).
-   The device term N·H·b·Max(L − L_off, Min(L_off, 2)) (sco_compiled_device_bound) and the host term
-   L_off·N·H·b go into the budget table; an infeasible host or device budget raises InfeasibleBudgetError naming the knob.
+   host terms) is the most SCO may offload (``plan.most``) — the same rule as the eager runtime
+   (``planned_offloaded_layers``). How many of them are offloaded is the planner's choice
+   (``boundpass.planner``): it rewrites the partitioned graphs for a candidate count (``apply_count`` + stage 2)
+   and measures the step peak of the rewritten graphs (``boundpass.step_peak``), the prefetched boundary the
+   runtime holds between two reloads included (``held_intervals``).
 2. ``SCOPartitioner`` (AOTAutograd's ``partition_fn``; Inductor's ``config.custom_partitioner_fn``): runs the
    stock partitioner, then finds each block's boundary in the joint graph (the region's one external,
    computed, floating input; regions are the ``ac_graph_id`` groups, in forward order) among the saved
@@ -35,7 +37,7 @@ from torch import Tensor
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from boundpass import symbols as sym
-from boundpass.bounds import BoundTerm, BudgetTable, raise_infeasible
+from boundpass.bounds import BoundTerm
 from boundpass.errors import BoundpassInputError
 from boundpass.runtime import sco as sco_rt
 from boundpass.units import format_bytes
@@ -74,9 +76,8 @@ class SCOPlan:
     runtime: sco_rt.CompiledSCO | None = None
     rewritten: bool = False          # stage 2 ran and rewrote the partitioned graphs
     rewrite_notes: list[str] = field(default_factory=list)
-    terms: tuple | None = field(default=None, repr=False)   # (device, host) BoundTerms in ``table``
-    table: BudgetTable | None = field(default=None, repr=False)
-    budget: int = 0
+    most: int = 0                    # boundaries the host pool can take (a prefix); the planner picks how many
+    device: torch.device | None = None
 
     @property
     def eligible(self) -> list[SCORegion]:
@@ -140,24 +141,15 @@ def find_checkpoint_regions(gm: fx.GraphModule) -> list[SCORegion]:
     return regions
 
 
-def _sco_term(plan: SCOPlan, offloaded: int) -> tuple[BoundTerm, BoundTerm]:
-    eligible = plan.eligible
-    widest = max(eligible, key=lambda r: r.boundary_bytes)  # non-uniform sizes: bound with the widest
-    hidden = int(widest.shape[-1])
-    values = {sym.N: max(widest.boundary_bytes // (hidden * widest.dtype.itemsize), 1), sym.H: hidden,
-              sym.b: widest.dtype.itemsize, sym.L: len(eligible), sym.L_off: offloaded}
-    host_bytes = sum(r.boundary_bytes for r in eligible[:offloaded])
-    device = BoundTerm(f"SCO checkpoint boundaries on device (L={len(eligible)}, L_off={offloaded})",
-                       sco_rt.sco_compiled_device_bound(), sym.evaluate(sco_rt.sco_compiled_device_bound(), values),
-                       kind="transient", where=eligible[0].module_path if len(eligible) == 1 else "",
-                       knob="boundpass.compile(..., host_budget=<larger>, sco=True) offloads more boundaries")
-    host = BoundTerm(f"SCO boundary pool on host (L_off={offloaded})", sco_rt.sco_host_bound(), host_bytes,
-                     kind="host", knob="boundpass.compile(..., host_budget=<larger>) or sco=False")
-    return device, host
+def host_term(plan: SCOPlan) -> BoundTerm:
+    """The host pool the offloaded boundaries take (bytes), checked against the host budget."""
+    return BoundTerm(f"SCO boundary pool on host (L_off={plan.offloaded})", sco_rt.sco_host_bound(),
+                     plan.offloaded_bytes, kind="host",
+                     knob="boundpass.compile(..., host_budget=<larger>) or sco=False")
 
 
-def plan_sco(gm: fx.GraphModule, mode, *, table: BudgetTable, budget: int, host_budget: int | None) -> SCOPlan:
-    """Decide L_off for this graph, add the SCO terms to ``table`` (raising when infeasible), build the runtime."""
+def find_sco(gm: fx.GraphModule, mode, *, host_pool: int | None) -> SCOPlan:
+    """Checkpointed blocks of the Dynamo graph and the most SCO may offload (``plan.most``); the planner picks."""
     plan = SCOPlan(mode=mode)
     if mode is False:
         plan.reason = "off (sco=False)"
@@ -170,53 +162,46 @@ def plan_sco(gm: fx.GraphModule, mode, *, table: BudgetTable, budget: int, host_
     if not eligible:
         plan.reason = "no checkpointed block has an offloadable boundary"
         return plan
-    optimizer_host = table.host_total
-    plan.host_pool = None if host_budget is None else max(host_budget - optimizer_host, 0)
-    pool = plan.host_pool if plan.host_pool is not None else sum(r.boundary_bytes for r in eligible)
-    most = sco_rt.planned_offloaded_layers([r.boundary_bytes for r in eligible], pool)
-    persistent, transient, step = (table.sum(kind) for kind in ("persistent", "transient", "step"))
-
-    def fits(count: int) -> bool:
-        device, _ = _sco_term(plan, count)
-        return persistent + max(transient + device.value, step) <= budget
-
-    if mode == "auto":  # the fewest boundaries that make the device budget fit (none when it fits already)
-        count = next((c for c in range(most + 1) if fits(c)), most)
-    else:
-        count = most
-    device, host = _sco_term(plan, count)
-    table.terms += [device, host]
-    plan.terms, plan.table, plan.budget = (device, host), table, budget
-    if not fits(count):
-        needed = next((c for c in range(count, len(eligible) + 1) if fits(c)), None)
-        if needed is not None and needed > most:  # the host pool is what binds: name the host knob
-            need_bytes = sum(r.boundary_bytes for r in eligible[:needed])
-            host.value, host.name = need_bytes, f"SCO boundary pool on host (L_off={needed} needed)"
-            host.knob = (f"boundpass.compile(..., host_budget=<at least {format_bytes(need_bytes + optimizer_host)}>)"
-                         f": the device budget needs {needed} of {len(eligible)} boundaries offloaded, the host "
-                         f"pool ({format_bytes(pool)} after the optimizer) holds {most}")
-            device.knob = host.knob
-            raise_infeasible(table, host if host_budget is not None else device)
-        floor = _sco_term(plan, len(eligible))[0].value
-        device.knob = (f"every boundary offloaded still leaves {format_bytes(floor)} of boundaries on the "
-                       f"device (the prefetch window): reduce tokens per rank N (shorter sequence / "
-                       f"smaller micro-batch), or raise the budget")
-        raise_infeasible(table, device, detail=f"at L_off={count} of L={len(eligible)}")
-    plan.offloaded = count
-    for region in eligible:
-        region.offloaded = region.layer < count
-        if not region.offloaded:
-            region.reason = ("the device budget fits without offloading it (sco='auto')" if mode == "auto"
-                             and count < most else "does not fit the host pool (the offloaded set is a prefix)")
-    if count == 0:
-        plan.reason = ("host budget fits none of the boundaries" if most == 0
-                       else "not needed: the device budget fits with every boundary on the device (sco='auto')")
-        return plan
-    device_obj = _boundary_device(gm)
-    plan.runtime = sco_rt.CompiledSCO([r.offloaded for r in eligible],
-                                      plan.host_pool if plan.host_pool is not None else plan.offloaded_bytes,
-                                      device_obj)
+    plan.host_pool = host_pool
+    pool = host_pool if host_pool is not None else sum(r.boundary_bytes for r in eligible)
+    plan.most = sco_rt.planned_offloaded_layers([r.boundary_bytes for r in eligible], pool)
+    plan.device = _boundary_device(gm)
     return plan
+
+
+def apply_count(plan: SCOPlan, count: int) -> None:
+    """Offload the first ``count`` eligible boundaries (a forward-order prefix); build the runtime for them."""
+    plan.offloaded = count
+    plan.rewritten, plan.rewrite_notes = False, []
+    for region in plan.eligible:
+        region.offloaded = region.layer < count
+        region.reason = "" if region.offloaded else (
+            "the device budget fits without offloading it (sco='auto')" if plan.mode == "auto" and count < plan.most
+            else "does not fit the host pool (the offloaded set is a prefix)")
+    if count == 0:
+        plan.runtime = None
+        plan.reason = ("host budget fits none of the boundaries" if plan.most == 0
+                       else "not needed: the device budget fits with every boundary on the device (sco='auto')")
+        return
+    plan.reason = ""
+    plan.runtime = sco_rt.CompiledSCO([r.offloaded for r in plan.eligible],
+                                      plan.host_pool if plan.host_pool is not None else plan.offloaded_bytes,
+                                      plan.device)
+
+
+def held_intervals(plan: SCOPlan, bw: fx.GraphModule) -> list:
+    """The prefetched boundary the runtime holds outside the graph: from reload l (which starts l-1's copy)
+    to reload l-1 (which returns it)."""
+    from boundpass.step_peak import Held
+    import sympy
+    reloads = {n.args[3]: n for n in bw.graph.nodes
+               if n.op == "call_function" and n.target is torch.ops.boundpass.sco_reload.default}
+    out = []
+    for layer, node in reloads.items():
+        if layer - 1 in reloads:
+            size = plan.eligible[layer - 1].boundary_bytes
+            out.append(Held(node, reloads[layer - 1], sympy.Integer(size), f"SCO prefetch of boundary {layer - 1}"))
+    return out
 
 
 def _boundary_device(gm) -> torch.device:
@@ -436,29 +421,18 @@ def _keep_all(plan: SCOPlan) -> None:
 
 
 def _replan(plan: SCOPlan, offloaded: int) -> None:
-    """The partitioned graph allowed fewer offloads than planned: correct the terms, fail if the budget breaks."""
+    """The partitioned graph allowed fewer offloads than planned: the analysis of the rewritten graphs sees it."""
     plan.offloaded = offloaded
-    if plan.terms is None:
-        return
-    device, host = _sco_term(plan, offloaded)
-    for old, new in zip(plan.terms, (device, host)):
-        old.name, old.value = new.name, new.value
-    if not plan.table.fits():
-        plan.terms[0].knob = "the partitioned graph keeps these boundaries on the device (see explain notes)"
-        raise_infeasible(plan.table, plan.terms[0], detail=f"at L_off={offloaded} (planned more)")
 
 
 # ----------------------------------------------------------------------------------- compiler plumbing
 def eager_callable(graph: fx.GraphModule):
     """A boxed callable for the eager (aot_eager) inner compiler.
 
-    Graphs SCO rewrote run with the boxed calling convention (as torch's own aot_eager does), so each input —
-    a saved boundary among them — is freed after its last use instead of living until the graph returns.
+    Every graph runs with the boxed calling convention (as torch's own aot_eager does), so each input — a saved
+    tensor of backward among them — is freed after its last use instead of living until the graph returns: the
+    lifetimes the step analysis (boundpass.step_peak) assumes.
     """
-    from torch._functorch.aot_autograd import make_boxed_func
-    sco_ops = (torch.ops.boundpass.sco_reload.default, torch.ops.boundpass.sco_offload.default)
-    if not any(n.op == "call_function" and n.target in sco_ops for n in graph.graph.nodes):
-        return make_boxed_func(graph.forward)
     from torch.fx.graph import _BoxedCodeGen
     graph.graph.set_codegen(_BoxedCodeGen())
     graph.recompile()

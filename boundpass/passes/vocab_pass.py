@@ -166,3 +166,42 @@ def _rewrite(gm, ce, linear, args, config, path) -> VocabRegion:
     graph.erase_node(ce)
     return VocabRegion(module_path=path, rewritten=True, tokens=_val(tokens).shape[0], hidden=hidden,
                        vocab=vocab, dtype=h_val.dtype, op_node=fused)
+
+
+# ------------------------------------------------------------------------------- step-peak workspace
+def _ring_size(group_name: str) -> int:
+    if not group_name:
+        return 1
+    import torch.distributed as dist
+    return dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
+
+
+def ring_dtp_peak(node: fx.Node, ctx: dict):
+    """Ring-DTP's whole bound (inputs, outputs, workspace) at one fwd/bwd node; strip width C stays symbolic."""
+    import sympy
+    from boundpass import symbols as sym
+    from boundpass.step_peak import as_expr
+    forward = node.target is torch.ops.boundpass.ring_dtp_fwd.default
+    h, w = (node.args[0], node.args[1]) if forward else (node.args[1], node.args[2])
+    rest = node.args[3:] if forward else node.args[5:]
+    vocab, group_name, branch = rest[0], rest[1], rest[4]
+    h_val, w_val = h.meta["val"], w.meta["val"]
+    ring = _ring_size(group_name)
+    tokens = as_expr(h_val.shape[0])
+    n_max = ctx.get("max_tokens_per_rank") or tokens
+    if branch == "auto":
+        branch = ring_dtp.choose_branch(int(n_max) if sympy.sympify(n_max).is_number else 1 << 62, vocab, ring)
+    mixed = torch.promote_types(h_val.dtype, torch.float32) != h_val.dtype
+    values = ring_dtp.bound_values(h_val.dtype, N=1, H=int(w_val.shape[1]), V=vocab, P=ring)
+    values.update({sym.N: tokens, sym.N_max: n_max})
+    values.pop(sym.C)
+    return ring_dtp.ring_dtp_bound(branch, mixed_precision=mixed, count_weight_shard=True).xreplace(values)
+
+
+def _register_workspace() -> None:
+    from boundpass.step_peak import register_workspace
+    register_workspace(torch.ops.boundpass.ring_dtp_fwd.default, ring_dtp_peak)
+    register_workspace(torch.ops.boundpass.ring_dtp_bwd.default, ring_dtp_peak)
+
+
+_register_workspace()

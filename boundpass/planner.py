@@ -1,0 +1,160 @@
+"""The one planner: picks the strip width C, the chunk cap c and the SCO offload count against the step's peak.
+
+The peak comes from one place (``boundpass.step_peak``): the program points of the partitioned forward and
+backward graphs, with each custom op's workspace in its knob's symbol. The device peak of the step is
+
+    persistent state + max(graph peak (+ held gradients when accumulating), gradients + optimizer step)
+
+with persistent state = parameters, buffers and optimizer state on this rank. The planner evaluates that
+expression, never a sum written elsewhere: SCO offloads the fewest checkpoint boundaries that make the step fit
+(sco="auto"; every boundary the host pool holds for sco=True), then each knob takes the widest value that still
+fits (the user's value when given). The knobs of different ops sit at different program points, so each is
+chosen with the others at their narrowest. The planner writes the chosen values into the graphs' op nodes by
+argument name and raises InfeasibleBudgetError, before any real compute, when even the narrowest setting of
+every knob does not fit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+
+from boundpass.bounds import BoundTerm, BudgetTable, largest_fitting
+from boundpass.errors import InfeasibleBudgetError
+from boundpass.step_peak import GraphPeak, ProgramPoint, render_point
+from boundpass.units import format_bytes
+
+
+@dataclass
+class Knob:
+    """A schedule parameter of the rewritten ops: its symbol in the workspace bounds and its range."""
+    name: str                    # the boundpass.compile argument that overrides it
+    symbol: sympy.Symbol
+    lo: int
+    hi: int
+    arg: str                     # schema argument name on the ops below
+    ops: tuple                   # op overloads whose nodes carry it
+    user: int | None = None
+    value: int = 0
+    why: str = ""                # "budget" / "user" / "widest"
+    regions: list = field(default_factory=list)   # pass region records, updated with the value
+
+    @property
+    def attr(self) -> str:
+        return "block" if self.arg == "block" else "cap"
+
+
+def set_op_arg(node: torch.fx.Node, name: str, value) -> None:
+    """Set an op node's argument by its schema name (positional or keyword)."""
+    names = [a.name for a in node.target._schema.arguments]
+    index = names.index(name)
+    if index < len(node.args):
+        node.update_arg(index, value)
+    else:
+        node.update_kwarg(name, value)
+
+
+@dataclass
+class StepCertificate:
+    """What the planner certified for one graph: the values, the peak, where it is, and the table."""
+    values: dict
+    peak: GraphPeak
+    point: ProgramPoint | None
+    graph_bytes: int             # the graph's peak live bytes (persistent state excluded)
+    table: BudgetTable
+    accumulation_total: int      # device peak when gradients from an earlier backward are still held
+    sco_count: int = 0
+
+
+class StepPlanner:
+    """Chooses knobs for one compiled graph against its GraphPeak and the step's state terms."""
+
+    def __init__(self, *, budget: int, host_budget: int | None, state_terms: list[BoundTerm], knobs: list[Knob],
+                 symbol_values: dict, carry: int = 0):
+        self.budget, self.host_budget = budget, host_budget
+        self.state_terms = state_terms
+        self.knobs = knobs
+        self.symbol_values = symbol_values     # backed sizes of the graph's symbolic dims
+        self.carry = carry                     # saved bytes of earlier graphs of the same step (graph breaks)
+
+    # -------------------------------------------------------------------------------------------- totals
+    def _sum(self, kind: str) -> int:
+        return sum(t.value for t in self.state_terms if t.counted and t.kind == kind)
+
+    def total(self, graph_bytes: int) -> int:
+        """Device peak of the step (bytes) when the graph's own peak is ``graph_bytes``."""
+        return self._sum("persistent") + max(self.carry + graph_bytes, self._sum("step"))
+
+    def values(self, **knob_values) -> dict:
+        out = dict(self.symbol_values)
+        for knob in self.knobs:
+            out[knob.symbol] = knob_values.get(knob.name, knob.lo)
+        return out
+
+    def fits(self, peak: GraphPeak, values: dict) -> bool:
+        return self.total(peak.evaluate(values)[0]) <= self.budget
+
+    # ----------------------------------------------------------------------------------------- choosing
+    def choose(self, peak: GraphPeak) -> dict:
+        """Knob values: the user's, else the widest that fits with the other knobs at their narrowest."""
+        chosen = {}
+        for knob in self.knobs:
+            if knob.user is not None:
+                chosen[knob.name], knob.why = min(max(knob.user, 1), knob.hi), "user"
+        for knob in self.knobs:
+            if knob.name in chosen:
+                continue
+
+            def fits(v: int, knob=knob) -> bool:
+                return self.fits(peak, self.values(**{**chosen, knob.name: v}))
+
+            best = largest_fitting(knob.lo, knob.hi, fits)
+            chosen[knob.name] = knob.lo if best is None else best
+            knob.why = "widest" if best == knob.hi else "budget"
+        for knob in self.knobs:
+            knob.value = chosen[knob.name]
+        return self.values(**chosen)
+
+    def certify(self, peak: GraphPeak, values: dict, *, extra_terms: list[BoundTerm], sco_count: int = 0
+                ) -> StepCertificate:
+        """The table of the chosen plan; raises InfeasibleBudgetError (with the peak's program point) if it breaks."""
+        graph_bytes, point = peak.evaluate(values)
+        table = BudgetTable(budget=self.budget, host_budget=self.host_budget)
+        table.terms += self.state_terms + extra_terms
+        where = ""
+        if point is not None:
+            where = f"{point.phase} {point.node}" + (f" @ {point.module_path}" if point.module_path else "")
+        formula = peak.peak_expr().xreplace({k: v for k, v in values.items() if isinstance(k, sympy.Symbol)
+                                             and k.name in {kn.symbol.name for kn in self.knobs}})
+        graph_term = BoundTerm(f"activations + op workspace (graph peak at {where})", formula, graph_bytes,
+                               kind="transient", knob="")
+        table.terms.append(graph_term)
+        if self.carry:
+            table.terms.append(BoundTerm("saved tensors of earlier graphs of this step (graph breaks)",
+                                         sympy.Integer(self.carry), self.carry, kind="transient", knob=""))
+        grads = sum(t.value for t in self.state_terms if t.name == "gradients")
+        cert = StepCertificate(values, peak, point, graph_bytes, table,
+                               accumulation_total=self.total(graph_bytes + grads), sco_count=sco_count)
+        return cert
+
+
+def infeasible(cert: StepCertificate, *, knob: str, binding: BoundTerm | None = None, detail: str = "") -> None:
+    """Raise InfeasibleBudgetError naming the peak's program point, its largest tensors, the total and the knob."""
+    table = cert.table
+    budget = table.budget
+    lines = [f"boundpass: the per-rank device budget {format_bytes(budget)} ({budget} B) cannot be met: "
+             f"the step peaks at {format_bytes(table.total)} ({table.total} B)."]
+    term = binding
+    if term is None:
+        term = next(t for t in table.terms if t.name.startswith("activations + op workspace"))
+        if cert.point is not None:
+            lines += [f"  {ln}" for ln in render_point(cert.peak, cert.point, cert.values)]
+    else:
+        lines.append(f"  binding term : {term.name}: {term.formula} = {format_bytes(term.value)}")
+    if detail:
+        lines.append(f"  {detail}")
+    lines += [f"  to fix       : {knob}", "bounds table:", table.render()]
+    term.knob = knob
+    raise InfeasibleBudgetError("\n".join(lines), term=term.name, formula=str(term.formula),
+                                value_bytes=term.value, budget_bytes=budget, knob=knob)

@@ -1,0 +1,307 @@
+"""The device peak of a compiled training step, derived from its AOTAutograd forward and backward graphs.
+
+One place computes the peak (DESIGN.md step 5). The forward and backward graphs are walked in the order they
+execute; every tensor's storage (torch's ``GraphAliasTracker`` from ``torch/_inductor/fx_passes/
+memory_estimator.py``: views, aliases and in-place results share one storage and count once) lives from the
+node that allocates it to its last use. Bytes are sympy expressions in the graph's symbolic sizes (plain
+integers for static shapes). Saved-for-backward tensors live across the forward/backward boundary and, because
+boundpass runs both graphs with the boxed calling convention, die at their last use in backward; gradients the
+backward returns stay live to its end (autograd accumulates them into ``.grad``). A custom op of boundpass adds
+its declared internal workspace at its own node (its sympy bound minus the inputs and outputs the walk already
+counts; strip width C and chunk cap c stay free symbols for the planner), and a pass may declare storages the
+graph does not show (SCO's prefetched boundary) as ``Held`` intervals.
+
+Why not ``memory_estimator.get_peak_memory`` itself: it ignores CPU storages (every tensor here), takes an int
+hint of symbolic sizes, never frees values without users, and has no notion of a custom op's workspace; its alias
+tracker is the part that serves, and it is reused as is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import sympy
+import torch
+import torch.fx as fx
+from torch._inductor.fx_passes.memory_estimator import GraphAliasTracker, StorageKey
+
+from boundpass.units import format_bytes
+
+# op overload -> fn(node, ctx) -> sympy bytes of the op's whole bound (its inputs, outputs and workspace); the walk
+# subtracts the node's own input and output storages. Registered by the passes that emit the ops.
+WORKSPACE: dict[object, Callable[[fx.Node, dict], sympy.Expr]] = {}
+
+
+def register_workspace(op, fn: Callable[[fx.Node, dict], sympy.Expr]) -> None:
+    """Declare the peak bytes of a custom op (as a sympy bound over its node) for the step analysis."""
+    WORKSPACE[op] = fn
+
+
+@dataclass
+class Held:
+    """Bytes a runtime holds outside the graph's values, from ``start`` (after it runs) to ``end`` (before it)."""
+    start: fx.Node
+    end: fx.Node | None
+    nbytes: sympy.Expr
+    label: str
+
+
+@dataclass
+class Storage:
+    """One storage of the step: what made it, how big it is (sympy bytes) and its life in program points."""
+    name: str
+    module_path: str
+    shape: str
+    dtype: str
+    nbytes: sympy.Expr
+    kind: str            # "input", "activation", "saved", "gradient", "workspace", "held"
+    start: int = 0       # first program point it is live at
+    end: int = 1 << 62   # last program point it is live at
+
+
+@dataclass
+class ProgramPoint:
+    """A moment of the step: the node running, the live bytes then (sympy, persistent state excluded)."""
+    index: int
+    phase: str           # "forward", "backward"
+    node: str
+    target: str
+    module_path: str
+    live: sympy.Expr
+
+
+@dataclass
+class GraphPeak:
+    """The program points and storages of one compiled graph's forward + backward."""
+    points: list[ProgramPoint] = field(default_factory=list)
+    storages: list[Storage] = field(default_factory=list)
+    gradient_bytes: sympy.Expr = sympy.Integer(0)   # what backward returns for parameters
+    saved_bytes: sympy.Expr = sympy.Integer(0)      # live when forward returns (saved for backward + outputs)
+
+    def peak_expr(self) -> sympy.Expr:
+        """Max over program points of the live bytes (persistent state excluded), pruned of dominated terms."""
+        best: dict[sympy.Expr, sympy.Expr] = {}
+        for p in self.points:
+            const, rest = sympy.sympify(p.live).as_coeff_Add()
+            if rest not in best or (best[rest] - const).is_negative:
+                best[rest] = const
+        return sympy.Max(*(c + r for r, c in best.items())) if best else sympy.Integer(0)
+
+    def evaluate(self, values: dict) -> tuple[int, ProgramPoint | None]:
+        """(peak bytes, the program point where it is) at concrete symbol values."""
+        top, where, cache = -1, None, {}
+        for p in self.points:
+            if p.live not in cache:
+                cache[p.live] = _int(p.live, values)
+            if cache[p.live] > top:
+                top, where = cache[p.live], p
+        return max(top, 0), where
+
+    def live_at(self, point: ProgramPoint, values: dict, top: int = 8) -> list[tuple[Storage, int]]:
+        """The largest storages live at ``point`` (bytes evaluated at ``values``), largest first."""
+        live = [(s, _int(s.nbytes, values)) for s in self.storages if s.start <= point.index <= s.end]
+        return sorted(live, key=lambda x: -x[1])[:top]
+
+
+def _int(expr, values: dict) -> int:
+    out = sympy.sympify(expr).xreplace(values) if values else sympy.sympify(expr)
+    if out.free_symbols:
+        raise ValueError(f"step peak {expr} has free symbols {sorted(map(str, out.free_symbols))}")
+    return int(sympy.ceiling(out))
+
+
+def as_expr(n) -> sympy.Expr:
+    """A byte count (int or SymInt) as a sympy expression."""
+    return n.node.expr if isinstance(n, torch.SymInt) else sympy.Integer(int(n))
+
+
+def module_path(node: fx.Node) -> str:
+    """The module a node came from (nn_module_stack's innermost entry), or '' (e.g. AOT-made nodes)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        fwd = node.meta.get("fwd_nn_module_stack") or {}
+        stack = fwd
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return str(path).replace("L['self'].", "").replace("L['self']", "")
+
+
+def _describe(node: fx.Node) -> tuple[str, str]:
+    val = node.meta.get("val")
+    if isinstance(val, (list, tuple)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    if isinstance(val, torch.Tensor):
+        return str(tuple(val.shape)), str(val.dtype).replace("torch.", "")
+    return "", ""
+
+
+class _Walk:
+    """Live storages while walking one graph; records a ProgramPoint per executed node."""
+
+    def __init__(self, result: GraphPeak, live: dict[StorageKey, Storage]):
+        self.result, self.live = result, live
+        self.total: sympy.Expr = sympy.Integer(0)
+        for s in live.values():
+            self.total += s.nbytes
+
+    def point(self, phase: str, node: fx.Node, extra: sympy.Expr = sympy.Integer(0)) -> ProgramPoint:
+        p = ProgramPoint(len(self.result.points), phase, node.name, str(node.target), module_path(node),
+                         self.total + extra)
+        self.result.points.append(p)
+        return p
+
+    def add(self, key, storage: Storage) -> None:
+        storage.start = len(self.result.points)
+        self.live[key] = storage
+        self.result.storages.append(storage)
+        self.total += storage.nbytes
+
+    def free(self, key) -> None:
+        storage = self.live.pop(key, None)
+        if storage is not None:
+            storage.end = len(self.result.points) - 1
+            self.total -= storage.nbytes
+
+
+def _storage_bytes(key: StorageKey) -> sympy.Expr:
+    return as_expr(key.storage.nbytes())
+
+
+def _walk_graph(walk: _Walk, graph: fx.Graph, phase: str, *, counted: Callable[[StorageKey], bool],
+                keep: set, kind: Callable[[fx.Node], str], held: list[Held], ctx: dict) -> GraphAliasTracker:
+    """Walk ``graph``'s nodes: allocate fresh storages, add workspace, free at last use (unless in ``keep``)."""
+    nodes = list(graph.nodes)
+    alias = GraphAliasTracker(nodes)
+    ends = {h.end: h for h in held if h.end is not None}
+    starts: dict[fx.Node, list[Held]] = {}
+    for h in held:
+        starts.setdefault(h.start, []).append(h)
+    for node in nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        if node in ends:  # the runtime hands its held buffer over to this node's output
+            walk.free(("held", id(ends[node])))
+        shape, dtype = _describe(node)
+        for key in alias.get_fresh_allocations(node):
+            if counted(key) and key not in walk.live:
+                walk.add(key, Storage(node.name, module_path(node), shape, dtype, _storage_bytes(key), kind(node)))
+        walk.point(phase, node, _workspace(node, alias, ctx))
+        for key in alias.get_fresh_allocations(node):  # never read again: FX frees it right away
+            if key not in alias.storage_to_uses and key not in keep:
+                walk.free(key)
+        for key in alias.get_storages_last_used(node):
+            if key not in keep:
+                walk.free(key)
+        for h in starts.get(node, ()):
+            walk.add(("held", id(h)), Storage(h.label, module_path(node), "", "", h.nbytes, "held"))
+    return alias
+
+
+def _workspace(node: fx.Node, alias: GraphAliasTracker, ctx: dict) -> sympy.Expr:
+    """A boundpass custom op's bound minus the storages of its own inputs and outputs (never below 0)."""
+    fn = WORKSPACE.get(node.target)
+    if fn is None:
+        return sympy.Integer(0)
+    io = set(alias.get_storage_uses(node)) | set(alias.node_to_output_storages.get(node, ()))
+    for user in node.users:  # tuple outputs are read through getitem nodes
+        io |= set(alias.node_to_output_storages.get(user, ()))
+    io_bytes = sum((_storage_bytes(k) for k in io), sympy.Integer(0))
+    return sympy.Max(0, fn(node, ctx) - io_bytes)
+
+
+def analyze_graphs(fw: fx.GraphModule, bw: fx.GraphModule | None, *, static_inputs: set[int],
+                   num_user_outputs: int, held: list[Held] = (), host_nodes: set[str] = frozenset(),
+                   ctx: dict | None = None) -> GraphPeak:
+    """Program points of one graph's forward, then its backward (None: inference), persistent state excluded.
+
+    static_inputs: forward placeholder indices that are parameters / buffers (counted as persistent state by
+    the caller, never here). num_user_outputs: leading forward outputs returned to the caller (kept live by it
+    through backward). host_nodes: names of nodes whose outputs live on the host (not device bytes).
+    ctx: launch facts the workspace bounds need (e.g. max_tokens_per_rank).
+    """
+    ctx = ctx or {}
+    result = GraphPeak()
+    placeholders = fw.graph.find_nodes(op="placeholder")
+    fw_alias_probe = GraphAliasTracker(list(fw.graph.nodes))
+    persistent: set = set()
+    inputs: dict = {}
+    for i, node in enumerate(placeholders):
+        for key in fw_alias_probe.get_fresh_allocations(node):
+            if i in static_inputs:
+                persistent.add(key)
+            else:
+                shape, dtype = _describe(node)
+                inputs[key] = Storage(node.name, "", shape, dtype, _storage_bytes(key), "input")
+    out_node = fw.graph.find_nodes(op="output")[0]
+    outputs = [o for o in out_node.args[0] if isinstance(o, fx.Node)]
+    out_keys = set()
+    for o in outputs:
+        out_keys |= set(fw_alias_probe.node_to_output_storages.get(o, ()))
+    host = {k for n in fw.graph.nodes if n.name in host_nodes
+            for k in fw_alias_probe.node_to_output_storages.get(n, ())}
+
+    walk = _Walk(result, dict(inputs))
+    for s in inputs.values():
+        result.storages.append(s)
+    fw_alias = _walk_graph(walk, fw.graph, "forward", counted=lambda k: k not in persistent and k not in host,
+                           keep=out_keys | set(inputs), kind=lambda n: "activation", held=list(held), ctx=ctx)
+    if bw is None:
+        return result
+    # Into backward: the caller holds the user outputs and inputs; saved tensors are backward's placeholders.
+    fw_nodes = {n.name: n for n in fw.graph.nodes}
+    user_keys = set()
+    for o in list(out_node.args[0])[:num_user_outputs]:
+        if isinstance(o, fx.Node):
+            user_keys |= set(fw_alias.node_to_output_storages.get(o, ()))
+    saved_keys = set()
+    bw_placeholders = bw.graph.find_nodes(op="placeholder")
+    for ph in bw_placeholders:
+        src = fw_nodes.get(ph.name)
+        if src is not None:
+            saved_keys |= set(fw_alias.node_to_output_storages.get(src, ()))
+    for key in list(walk.live):  # forward outputs neither returned nor saved die when forward returns
+        if key in out_keys and key not in user_keys and key not in saved_keys and key not in inputs:
+            walk.free(key)
+    for s in walk.live.values():
+        if s.kind == "activation":
+            s.kind = "saved"
+    result.saved_bytes = walk.total - sum((s.nbytes for s in inputs.values()), sympy.Integer(0))
+    bw_out = bw.graph.find_nodes(op="output")[0]
+    bw_probe = GraphAliasTracker(list(bw.graph.nodes))
+    grad_keys = set()
+    for i, o in enumerate(bw_out.args[0]):
+        if isinstance(o, fx.Node):
+            keys = set(bw_probe.node_to_output_storages.get(o, ()))
+            grad_keys |= keys
+            if i in static_inputs:
+                result.gradient_bytes += sum((_storage_bytes(k) for k in keys), sympy.Integer(0))
+    # bw placeholders carry the same fake tensors as the forward outputs they are (the partitioner copies meta)
+    keep = grad_keys | user_keys | set(inputs)
+    for ph in bw_placeholders:  # autograd's engine holds the incoming gradients until backward returns
+        if ph.name.startswith("tangents"):
+            for key in bw_probe.get_fresh_allocations(ph):
+                shape, dtype = _describe(ph)
+                walk.add(key, Storage(ph.name, "", shape, dtype, _storage_bytes(key), "input"))
+                keep.add(key)
+    for ph in bw_placeholders:  # a saved tensor no backward node reads dies as backward starts (boxed call)
+        for key in bw_probe.node_to_output_storages.get(ph, ()):
+            if key in saved_keys and key not in bw_probe.storage_to_uses and key not in keep:
+                walk.free(key)
+    bw_host = {k for n in bw.graph.nodes if n.name in host_nodes
+               for k in bw_probe.node_to_output_storages.get(n, ())}
+    _walk_graph(walk, bw.graph, "backward",
+                counted=lambda k: k not in persistent and k not in bw_host and k not in saved_keys,
+                keep=keep, kind=lambda n: "gradient" if n in bw_out.args[0] else "activation", held=list(held), ctx=ctx)
+    return result
+
+
+def render_point(gp: GraphPeak, point: ProgramPoint, values: dict, top: int = 8) -> list[str]:
+    """Lines naming a program point and its largest live storages (module path, shape, bytes)."""
+    lines = [f"peak at {point.phase} node {point.node} ({point.target})"
+             + (f" in {point.module_path}" if point.module_path else "")]
+    for s, n in gp.live_at(point, values, top):
+        where = f" @ {s.module_path}" if s.module_path else ""
+        formula = "" if s.nbytes.is_number else f" = {s.nbytes}"
+        lines.append(f"  {format_bytes(n):>10}  {s.kind:<10} {s.name}{where} {s.shape} {s.dtype}{formula}")
+    return lines
