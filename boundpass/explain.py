@@ -56,6 +56,7 @@ class ExplainReport:
         if getattr(self, "sco", None) is not None:  # passes.sco_pass.SCOPlan: checkpoint boundary offload
             lines += self.sco.lines()
         lines += ["", "bounds (bytes per rank):", self.table.render() if self.table else "  (none)"]
+        lines += self._step_peak_lines()
         if getattr(self, "composed", None) is not None:  # compile(..., launch=, model_shape=)
             from boundpass.composed import describe
             lines += ["", "composed per-rank budget of the launch configuration (boundpass/composed.py):",
@@ -66,3 +67,141 @@ class ExplainReport:
             ops = [ln.strip() for ln in self.graph_code.splitlines() if "boundpass." in ln]
             lines += ["", "rewritten graph, boundpass ops only (Dynamo, torch IR):"] + [f"  {ln}" for ln in ops]
         return "\n".join(lines)
+
+    # ---- the step's predicted memory over time --------------------------------------------------------------
+    def timeline(self) -> list[tuple[str, str, str, int]]:
+        """Predicted device bytes at every program point of the step, in execution order.
+
+        One ``(phase, node, module_path, bytes)`` per forward / backward program point of the certified graphs
+        (persistent state + the live bytes there, at the planner's values; plus what earlier graphs of the step
+        saved, when there are graph breaks), then one ``("optimizer", "step", "", persistent + step terms)``.
+        Its maximum is the certified device peak ``table.total``. Empty before anything was certified.
+        """
+        cert = getattr(self, "certificate", None)
+        if cert is None or cert.table is None:
+            return []
+        table = cert.table
+        persistent = table.sum("persistent")
+        carry = table.sum("transient") - cert.graph_bytes   # saved tensors of earlier graphs (graph breaks)
+        cache: dict = {}
+        out = []
+        for p in cert.peak.points:
+            if p.live not in cache:
+                cache[p.live] = _int(p.live, cert.values)
+            out.append((p.phase, p.node, p.module_path, persistent + carry + cache[p.live]))
+        out.append(("optimizer", "step", "", persistent + table.sum("step")))
+        return out
+
+    def _step_peak_lines(self, rows: int = 20, width: int = 24) -> list[str]:
+        """The "step peak" section: the peak's program point, its largest tensors, a sampled timeline."""
+        cert = getattr(self, "certificate", None)
+        line = self.timeline()
+        if cert is None or not line:
+            return []
+        from boundpass.step_peak import render_point
+        lines = ["", "step peak (predicted, device bytes per rank):"]
+        if cert.point is not None:
+            lines += ["  " + ln for ln in render_point(cert.peak, cert.point, cert.values)]
+        peak_i = max(range(len(line)), key=lambda i: line[i][3])
+        n = len(line)
+        picks = sorted({round(k * (n - 1) / (rows - 1)) for k in range(rows)} | {peak_i}) if n > 1 else [0]
+        top = line[peak_i][3]
+        scale = self.budget if top * 4 >= self.budget else top   # a tiny step against a huge budget: scale to peak
+        lines.append(f"  timeline: {len(picks)} of {n} program points; bar {width} cols = "
+                     f"{'budget' if scale == self.budget else 'peak'} {format_bytes(scale)}")
+        for i in picks:
+            phase, node, module, nbytes = line[i]
+            bar = "#" * min(width, round(width * nbytes / scale)) if scale else ""
+            mark = "> " if i == peak_i else "  "
+            lines.append(f"{mark}{phase[:9]:<9} {_clip(node, 20):<20} {_clip(module, 20):<20} "
+                         f"{format_bytes(nbytes):>10}  {bar}" + (" <- peak" if i == peak_i else ""))
+        return lines
+
+    def plot(self, path, *, measured=None, reference=None):
+        """Draw the predicted (and, given, measured) live bytes over the step to ``path`` (PNG, SVG, ...).
+
+        x is the position in the step (0..1 over its program points; ``measured`` samples, e.g. from
+        ``boundpass.testing.whole_step.measured_step_timeline``, are spread over 0..1 likewise), y is MiB,
+        with the budget line and the certified peak marked. ``reference`` (the uncompiled step: another
+        ExplainReport, or a ``(predicted, measured)`` pair, either side None; predicted may be an ExplainReport
+        or a list of bytes) is drawn in a left panel beside this one. Returns ``path``.
+        """
+        from matplotlib.backends.backend_agg import FigureCanvasAgg   # Agg, whatever pyplot's backend is
+        from matplotlib.figure import Figure
+
+        panels = []
+        if reference is not None:
+            ref_pred, ref_meas = (reference, None) if isinstance(reference, ExplainReport) else reference
+            panels.append(("uncompiled", ref_pred, ref_meas))
+        panels.append(("boundpass", self, measured))
+        fig = Figure(figsize=(7 * len(panels), 4.5))
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+        top = max(_draw(ax, title, pred, meas, self.budget) for ax, (title, pred, meas) in zip(axes, panels))
+        mib = 2.0 ** 20
+        if top and self.budget <= 4 * top:
+            axes[0].set_ylim(0, 1.08 * max(top, self.budget) / mib)
+        elif top:  # a budget far above the step: keep the curves readable, the budget is named in the legend
+            axes[0].set_ylim(0, 1.15 * top / mib)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        return path
+
+
+def _clip(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 1] + "~"
+
+
+def _int(expr, values: dict) -> int:
+    from boundpass.step_peak import _int as evaluate
+    return evaluate(expr, values)
+
+
+def _spread(n: int) -> list[float]:
+    return [i / (n - 1) for i in range(n)] if n > 1 else [0.0] * n
+
+
+def _draw(ax, title: str, pred, meas, budget: int) -> int:
+    """One panel: predicted timeline (with phases and the certified peak), measured samples, budget line.
+
+    Returns the largest byte count drawn (predicted or measured)."""
+    mib = 2.0 ** 20
+    phases = []
+    if isinstance(pred, ExplainReport):
+        line = pred.timeline()
+        ys = [b for *_, b in line]
+        phases = [ph for ph, *_ in line]
+        budget = pred.budget
+    else:
+        ys = list(pred or [])
+    if ys:  # program point i spans [i/n, (i+1)/n)
+        n = len(ys)
+        ax.step([i / n for i in range(n + 1)], [y / mib for y in ys + ys[-1:]], where="post", color="tab:blue",
+                label="predicted")
+        top = max(range(n), key=ys.__getitem__)
+        ax.plot([(top + 0.5) / n], [ys[top] / mib], "v", color="tab:red",
+                label=f"certified peak {ys[top] / mib:,.1f} MiB" if phases else f"peak {ys[top] / mib:,.1f} MiB")
+    if meas:
+        ax.plot(_spread(len(meas)), [m / mib for m in meas], color="tab:orange", alpha=0.8, lw=1,
+                label=f"measured (peak {max(meas) / mib:,.1f} MiB)")
+    top = max(ys + list(meas or []) or [0])
+    if budget <= 4 * top or not top:
+        ax.axhline(budget / mib, color="tab:gray", ls="--", label=f"budget {budget / mib:,.0f} MiB")
+    else:
+        ax.plot([], [], color="tab:gray", ls="--", label=f"budget {budget / mib:,.0f} MiB (off the scale)")
+    names = []
+    if phases:  # shade and name the phases: forward, backward, optimizer
+        n, start = len(phases), 0
+        for i in range(1, n + 1):
+            if i == n or phases[i] != phases[start]:
+                lo, hi = start / n, i / n
+                if phases[start] != "forward":
+                    ax.axvspan(lo, hi, color="tab:gray" if phases[start] == "optimizer" else "tab:blue", alpha=0.07)
+                names.append(phases[start])
+                start = i
+    ax.set_title(f"{title}: " + (" -> ".join(names) if names else "forward -> backward -> optimizer"))
+    ax.set_xlabel("position in the step (0 = start, 1 = end of optimizer step)")
+    ax.set_ylabel("live device bytes (MiB)")
+    ax.set_xlim(0, 1)
+    ax.legend(loc="upper left", fontsize=8)
+    return top
