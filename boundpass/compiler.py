@@ -198,13 +198,17 @@ class _PlanningPartitioner:
         planner = StepPlanner(budget=owner.budget, host_budget=owner.host_budget, state_terms=owner.state_terms,
                               knobs=self.knobs, symbol_values=backed, carry=carry)
         count = 0 if plan.mode != True else plan.most  # noqa: E712 (sco may be the string "auto")
+        trials = {}
         fw, bw, peak = attempt(count)
+        planner.caller = _int_or_hint(peak.caller_bytes, backed)
+        trials[count] = planner.total(peak.evaluate(planner.values())[0])
         if plan.mode == "auto" and plan.most and not planner.fits(peak, planner.values()):
             lo, hi, best = 1, plan.most, None
             while lo <= hi:  # the fewest boundaries that make the narrowest schedule fit (monotone in L_off)
                 mid = (lo + hi) // 2
                 _, _, trial = attempt(mid)
-                if planner.fits(trial, planner.values()):
+                trials[mid] = planner.total(trial.evaluate(planner.values())[0])
+                if trials[mid] <= owner.budget:
                     best, hi = mid, mid - 1
                 else:
                     lo = mid + 1
@@ -213,6 +217,7 @@ class _PlanningPartitioner:
         values = planner.choose(peak)
         extra = [sco_pass.host_term(plan)] if plan.offloaded else []
         cert = planner.certify(peak, values, extra_terms=extra, sco_count=plan.offloaded)
+        cert.sco_trials = trials
         self.report.table, self.report.certificate = cert.table, cert
         owner.certificates.append(cert)
         for knob in self.knobs:  # the planner writes its choice into every graph by argument name
@@ -234,7 +239,7 @@ class _PlanningPartitioner:
             _raise_step_infeasible(owner, cert, self.knobs, plan)
         if shape_env is not None:  # a dynamic N must not grow past what was checked: guard on the budget
             total = planner._sum("persistent") + sympy.Max(carry + peak.peak_expr().xreplace(
-                {k.symbol: k.value for k in self.knobs}), planner._sum("step"))
+                {k.symbol: k.value for k in self.knobs}), planner._sum("step") + planner.caller)
             if total.free_symbols:
                 shape_env.evaluate_expr(sympy.Le(total, owner.budget))
         owner.saved_of_earlier_graphs.append(_int_or_hint(peak.saved_bytes, backed))
@@ -282,19 +287,22 @@ def _raise_step_infeasible(owner: "BoundedModule", cert, knobs: list[Knob], plan
         infeasible(cert, knob=binding.knob, binding=binding,
                    detail="parameters, gradients and the optimizer alone exceed the budget")
     target = point.target if point is not None else ""
+    where = f" at {point.phase} {point.node}" + (f" @ {point.module_path}" if point.module_path else "") \
+        if point is not None else ""
     for knob in knobs:
-        at_op = any(target == str(op) for op in knob.ops)
-        if not at_op:
+        if not any(target == str(op) for op in knob.ops):
             continue
-        if knob.user is not None and knob.user > knob.lo:
-            infeasible(cert, knob=f"use {knob.name} <= {knob.lo} (now {knob.user}) or raise the budget")
+        tokens = knob.regions[0].tokens if knob.regions else "?"
+        if knob.user is not None and knob.widest_fitting is not None:
+            infeasible(cert, knob=f"use {knob.name} <= {knob.widest_fitting} (now {knob.user})",
+                       name=f"{knob.name}={knob.user}{where}")
         if knob.name == "vocab_block":
             infeasible(cert, knob="increase the ring size P (boundpass.compile(..., ring_group=<group of more ranks>)) "
-                       f"or reduce tokens per rank N; the narrowest strip C={knob.lo} does not fit",
-                       detail=f"at C={knob.value}")
-        infeasible(cert, knob="reduce tokens per rank N or raise the budget: even c=1 token per source per chunk "
-                   "does not fit beside the rest of the step (more EP ranks shrink the experts each rank holds)",
-                   detail=f"at c={knob.value}")
+                       f"or reduce tokens per rank N (now {tokens}); the narrowest strip C={knob.lo} does not fit",
+                       detail=f"at C={knob.value}", name=f"vocab (Ring-DTP, C={knob.value}){where}")
+        infeasible(cert, knob=f"reduce tokens per rank N (now {tokens}) or raise the budget: even c=1 token per "
+                   "source per chunk does not fit beside the rest of the step (more EP ranks shrink the experts "
+                   "each rank holds)", detail=f"at c={knob.value}", name=f"dispatch (PipelinedLLEP, c={knob.value}){where}")
     saved = sum(n for s, n in cert.peak.live_at(point, cert.values, top=10**6) if s.kind == "saved") if point else 0
     if plan.eligible and plan.offloaded < len(plan.eligible) and saved:
         if plan.mode is False:

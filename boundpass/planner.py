@@ -38,6 +38,7 @@ class Knob:
     user: int | None = None
     value: int = 0
     why: str = ""                # "budget" / "user" / "widest"
+    widest_fitting: int | None = None  # what the budget alone allows (None: not even the narrowest)
     regions: list = field(default_factory=list)   # pass region records, updated with the value
 
     @property
@@ -65,6 +66,16 @@ class StepCertificate:
     table: BudgetTable
     accumulation_total: int      # device peak when gradients from an earlier backward are still held
     sco_count: int = 0
+    planner: "StepPlanner | None" = None
+    sco_trials: dict = field(default_factory=dict)  # L_off tried -> device peak at the narrowest knobs (bytes)
+
+    def total_at(self, **knobs) -> int:
+        """The certified device peak (bytes) had the knobs been ``knobs`` (e.g. dispatch_cap=8)."""
+        values = dict(self.values)
+        for knob in self.planner.knobs:
+            if knob.name in knobs:
+                values[knob.symbol] = knobs[knob.name]
+        return self.planner.total(self.peak.evaluate(values)[0])
 
 
 class StepPlanner:
@@ -77,6 +88,7 @@ class StepPlanner:
         self.knobs = knobs
         self.symbol_values = symbol_values     # backed sizes of the graph's symbolic dims
         self.carry = carry                     # saved bytes of earlier graphs of the same step (graph breaks)
+        self.caller = 0                        # batch + returned outputs the caller holds through optimizer.step
 
     # -------------------------------------------------------------------------------------------- totals
     def _sum(self, kind: str) -> int:
@@ -84,7 +96,7 @@ class StepPlanner:
 
     def total(self, graph_bytes: int) -> int:
         """Device peak of the step (bytes) when the graph's own peak is ``graph_bytes``."""
-        return self._sum("persistent") + max(self.carry + graph_bytes, self._sum("step"))
+        return self._sum("persistent") + max(self.carry + graph_bytes, self._sum("step") + self.caller)
 
     def values(self, **knob_values) -> dict:
         out = dict(self.symbol_values)
@@ -102,14 +114,15 @@ class StepPlanner:
         for knob in self.knobs:
             if knob.user is not None:
                 chosen[knob.name], knob.why = min(max(knob.user, 1), knob.hi), "user"
-        for knob in self.knobs:
+        for knob in sorted(self.knobs, key=lambda k: k.user is not None):
+            others = {k: v for k, v in chosen.items() if k != knob.name}
+
+            def fits(v: int, knob=knob, others=others) -> bool:
+                return self.fits(peak, self.values(**{**others, knob.name: v}))
+
+            knob.widest_fitting = best = largest_fitting(knob.lo, knob.hi, fits)
             if knob.name in chosen:
                 continue
-
-            def fits(v: int, knob=knob) -> bool:
-                return self.fits(peak, self.values(**{**chosen, knob.name: v}))
-
-            best = largest_fitting(knob.lo, knob.hi, fits)
             chosen[knob.name] = knob.lo if best is None else best
             knob.why = "widest" if best == knob.hi else "budget"
         for knob in self.knobs:
@@ -130,16 +143,21 @@ class StepPlanner:
         graph_term = BoundTerm(f"activations + op workspace (graph peak at {where})", formula, graph_bytes,
                                kind="transient", knob="")
         table.terms.append(graph_term)
+        if self.caller:
+            table.terms.append(BoundTerm("batch and outputs the caller holds through the optimizer step",
+                                         sympy.Integer(self.caller), self.caller, kind="step", knob=""))
         if self.carry:
             table.terms.append(BoundTerm("saved tensors of earlier graphs of this step (graph breaks)",
                                          sympy.Integer(self.carry), self.carry, kind="transient", knob=""))
         grads = sum(t.value for t in self.state_terms if t.name == "gradients")
         cert = StepCertificate(values, peak, point, graph_bytes, table,
-                               accumulation_total=self.total(graph_bytes + grads), sco_count=sco_count)
+                               accumulation_total=self.total(graph_bytes + grads), sco_count=sco_count,
+                               planner=self)
         return cert
 
 
-def infeasible(cert: StepCertificate, *, knob: str, binding: BoundTerm | None = None, detail: str = "") -> None:
+def infeasible(cert: StepCertificate, *, knob: str, binding: BoundTerm | None = None, detail: str = "",
+               name: str = "") -> None:
     """Raise InfeasibleBudgetError naming the peak's program point, its largest tensors, the total and the knob."""
     table = cert.table
     budget = table.budget
@@ -156,5 +174,5 @@ def infeasible(cert: StepCertificate, *, knob: str, binding: BoundTerm | None = 
         lines.append(f"  {detail}")
     lines += [f"  to fix       : {knob}", "bounds table:", table.render()]
     term.knob = knob
-    raise InfeasibleBudgetError("\n".join(lines), term=term.name, formula=str(term.formula),
+    raise InfeasibleBudgetError("\n".join(lines), term=name or term.name, formula=str(term.formula),
                                 value_bytes=term.value, budget_bytes=budget, knob=knob)

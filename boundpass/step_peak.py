@@ -77,6 +77,7 @@ class GraphPeak:
     storages: list[Storage] = field(default_factory=list)
     gradient_bytes: sympy.Expr = sympy.Integer(0)   # what backward returns for parameters
     saved_bytes: sympy.Expr = sympy.Integer(0)      # live when forward returns (saved for backward + outputs)
+    caller_bytes: sympy.Expr = sympy.Integer(0)     # the batch and the returned outputs: held through the step
 
     def peak_expr(self) -> sympy.Expr:
         """Max over program points of the live bytes (persistent state excluded), pruned of dominated terms."""
@@ -254,6 +255,8 @@ def analyze_graphs(fw: fx.GraphModule, bw: fx.GraphModule | None, *, static_inpu
     for o in list(out_node.args[0])[:num_user_outputs]:
         if isinstance(o, fx.Node):
             user_keys |= set(fw_alias.node_to_output_storages.get(o, ()))
+    result.caller_bytes = sum((walk.live[k].nbytes for k in (user_keys | set(inputs)) if k in walk.live),
+                              sympy.Integer(0))
     saved_keys = set()
     bw_placeholders = bw.graph.find_nodes(op="placeholder")
     for ph in bw_placeholders:

@@ -21,7 +21,6 @@ import torch.distributed as dist
 import boundpass
 from boundpass import symbols as sym
 from boundpass.errors import BoundpassInputError, InfeasibleBudgetError
-from boundpass.runtime.pipelined_llep import bound_values, pipelined_llep_bound
 from boundpass.testing.distributed import run_on_ranks
 from boundpass.testing.routing import route_all_to
 
@@ -133,24 +132,18 @@ def test_cap_is_chosen_from_the_budget_and_infeasible_budgets_fail_fast():
     compiled, table = compile_and_run("4GiB")
     (region,) = _dispatch_regions(compiled)
     assert region.cap == T  # room for everything: one chunk
-    term = next(t for t in table.terms if t.name.startswith("dispatch (PipelinedLLEP"))
-    values = bound_values(torch.float32, N=T, H=region.hidden, I=region.inter, E=region.experts, E_p=1,
-                          k=region.top_k, s_b=region.local_experts)
-    formula = pipelined_llep_bound(mixed_precision=False, narrow_compute=True, count_own_weights=False)
-    cost = lambda c: sym.evaluate(formula, {**values, sym.c: c})  # noqa: E731
-    assert term.value == cost(T)
-    persistent = table.total - term.value  # params + grads (no other transient without a loss)
-    # a budget that fits c = 8 but not c = 9: the widest cap that fits is chosen
-    compiled, table = compile_and_run(persistent + cost(8))
-    assert _dispatch_regions(compiled)[0].cap == 8 and table.total <= persistent + cost(8)
+    cert = boundpass.explain(compiled).certificate
+    # a budget that fits c = 8 but not c = 9 (the certified step peak at each cap): the widest cap that fits
+    assert cert.total_at(dispatch_cap=8) < cert.total_at(dispatch_cap=9)
+    compiled, table = compile_and_run(cert.total_at(dispatch_cap=8))
+    assert _dispatch_regions(compiled)[0].cap == 8 and table.total <= cert.total_at(dispatch_cap=8)
     # the user's cap is honoured
     compiled, table = compile_and_run("4GiB", dispatch_cap=5)
     assert _dispatch_regions(compiled)[0].cap == 5
-    # nothing fits: the error names the dispatch term, its formula, its value and what to change
+    # nothing fits: the error names the dispatch op at the peak's program point and what to change
     with pytest.raises(InfeasibleBudgetError) as err:
-        compile_and_run(persistent + cost(1) - 1)
-    assert err.value.term.startswith("dispatch (PipelinedLLEP") and err.value.value_bytes == cost(1)
-    assert "tokens per rank" in err.value.knob
+        compile_and_run(cert.total_at(dispatch_cap=1) - 1)
+    assert "tokens per rank" in err.value.knob and "peak at" in str(err.value)
     with pytest.raises(BoundpassInputError, match="dispatch_cap"):
         boundpass.compile(base, budget="4GiB", dispatch_cap=0)
 
