@@ -68,6 +68,7 @@ class ProgramPoint:
     target: str
     module_path: str
     live: sympy.Expr
+    workspace: sympy.Expr = sympy.Integer(0)   # the op's internal bytes (part of live)
 
 
 @dataclass
@@ -148,7 +149,7 @@ class _Walk:
 
     def point(self, phase: str, node: fx.Node, extra: sympy.Expr = sympy.Integer(0)) -> ProgramPoint:
         p = ProgramPoint(len(self.result.points), phase, node.name, str(node.target), module_path(node),
-                         self.total + extra)
+                         self.total + extra, extra)
         self.result.points.append(p)
         return p
 
@@ -303,6 +304,10 @@ def render_point(gp: GraphPeak, point: ProgramPoint, values: dict, top: int = 8)
     """Lines naming a program point and its largest live storages (module path, shape, bytes)."""
     lines = [f"peak at {point.phase} node {point.node} ({point.target})"
              + (f" in {point.module_path}" if point.module_path else "")]
+    workspace = _int(point.workspace, values)
+    if workspace:
+        lines.append(f"  {format_bytes(workspace):>10}  workspace  inside {point.target} (its declared bound minus "
+                     f"its inputs and outputs)")
     for s, n in gp.live_at(point, values, top):
         where = f" @ {s.module_path}" if s.module_path else ""
         formula = "" if s.nbytes.is_number else f" = {s.nbytes}"
