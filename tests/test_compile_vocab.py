@@ -162,7 +162,7 @@ def setup():
             return self.lm_head(torch.tanh(self.emb(tokens)))
     tokens = torch.randint(0, 50_000, (8, 1024))
     loss = lambda lg, y: F.cross_entropy(lg.flatten(0, 1).float(), y.flatten(0, 1), reduction="sum")
-    return boundpass.compile(TinyLM(), budget="60MiB", loss_fn=loss), tokens
+    return boundpass.compile(TinyLM(), budget="50MiB", loss_fn=loss), tokens
 def measured(state):
     compiled, tokens = state
     try:
@@ -182,15 +182,15 @@ def test_infeasible_budget_raises_before_any_large_allocation():
 def test_infeasible_budget_error_names_term_formula_value_budget_and_knob():
     vocab = 50_000
     model = TinyLM(vocab, hidden=64)
-    compiled = boundpass.compile(model, budget="60MiB", loss_fn=titan_style_ce)
+    compiled = boundpass.compile(model, budget="50MiB", loss_fn=titan_style_ce)
     with pytest.raises(boundpass.InfeasibleBudgetError) as info:
         compiled(*_batch(vocab, batch=8, seq=1024))
     err = info.value
     # the peak's program point is the Ring-DTP op even at its narrowest strip: the knob is the ring or N
-    assert err.term.startswith("vocab (Ring-DTP, C=128) at ") and err.budget_bytes == 60 * 2**20
+    assert err.term.startswith("vocab (Ring-DTP, C=128) at ") and err.budget_bytes == 50 * 2**20
     assert "ring_group" in err.knob and "N (now 8192)" in err.knob
     message = str(err)
-    for needle in ("peak at", "ring_dtp", "60.00 MiB", "to fix", "bounds table", "saved", "model.lm_head"):
+    for needle in ("peak at", "ring_dtp", "50.00 MiB", "to fix", "bounds table", "saved", "model.lm_head"):
         assert needle in message
     # the report of the failed compilation explains it too
     assert not boundpass.explain(compiled).table.fits()
@@ -212,7 +212,7 @@ def test_persistent_state_over_budget_fails_at_compile_time_naming_parameters():
 
 
 def test_suppress_errors_does_not_swallow_the_budget_error():
-    compiled = boundpass.compile(TinyLM(50_000, hidden=64), budget="60MiB", loss_fn=titan_style_ce)
+    compiled = boundpass.compile(TinyLM(50_000, hidden=64), budget="50MiB", loss_fn=titan_style_ce)
     with torch._dynamo.config.patch(suppress_errors=True), pytest.raises(boundpass.InfeasibleBudgetError):
         compiled(*_batch(50_000, batch=8, seq=1024))
 
