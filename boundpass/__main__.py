@@ -51,14 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     ops = () if args.operators.strip().lower() in ("", "none") else tuple(
         o.strip() for o in args.operators.split(",") if o.strip())
     try:
+        cost = CostModel(flops=args.flops, link_intra=args.link_intra, link_inter=args.link_inter,
+                         host_link=args.host_link, gpus_per_node=args.gpus_per_node)  # validated even without --search
         result = plan(args.model, args.flavor, ranks=args.ranks, ep=args.ep, ring=args.ring,
                       tokens_per_rank=args.tokens_per_rank, context=args.context, global_batch=args.global_batch,
                       budget=args.budget, host_budget=args.host_budget, operators=ops, dtype=args.dtype,
                       chunk_cap=args.chunk_cap, vocab_block=args.vocab_block, bucket=args.bucket, slots=args.slots,
                       routing=args.routing, do_trace=not args.no_trace, solve=args.solve,
-                      search=CostModel(flops=args.flops, link_intra=args.link_intra, link_inter=args.link_inter,
-                                       host_link=args.host_link, gpus_per_node=args.gpus_per_node)
-                      if args.search else None)
+                      search=cost if args.search else None)
     except BoundpassError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -110,7 +110,11 @@ class PlanResult:
                 + f", {i.dtype}, operators: {', '.join(sorted(i.operators)) or 'none (baseline)'}")
         out = [head, "", *lines, "", composed.describe(t)]
         out += [f"note: {n}" for n in self.trace_notes]
-        if self.solve:
+        if self.solve and self.solve.get("ceiling"):
+            out.append(f"solve: {self.solve['what']} {self.solve['value']:,} ({self.solve['tokens_per_rank']:,} "
+                       f"tokens/rank) fits and so does {self.solve['next']:,}: the search stopped at its ceiling "
+                       f"(2^34 tokens/rank), the budget does not bind below it")
+        elif self.solve:
             out.append(f"solve: largest {self.solve['what']} that fits: {self.solve['value']:,} "
                        f"({self.solve['tokens_per_rank']:,} tokens/rank); {self.solve['next']:,} does not fit")
         if self.search:
@@ -388,9 +392,16 @@ def solve_context(inp: PlanInput, shape: ModelShape) -> dict:
                                              multiple=n_step)
         value = n * inp.ranks // per
         return {"what": "context (tokens per sequence)", "value": value, "tokens_per_rank": n,
-                "next": value + step, "global_batch": per}
+                "next": value + step, "global_batch": per, "ceiling": n > 0 and _next_fits(shape, launch, inp, n + n_step)}
     n = composed.largest_tokens_per_rank(shape, launch, budget=inp.budget, host_budget=inp.host_budget)
-    return {"what": "tokens per rank N", "value": n, "tokens_per_rank": n, "next": n + 1}
+    return {"what": "tokens per rank N", "value": n, "tokens_per_rank": n, "next": n + 1,
+            "ceiling": _next_fits(shape, launch, inp, n + 1)}
+
+
+def _next_fits(shape: ModelShape, launch: Launch, inp: PlanInput, tokens: int) -> bool:
+    """True when the size after the answer fits too: the search stopped at its ceiling, not at the budget."""
+    trial = dataclasses.replace(launch, tokens_per_rank=tokens)
+    return composed.compose(shape, trial, budget=inp.budget, host_budget=inp.host_budget).fits()
 
 
 # ------------------------------------------------------------------------------------------- --search
@@ -404,6 +415,19 @@ class CostModel:
     gpus_per_node: int = 8
     chunk_latency: float = 30e-6     # fixed cost of one PipelinedLLEP chunk stage (launch + collective setup)
     bucket_latency: float = 50e-6    # fixed cost of one OffloadStreamAdamW bucket
+
+    def __post_init__(self):
+        for name in ("flops", "link_intra", "link_inter", "host_link"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise BoundpassInputError(f"cost model: {name.replace('_', '-')} must be a finite number > 0 "
+                                          f"(per rank, per second), got {value!r}")
+        for name in ("chunk_latency", "bucket_latency"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise BoundpassInputError(f"cost model: {name} must be a finite number >= 0 (seconds), got {value!r}")
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise BoundpassInputError(f"cost model: gpus-per-node must be an int >= 1, got {self.gpus_per_node!r}")
 
 
 def step_seconds(shape: ModelShape, launch: Launch, context: int, cost: CostModel, l_off: int) -> dict:

@@ -1,4 +1,5 @@
 """The bounded operators, usable without the compiler (import boundpass.runtime)."""
+from boundpass.runtime.agreement import global_max_tokens  # noqa: F401
 from boundpass.runtime.ring_dtp import (  # noqa: F401
     choose_branch,
     reference_loss,

@@ -296,12 +296,13 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                     saved.get("decoupled_weight_decay") is False and saved.get("weight_decay")):
                 raise BoundpassInputError("OffloadStreamAdamW can only load AdamW state without amsgrad/maximize "
                                           "(Adam's coupled weight decay differs from AdamW's)")
+        position = {index: k for k, index in enumerate(i for g in saved_groups for i in g["params"])}
+        self._check_saved_state(state_dict.get("state", {}), position)  # before anything is reset or allocated
         self._wait_written_back()
         if self._host is None:
             self._allocate_host_state()
         state_dict = self._unaliased(state_dict)
         self._reset_state()
-        position = {index: k for k, index in enumerate(i for g in saved_groups for i in g["params"])}
         for index, saved in state_dict["state"].items():
             state = self.state[self._params[position[index]]]
             state["step"] = float(_local(saved["step"]) if isinstance(saved["step"], Tensor) else saved["step"])
@@ -312,6 +313,42 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                 self._masters_pending.discard(position[index])
         for saved, own in zip(saved_groups, self.param_groups):
             own.update({k: v for k, v in saved.items() if k not in _TORCH_IMPL_KEYS and k != "params"})
+
+    def _check_saved_state(self, saved_state: dict, position: dict) -> None:
+        """Refuse what torch AdamW would fail on at its next step: a param's state without ``step``, ``exp_avg``
+        or ``exp_avg_sq``, a moment (or master) not shaped like its param, an index no group holds, a non-float
+        tensor. An empty entry (a param never stepped) is allowed and starts fresh."""
+        where = "OffloadStreamAdamW.load_state_dict"
+        for index, saved in saved_state.items():
+            if index not in position:
+                raise BoundpassInputError(f"{where}: state for param index {index!r}, which no saved param group "
+                                          f"lists (groups list {sorted(position)})")
+            if not saved:
+                continue
+            param = _local(self._params[position[index]])
+            missing = [key for key in ("step", "exp_avg", "exp_avg_sq") if key not in saved]
+            if missing:
+                raise BoundpassInputError(f"{where}: the state of param {index} (shape {tuple(param.shape)}) lacks "
+                                          f"{', '.join(missing)}; it has {sorted(saved)} (an AdamW state holds step, "
+                                          f"exp_avg and exp_avg_sq)")
+            for key in _STATE_KEYS:
+                if key not in saved:
+                    continue
+                value = saved[key]
+                if not isinstance(value, Tensor) or not value.is_floating_point():
+                    raise BoundpassInputError(f"{where}: state {key!r} of param {index} must be a floating tensor, "
+                                              f"got {type(value).__name__}"
+                                              + (f" {value.dtype}" if isinstance(value, Tensor) else ""))
+                local = _local(value)
+                if tuple(local.shape) != tuple(param.shape):
+                    raise BoundpassInputError(f"{where}: state {key!r} of param {index} has shape "
+                                              f"{tuple(local.shape)}, its param {tuple(param.shape)}")
+                if local.device.type == "meta":
+                    raise BoundpassInputError(f"{where}: state {key!r} of param {index} is a meta tensor (no data)")
+            step = saved["step"]
+            if isinstance(step, Tensor) and step.numel() != 1:
+                raise BoundpassInputError(f"{where}: 'step' of param {index} must be a scalar, got shape "
+                                          f"{tuple(step.shape)}")
 
     def _unaliased(self, state_dict: dict) -> dict:
         """Clone the saved tensors that share storage with this optimizer's own state (host copies).

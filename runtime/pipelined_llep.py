@@ -24,6 +24,7 @@ from torch import Tensor
 
 from boundpass import symbols as sym
 from boundpass.errors import BoundpassInputError
+from boundpass.runtime.agreement import agree, check_devices, mixed_real_call
 from boundpass.runtime.llep_plan import ChunkedRoutes, LLEPPlan, plan_llep
 
 
@@ -86,6 +87,8 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _check(x, topk_ids, topk_scores, w1, w2, w3, grp: _Group) -> None:
+    if w1.dim() != 3:
+        raise BoundpassInputError(f"EP dispatch expects w1 [e, I, H], got {tuple(w1.shape)}")
     e, I, H = w1.shape
     if x.dim() != 2 or x.shape[1] != H or w2.shape != (e, H, I) or w3.shape != (e, I, H):
         raise BoundpassInputError(f"EP dispatch expects x [T, H], w1/w3 [e, I, H], w2 [e, H, I]; got x "
@@ -207,10 +210,43 @@ def _weights_of(key: int, native: tuple[Tensor, ...], slots) -> tuple[Tensor, ..
     return tuple(w[key] for w in native) if key < e else tuple(w[key - e] for w in slots)
 
 
-def _setup(x, topk_ids, topk_scores, w1, w2, w3, group, counts, num_chunks, strided, plan_args):
-    """Plan shared by LLEP and PipelinedLLEP: (group, counts, plan, chunked routes, route order)."""
+def _setup(x, topk_ids, topk_scores, w1, w2, w3, group, counts, num_chunks, strided, plan_args, settings=(),
+           cap: int | None = None):
+    """Plan shared by LLEP and PipelinedLLEP: (group, counts, plan, chunked routes, route order).
+
+    Without ``counts``, the ranks first agree: one all-gather of a fixed length carries what every rank must
+    agree on (E, I, H, k, the dtypes of x / scores / experts, the schedule and its settings: cap c, strided,
+    alpha, min_piece, imbalance_threshold, max_borrowed) and whether this rank's own input was refused. A
+    mismatch or refusal raises the same BoundpassInputError on every rank before the route-count all-gather
+    (whose length is E) and before anything routing-sized is allocated. The chunk count K then follows from
+    agreed settings and the gathered counts, so it is the same on every rank.
+    """
     grp = _Group(group)
-    _check(x, topk_ids, topk_scores, w1, w2, w3, grp)
+    error = None
+    try:
+        check_devices("PipelinedLLEP", {"x": x, "topk_ids": topk_ids, "topk_scores": topk_scores,
+                                        "w1": w1, "w2": w2, "w3": w3})
+        _check(x, topk_ids, topk_scores, w1, w2, w3, grp)
+        if cap is not None:
+            num_chunks(0)  # refuses a cap c < 1
+    except BoundpassInputError as err:
+        if counts or grp.size == 1:
+            raise
+        error = err
+    if not counts:
+        shaped = w1.dim() == 3
+        fields = [("experts E", "int", w1.shape[0] * grp.size if shaped else None),
+                  ("expert hidden I", "int", w1.shape[1] if shaped else None),
+                  ("hidden size H", "int", x.shape[1] if x.dim() == 2 else None),
+                  ("top-k k", "int", topk_ids.shape[1] if topk_ids.dim() == 2 else None),
+                  ("x dtype", "dtype", x.dtype), ("scores dtype", "dtype", topk_scores.dtype),
+                  ("expert weights dtype", "dtype", w1.dtype),
+                  ("alpha", "float", plan_args["alpha"]), ("min_piece", "int", plan_args["min_piece"]),
+                  ("imbalance_threshold", "float", plan_args["imbalance_threshold"]),
+                  ("max_borrowed", "int", -1 if plan_args["max_borrowed"] is None else plan_args["max_borrowed"]),
+                  ("strided", "bool", strided), *settings]
+        agree("PipelinedLLEP", grp.group, grp.rank, grp.size, fields, local_error=error, device=x.device,
+              what="EP group")
     E, k = w1.shape[0] * grp.size, topk_ids.shape[1]
     if counts:
         counts = [list(counts[r * E:(r + 1) * E]) for r in range(grp.size)]
@@ -232,7 +268,8 @@ def llep(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tenso
     """Least-loaded EP: plan from all-gathered counts, borrowed weights, one token all-to-all. [T, H]."""
     grp, counts, plan, routes, order = _setup(
         x, topk_ids, topk_scores, w1, w2, w3, group, (), lambda n: 1, True,
-        dict(alpha=alpha, min_piece=min_piece, imbalance_threshold=imbalance_threshold, max_borrowed=max_borrowed))
+        dict(alpha=alpha, min_piece=min_piece, imbalance_threshold=imbalance_threshold, max_borrowed=max_borrowed),
+        settings=[("schedule", ("llep", "pipelined_llep"), "llep"), ("cap c", "int", 0)])
     k = topk_ids.shape[1]
     rows = x[order // k]
     rows, *slots = _BorrowWeights.apply(rows, grp, plan, w1, w2, w3)
@@ -261,7 +298,8 @@ def _pipelined_setup(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap, alph
                      imbalance_threshold, max_borrowed, strided, counts):
     return _setup(x, topk_ids, topk_scores, w1, w2, w3, group_name, counts, lambda n: num_chunks(n, cap), strided,
                   dict(alpha=alpha, min_piece=min_piece, imbalance_threshold=imbalance_threshold,
-                       max_borrowed=None if max_borrowed < 0 else max_borrowed))
+                       max_borrowed=None if max_borrowed < 0 else max_borrowed),
+                  settings=[("schedule", ("llep", "pipelined_llep"), "pipelined_llep"), ("cap c", "int", cap)], cap=cap)
 
 
 def _blocks(runs: list[tuple[int, int, int]], cap: int):
@@ -435,6 +473,10 @@ def pipelined_llep_fwd(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Ten
 @pipelined_llep_fwd.register_fake
 def _(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap, alpha, min_piece, imbalance_threshold, max_borrowed,
       strided, counts, compute_dtype):
+    if mixed_real_call("PipelinedLLEP", {"x": x, "topk_ids": topk_ids, "topk_scores": topk_scores,
+                                         "w1": w1, "w2": w2, "w3": w3}):
+        return pipelined_llep_forward(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap, alpha, min_piece,
+                                      imbalance_threshold, max_borrowed, strided, tuple(counts), compute_dtype)
     size = _Group(group_name).size
     return torch.empty_like(x), x.new_empty((size, w1.shape[0] * size), dtype=torch.int64)
 
@@ -450,6 +492,10 @@ def pipelined_llep_bwd(grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_score
 
 @pipelined_llep_bwd.register_fake
 def _(grad_out, x, topk_ids, topk_scores, w1, w2, w3, counts, *args):
+    if mixed_real_call("PipelinedLLEP backward", {"grad_out": grad_out, "x": x, "topk_ids": topk_ids,
+                                                  "topk_scores": topk_scores, "w1": w1, "w2": w2, "w3": w3,
+                                                  "counts": counts}):
+        return pipelined_llep_backward(grad_out, x, topk_ids, topk_scores, w1, w2, w3, counts, *args)
     return (torch.empty_like(x), torch.empty_like(topk_scores), torch.empty_like(w1), torch.empty_like(w2),
             torch.empty_like(w3))
 

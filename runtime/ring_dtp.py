@@ -23,6 +23,7 @@ from torch import Tensor
 
 from boundpass import symbols as sym
 from boundpass.errors import BoundpassInputError
+from boundpass.runtime.agreement import agree, check_devices, mixed_real_call
 
 BRANCHES = ("auto", "activations", "weights")
 
@@ -74,8 +75,11 @@ def _fold_strip(h, w_block, v0, labels, run_max, run_sum, target, acc):
     run_max.copy_(new_max)
 
 
-def _grad_strip(h, w_block, v0, labels, lse, token_scale, dh_acc, dw_acc_block, acc):
-    """Accumulate one strip's contribution to dh (all its rows) and to dW (its vocab rows), in place."""
+def _grad_strip(h, w_block, v0, labels, lse, token_scale, dh_acc, dw_acc_block, acc, lse_scale=None):
+    """Accumulate one strip's contribution to dh (all its rows) and to dW (its vocab rows), in place.
+
+    d/d(logit_v) of token_scale * loss + lse_scale * lse = (token_scale + lse_scale) p_v - token_scale [v = y].
+    """
     probs = torch.mm(h, w_block.t())
     if probs.dtype != acc:
         probs = probs.to(acc)
@@ -84,9 +88,13 @@ def _grad_strip(h, w_block, v0, labels, lse, token_scale, dh_acc, dw_acc_block, 
     idx = labels - v0
     hit = (idx >= 0) & (idx < width)
     idx.clamp_(0, width - 1)
-    probs.scatter_add_(1, idx.unsqueeze(1), hit.to(acc).neg_().unsqueeze(1))
+    if lse_scale is None:
+        probs.scatter_add_(1, idx.unsqueeze(1), hit.to(acc).neg_().unsqueeze(1))
+        probs.mul_(token_scale.unsqueeze(1))  # d(loss_sum)/d(logit); zero rows for ignore_index tokens
+    else:  # the lse output's gradient too (where: no 0 * inf for a target outside this strip)
+        probs.mul_((token_scale + lse_scale).unsqueeze(1))
+        probs.scatter_add_(1, idx.unsqueeze(1), torch.where(hit, token_scale, 0).neg_().unsqueeze(1))
     del idx, hit
-    probs.mul_(token_scale.unsqueeze(1))  # d(loss_sum)/d(logit); zero rows for ignore_index tokens
     if h.dtype == acc:
         dh_acc.addmm_(probs, w_block)
         dw_acc_block.addmm_(probs.t(), h)
@@ -114,14 +122,6 @@ class _Ring:
         """Group rank whose batch/shard this rank holds after ``step`` shifts."""
         return (self.rank - step) % self.size
 
-    def gather_counts(self, n: int, device) -> list[int]:
-        if self.size == 1:
-            return [n]
-        mine = torch.tensor([n], dtype=torch.int64, device=device)
-        out = torch.empty(self.size, dtype=torch.int64, device=device)
-        dist.all_gather_single(out, mine, group=self.group)
-        return out.tolist()
-
     def start_shift(self, sends: list[Tensor], recvs: list[Tensor]):
         """Post send(to next) / recv(from prev) for matching tensor lists; returns the requests."""
         nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
@@ -135,26 +135,54 @@ class _Ring:
 
 
 def _plan(h: Tensor, w: Tensor, labels: Tensor, vocab_size: int, group_name: str, block: int,
-          branch: str, token_counts: list[int]):
+          branch: str, token_counts: list[int], ignore_index: int = -100, check_labels: bool = False,
+          extra: dict | None = None, phase: str = "forward", lse_grad: bool = False):
+    """Validate this rank's input, agree with the ring, and derive the schedule every rank then runs.
+
+    Without ``token_counts`` one all-gather carries, beside each rank's N, what the ranks must agree on (V, H,
+    the input dtype, the requested branch); a rank whose own input is refused flags it in the same exchange.
+    A mismatch or a refusal raises the same BoundpassInputError on every rank before anything large is
+    allocated or any ring transfer is posted. With ``token_counts`` (simulated ranks) nothing is exchanged:
+    the caller vouches that every rank passes the same settings.
+    """
     ring = _Ring(group_name)
-    counts = list(token_counts) if token_counts else ring.gather_counts(h.shape[0], h.device)
-    if len(counts) != ring.size or counts[ring.rank] != h.shape[0]:
+    error = None
+    try:
+        _check_inputs(h, w, labels, vocab_size, ignore_index, check_labels, extra)
+        shard_sizes = vocab_shard_sizes(vocab_size, ring.size)
+        if w.shape[0] != shard_sizes[ring.rank]:
+            raise BoundpassInputError(
+                f"Ring-DTP rank {ring.rank} of {ring.size} must hold vocab rows "
+                f"{vocab_shard_range(vocab_size, ring.size, ring.rank)} ({shard_sizes[ring.rank]} rows) of "
+                f"V={vocab_size}, got a shard of {w.shape[0]} rows")
+        if branch not in BRANCHES:
+            raise BoundpassInputError(f"Ring-DTP branch must be one of {BRANCHES}, got {branch!r}")
+    except BoundpassInputError as err:
+        if token_counts or ring.size == 1:
+            raise
+        error = err
+    n = h.shape[0] if h.dim() >= 1 else 0
+    if token_counts:
+        counts = list(token_counts)
+    else:
+        two_d = h.dim() == 2
+        fields = [("vocab size V", "int", vocab_size), ("hidden size H", "int", h.shape[1] if two_d else None),
+                  ("input dtype", "dtype", h.dtype), ("branch", BRANCHES + ("<invalid>",), branch),
+                  ("phase", ("forward", "backward"), phase), ("lse gradient", "bool", lse_grad)]
+        counts = [row[0] for row in agree("Ring-DTP", ring.group, ring.rank, ring.size, fields, local_error=error,
+                                          payload=[n], device=h.device, what="ring")]
+    if len(counts) != ring.size or counts[ring.rank] != n:
         raise BoundpassInputError(f"Ring-DTP token_counts {counts} do not match ring of {ring.size} "
-                                  f"(rank {ring.rank} holds {h.shape[0]} tokens)")
-    shard_sizes = vocab_shard_sizes(vocab_size, ring.size)
-    if w.shape[0] != shard_sizes[ring.rank]:
-        raise BoundpassInputError(
-            f"Ring-DTP rank {ring.rank} of {ring.size} must hold vocab rows {vocab_shard_range(vocab_size, ring.size, ring.rank)} "
-            f"({shard_sizes[ring.rank]} rows) of V={vocab_size}, got a shard of {w.shape[0]} rows")
-    if branch not in BRANCHES:
-        raise BoundpassInputError(f"Ring-DTP branch must be one of {BRANCHES}, got {branch!r}")
+                                  f"(rank {ring.rank} holds {n} tokens)")
     if branch == "auto":
         branch = choose_branch(max(counts), vocab_size, ring.size)
     starts = [sum(shard_sizes[:r]) for r in range(ring.size)]
     return ring, counts, shard_sizes, starts, branch, (block if block > 0 else max(shard_sizes))
 
 
-def _check_inputs(h: Tensor, w: Tensor, labels: Tensor, vocab_size: int, ignore_index: int) -> None:
+def _check_inputs(h: Tensor, w: Tensor, labels: Tensor, vocab_size: int, ignore_index: int,
+                  check_labels: bool = True, extra: dict | None = None) -> None:
+    check_devices("Ring-DTP", {"h": h, "w": w, "labels": labels, **(extra or {})})
     if h.dim() != 2 or w.dim() != 2 or labels.dim() != 1:
         raise BoundpassInputError(f"Ring-DTP expects h [N, H], w [V_r, H], labels [N]; got {tuple(h.shape)}, "
                                   f"{tuple(w.shape)}, {tuple(labels.shape)}")
@@ -163,7 +191,7 @@ def _check_inputs(h: Tensor, w: Tensor, labels: Tensor, vocab_size: int, ignore_
                                   f"w {tuple(w.shape)} {w.dtype}, labels {tuple(labels.shape)}")
     if not h.is_floating_point() or labels.dtype not in (torch.int64, torch.int32):
         raise BoundpassInputError(f"Ring-DTP needs floating h/w and integer labels, got {h.dtype}, {labels.dtype}")
-    if not isinstance(labels, torch._subclasses.FakeTensor) and labels.numel():
+    if check_labels and not isinstance(labels, torch._subclasses.FakeTensor) and labels.numel():
         bad = ((labels < 0) | (labels >= vocab_size)) & (labels != ignore_index)
         if bool(bad.any()):
             raise BoundpassInputError(f"Ring-DTP label out of range [0, {vocab_size}) (ignore_index={ignore_index})")
@@ -205,9 +233,8 @@ def ring_dtp_forward(h: Tensor, w: Tensor, labels: Tensor, vocab_size: int, grou
                      block: int = 0, ignore_index: int = -100, branch: str = "auto",
                      token_counts: tuple[int, ...] = ()) -> tuple[Tensor, Tensor]:
     """Eager forward: (sum of this rank's token losses [], per-token log-sum-exp [N]) in fp32 (fp64 for fp64)."""
-    _check_inputs(h, w, labels, vocab_size, ignore_index)
     ring, counts, shard_sizes, starts, branch, block = _plan(h, w, labels, vocab_size, group_name, block,
-                                                             branch, token_counts)
+                                                             branch, token_counts, ignore_index, check_labels=True)
     acc = _acc_dtype(h.dtype)
     labels = labels.long()
 
@@ -240,17 +267,34 @@ def ring_dtp_forward(h: Tensor, w: Tensor, labels: Tensor, vocab_size: int, grou
 def ring_dtp_backward(grad_loss: Tensor, h: Tensor, w: Tensor, labels: Tensor, lse: Tensor, vocab_size: int,
                       group_name: str = "", block: int = 0, ignore_index: int = -100, branch: str = "auto",
                       token_counts: tuple[int, ...] = ()) -> tuple[Tensor, Tensor]:
-    """Eager backward: (dh [N, H], dW_r [V_r, H]) for d(sum_r grad_loss_r * loss_r), recomputing strips."""
+    """Eager backward: (dh [N, H], dW_r [V_r, H]) for d(sum_r grad_loss_r * loss_r), recomputing strips.
+
+    ``grad_loss``: the loss gradient [] (or [1]); or [1 + N] = the loss gradient then the lse output's gradient,
+    when something differentiated through lse (the custom op's autograd packs it so): both are exact.
+    """
+    lse_grad = grad_loss.numel() > 1
     ring, counts, shard_sizes, starts, branch, block = _plan(h, w, labels, vocab_size, group_name, block,
-                                                             branch, token_counts)
+                                                             branch, token_counts, ignore_index,
+                                                             extra={"grad_loss": grad_loss, "lse": lse},
+                                                             phase="backward", lse_grad=lse_grad)
     acc = _acc_dtype(h.dtype)
     labels = labels.long()
-    token_scale = (labels != ignore_index).to(acc) * grad_loss.to(acc)
+    lse_scale = None
+    if lse_grad:
+        if grad_loss.shape != (1 + h.shape[0],):
+            raise BoundpassInputError(f"Ring-DTP backward: grad_loss must be [] or [1 + N] = [{1 + h.shape[0]}], "
+                                      f"got {tuple(grad_loss.shape)}")
+        grad_loss, lse_scale = grad_loss[0], grad_loss[1:].to(acc)
+    # where, not a multiply: an ignored token's scale is exactly 0 even when grad_loss is inf or NaN (a mean
+    # over zero valid tokens divides by 0), as torch's cross_entropy backward skips ignored rows
+    token_scale = torch.where(labels != ignore_index, grad_loss.reshape(()).to(acc),
+                              torch.zeros((), dtype=acc, device=h.device))
 
-    def backprop(hh, yy, ll, scale, dh_acc, w_shard, dw_acc, v_start):
+    def backprop(hh, yy, ll, scale, *rest):
+        *lse_part, dh_acc, w_shard, dw_acc, v_start = rest
         for b0, b1 in _blocks(w_shard.shape[0], block):
             _grad_strip(hh, w_shard.narrow(0, b0, b1 - b0), v_start + b0, yy, ll, scale, dh_acc,
-                        dw_acc.narrow(0, b0, b1 - b0), acc)
+                        dw_acc.narrow(0, b0, b1 - b0), acc, *lse_part)
 
     def zeros(rows):
         return torch.zeros((rows, h.shape[1]), dtype=acc, device=h.device)
@@ -260,13 +304,15 @@ def ring_dtp_backward(grad_loss: Tensor, h: Tensor, w: Tensor, labels: Tensor, l
         (dw,) = _rotate(ring, [w], [zeros(w.shape[0])],
                         lambda owner: [w.new_empty((shard_sizes[owner], w.shape[1]))],
                         lambda owner: [h.new_empty((shard_sizes[owner], h.shape[1]), dtype=acc)],
-                        lambda owner, payload, accs: backprop(h, labels, lse, token_scale, dh, payload[0],
+                        lambda owner, payload, accs: backprop(h, labels, lse, token_scale,
+                                                              *([lse_scale] if lse_grad else []), dh, payload[0],
                                                               accs[0], starts[owner]))
     else:  # batches travel with their dh accumulators; dW of this rank's shard stays here
         dw = zeros(w.shape[0])
-        (dh,) = _rotate(ring, [h, labels, lse, token_scale], [zeros(h.shape[0])],
-                        lambda owner: [h.new_empty((counts[owner], h.shape[1])), labels.new_empty((counts[owner],)),
-                                       lse.new_empty((counts[owner],)), token_scale.new_empty((counts[owner],))],
+        per_token = [lse, token_scale] + ([lse_scale] if lse_grad else [])
+        (dh,) = _rotate(ring, [h, labels, *per_token], [zeros(h.shape[0])],
+                        lambda owner: [h.new_empty((counts[owner], h.shape[1])), labels.new_empty((counts[owner],))]
+                        + [t.new_empty((counts[owner],)) for t in per_token],
                         lambda owner: [h.new_empty((counts[owner], h.shape[1]), dtype=acc)],
                         lambda owner, payload, accs: backprop(*payload, accs[0], w, dw, starts[ring.rank]))
     return dh.to(h.dtype), dw.to(w.dtype)
@@ -283,6 +329,8 @@ def ring_dtp_fwd(h: Tensor, w: Tensor, labels: Tensor, vocab_size: int, group_na
 
 @ring_dtp_fwd.register_fake
 def _(h, w, labels, vocab_size, group_name, block, ignore_index, branch, token_counts):
+    if mixed_real_call("Ring-DTP", {"h": h, "w": w, "labels": labels}):
+        return ring_dtp_forward(h, w, labels, vocab_size, group_name, block, ignore_index, branch, tuple(token_counts))
     acc = _acc_dtype(h.dtype)
     return h.new_empty((), dtype=acc), h.new_empty((h.shape[0],), dtype=acc)
 
@@ -297,6 +345,9 @@ def ring_dtp_bwd(grad_loss: Tensor, h: Tensor, w: Tensor, labels: Tensor, lse: T
 
 @ring_dtp_bwd.register_fake
 def _(grad_loss, h, w, labels, lse, vocab_size, group_name, block, ignore_index, branch, token_counts):
+    if mixed_real_call("Ring-DTP backward", {"grad_loss": grad_loss, "h": h, "w": w, "labels": labels, "lse": lse}):
+        return ring_dtp_backward(grad_loss, h, w, labels, lse, vocab_size, group_name, block, ignore_index, branch,
+                                 tuple(token_counts))
     return torch.empty_like(h), torch.empty_like(w)
 
 
@@ -304,11 +355,19 @@ def _setup_context(ctx, inputs, output):
     h, w, labels, vocab_size, group_name, block, ignore_index, branch, token_counts = inputs
     ctx.save_for_backward(h, w, labels, output[1])
     ctx.args = (vocab_size, group_name, block, ignore_index, branch, token_counts)
+    ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not as zeros
 
 
 def _backward(ctx, grad_loss, grad_lse):
-    # lse is an internal saved value; a graph that differentiates through it is not a CE region.
+    # Both outputs are differentiable and exact. lse's gradient (None when nothing used lse: the CE region the
+    # compiler rewrites) is folded into the same strips: d/dlogit += grad_lse * softmax.
     h, w, labels, lse = ctx.saved_tensors
+    if grad_loss is None and grad_lse is None:
+        return (None,) * 9
+    if grad_loss is None:
+        grad_loss = lse.new_zeros(())
+    if grad_lse is not None:  # the lse output was differentiated (e.g. a z-loss): its gradient travels too
+        grad_loss = torch.cat([grad_loss.reshape(1).to(lse.dtype), grad_lse.to(lse.dtype)])
     dh, dw = torch.ops.boundpass.ring_dtp_bwd(grad_loss, h, w, labels, lse, *ctx.args)
     return dh, dw, None, None, None, None, None, None, None
 
