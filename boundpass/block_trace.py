@@ -1,0 +1,342 @@
+"""The activation peak of one model block, from its own AOTAutograd graphs, in symbolic tokens (issue 13, plan).
+
+``block_peak(module, example_inputs)`` traces the module's forward + backward through AOTAutograd
+(``aot_function`` with a partition function that keeps torch's ``default_partition`` graphs) under a
+``FakeTensorMode`` whose ``ShapeEnv`` makes the token dimension of the inputs a SymInt (nothing is allocated:
+a 671B block at a million tokens costs what a debug block costs), then walks the partitioned graphs with the
+same analysis ``boundpass.compile`` certifies (``boundpass.step_peak.analyze_graphs``: storages by torch's
+``GraphAliasTracker``, lifetimes in execution order, saved tensors across forward/backward, custom-op workspace).
+The result is a ``GraphPeak`` whose bytes are sympy expressions in the token symbol, mapped to
+``boundpass.symbols.N``.
+
+Parameters and buffers are static inputs: persistent state, never in the walk. ``weight_grads=False`` (the
+default) also leaves out the gradients backward returns for them (the composed budget counts every gradient by
+phase, boundpass/composed.py). The module's output is returned to the caller and its incoming gradient is a
+real tensor (``tangents``, live through backward), as for a block inside a model; with ``loss_fn`` the loss is
+the output instead.
+
+``block_phases`` splits the walk into the sub-phases of a recomputed block that the composed budget lays the
+ZeRO-3 terms on (forward; backward of the FFN; backward of the attention output projection and kernel; the
+input projections' tail), from ``torch.fx.traceback.annotate`` tags that module hooks put on the forward nodes
+(AOTAutograd copies them onto the backward nodes it derives from them).
+
+Data-dependent shapes: torchtitan's EP = 1 token dispatch has static shapes (N·k rows, sorted), but under
+EP > 1 the rows a rank receives depend on the routing; ``stand_in`` replaces a submodule by a shape-keeping
+stand-in (output = input · 0, so its saved bytes are none) for a region whose bytes a hand-written,
+routing-independent bound gives instead (boundpass/composed.py: the routed experts).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import sympy
+import torch
+import torch.fx.traceback as fx_traceback
+
+from boundpass import symbols as sym
+from boundpass.step_peak import GraphPeak, ProgramPoint, analyze_graphs
+
+PHASES = ("forward", "ffn_backward", "attention_backward", "tail_backward")
+
+
+@dataclass
+class BlockTrace:
+    """One block's traced activation peak: the analysis, the token symbol, sub-phase peaks (sympy in N)."""
+    peak: GraphPeak
+    token: sympy.Symbol
+    phases: dict = field(default_factory=dict)   # PHASES -> max live bytes in that sub-phase (sympy in sym.N)
+    seconds: float = 0.0
+
+    def peak_expr(self) -> sympy.Expr:
+        return self.peak.peak_expr()
+
+
+def _fake(mode, t: torch.Tensor, *, dynamic_dims: Sequence[int] = (), device: str = "cpu") -> torch.Tensor:
+    """A fake copy of ``t`` (meta tensors become fake tensors on ``device``), its ``dynamic_dims`` symbolic."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+    if not dynamic_dims:
+        out = mode.from_tensor(t, static_shapes=True)
+    else:
+        ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC if d in dynamic_dims else DimDynamic.STATIC
+                                                      for d in range(t.dim())])
+        out = mode.from_tensor(t, symbolic_context=ctx)
+    if out.device.type == "meta":  # built on meta (nothing allocated): trace it as the device would run it
+        out = out.detach().to(device)
+    if t.requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+class _StandIn(torch.nn.Module):
+    """Keeps a region's output shape and gradient flow (to every floating input) and saves nothing."""
+
+    def __init__(self, output_like: int = 0):
+        super().__init__()
+        self.output_like = output_like
+
+    def forward(self, *args, **kwargs):
+        out = args[self.output_like] * 0
+        for a in args[self.output_like + 1:]:
+            if isinstance(a, torch.Tensor) and a.is_floating_point() and a.requires_grad:
+                out = out + a.sum() * 0
+        return out
+
+
+@contextlib.contextmanager
+def _swapped(module: torch.nn.Module, stand_in: dict[str, torch.nn.Module]):
+    saved = {}
+    try:
+        for path, new in stand_in.items():
+            parent_path, _, name = path.rpartition(".")
+            parent = module.get_submodule(parent_path) if parent_path else module
+            saved[path] = (parent, name, getattr(parent, name))
+            setattr(parent, name, new)
+        yield
+    finally:
+        for parent, name, old in saved.values():
+            setattr(parent, name, old)
+
+
+@contextlib.contextmanager
+def _tagged(module: torch.nn.Module, tags: dict[str, str]):
+    """Module hooks that annotate the nodes each tagged submodule's forward traces (innermost tag wins)."""
+    handles, stack = [], []
+
+    def pre(tag):
+        def hook(_m, _a):
+            cm = fx_traceback.annotate({"boundpass_part": tag})
+            cm.__enter__()
+            stack.append(cm)
+        return hook
+
+    def post(_m, _a, _o):
+        stack.pop().__exit__(None, None, None)
+
+    try:
+        for path, tag in tags.items():
+            try:
+                sub = module.get_submodule(path)
+            except AttributeError:
+                continue
+            handles.append(sub.register_forward_pre_hook(pre(tag)))
+            handles.append(sub.register_forward_hook(post))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def block_peak(module: torch.nn.Module, example_inputs: Sequence, *, symbolic_tokens: bool = True,
+               token_dim: int = 1, loss_fn: Callable | None = None, weight_grads: bool = False,
+               count_inputs: bool = False, kwargs: dict | None = None,
+               tags: dict[str, str] | None = None, stand_in: dict[str, torch.nn.Module] | None = None,
+               ctx: dict | None = None) -> tuple[GraphPeak, sympy.Symbol | None]:
+    """Trace ``module``'s forward + backward and analyse its partitioned graphs: (GraphPeak, token symbol).
+
+    example_inputs: real or meta tensors (their values are never read); floating ones that require grad get a
+    gradient. The token dimension (``token_dim``) of every tensor input with at least ``token_dim + 1`` dims is
+    one SymInt (``symbolic_tokens=False``: the concrete size, token symbol None); the GraphPeak's bytes are
+    expressed in ``boundpass.symbols.N``. count_inputs=False leaves the inputs' own storages out (a block's
+    input is its checkpoint boundary, counted by its own term). tags: {submodule path: tag} annotations for
+    ``block_phases``. stand_in: {submodule path: module} regions replaced while tracing.
+    """
+    trace = _trace(module, example_inputs, symbolic_tokens=symbolic_tokens, token_dim=token_dim, loss_fn=loss_fn,
+                   weight_grads=weight_grads, count_inputs=count_inputs, kwargs=kwargs or {}, tags=tags or {},
+                   stand_in=stand_in or {}, ctx=ctx)
+    return trace.peak, (sym.N if symbolic_tokens else None)
+
+
+def block_phases(module: torch.nn.Module, example_inputs: Sequence, **kw) -> BlockTrace:
+    """``block_peak`` plus the peak of each sub-phase of a recomputed block (``PHASES``), from the tags.
+
+    Backward is split where its first node of the attention's output projection or kernel runs (before it:
+    the FFN's backward) and after its last kernel node (the input projections' tail). Forward points are one
+    sub-phase. Tags default to torchtitan's block layout (``TORCHTITAN_TAGS``).
+    """
+    kw.setdefault("tags", TORCHTITAN_TAGS)
+    return _trace(module, example_inputs, symbolic_tokens=kw.pop("symbolic_tokens", True),
+                  token_dim=kw.pop("token_dim", 1), loss_fn=kw.pop("loss_fn", None),
+                  weight_grads=kw.pop("weight_grads", False), count_inputs=kw.pop("count_inputs", False),
+                  kwargs=kw.pop("kwargs", None) or {}, tags=kw.pop("tags"), stand_in=kw.pop("stand_in", None) or {},
+                  ctx=kw.pop("ctx", None), split=True)
+
+
+# torchtitan's TransformerBlock: attention (its output projection, its kernel) and the FFN / MoE
+TORCHTITAN_TAGS = {"attention": "attention", "attention.wo": "wo", "attention.inner_attention": "kernel",
+                   "feed_forward": "ffn", "moe": "ffn"}
+
+
+def _trace(module, example_inputs, *, symbolic_tokens, token_dim, loss_fn, weight_grads, count_inputs, kwargs,
+           tags, stand_in, ctx, split: bool = False, eager: bool = True) -> BlockTrace:
+    import time
+
+    from torch._functorch.aot_autograd import aot_function
+    from torch._functorch.partitioners import default_partition
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    start = time.perf_counter()
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=False)
+    captured = {}
+
+    def partition(joint, joint_inputs, **kw):
+        fw, bw = default_partition(joint, joint_inputs, **kw)
+        captured.update(fw=fw, bw=bw, num_fwd_outputs=kw["num_fwd_outputs"])
+        return fw, bw
+
+    with _swapped(module, stand_in):
+        state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        names = list(state)
+        with mode:
+            fake_state = [_fake(mode, t) for t in state.values()]
+            inputs = [_fake(mode, t, dynamic_dims=(token_dim,) if symbolic_tokens and t.dim() > token_dim else ())
+                      if isinstance(t, torch.Tensor) else t for t in example_inputs]
+        n_state, n_in = len(names), len(inputs)
+
+        def step(*flat):
+            out = functional_call(module, dict(zip(names, flat[:n_state])), tuple(flat[n_state:]), kwargs)
+            if loss_fn is not None:
+                out = loss_fn(out)
+                out = out[0] if isinstance(out, tuple) else out
+            return (out,)
+
+        compiled = aot_function(step, fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm,
+                                partition_fn=partition, dynamic=False)
+        with _tagged(module, tags), fx_traceback.preserve_node_meta(), mode:
+            compiled(*fake_state, *inputs)
+    fw, bw = captured["fw"], captured["bw"]
+    for gm in (fw, bw):  # what eager autograd never runs (e.g. a recomputed op no node reads): gone
+        _drop_unread(gm)
+    peak = analyze_graphs(fw, bw, static_inputs=set(range(n_state)), num_user_outputs=captured["num_fwd_outputs"],
+                          ctx=ctx)
+    # what the composed budget counts elsewhere: the inputs (a checkpoint boundary) and the weights' gradients
+    drop = set()
+    if not count_inputs:
+        placeholders = fw.graph.find_nodes(op="placeholder")
+        drop |= {("input", p.name) for p in placeholders[n_state:n_state + n_in]}
+    if not weight_grads:  # the storages of the weights' gradients, by the node that allocates each
+        from torch._inductor.fx_passes.memory_estimator import GraphAliasTracker
+        nodes = list(bw.graph.nodes)
+        alias = GraphAliasTracker(nodes)
+        bw_out = bw.graph.find_nodes(op="output")[0].args[0]
+        keys = {k for i, o in enumerate(bw_out) if i < n_state and isinstance(o, torch.fx.Node)
+                for k in alias.node_to_output_storages.get(o, ())}
+        drop |= {(kind, n.name) for n in nodes for k in alias.get_fresh_allocations(n) if k in keys
+                 for kind in ("gradient", "activation")}
+    token = _token_symbol(inputs, token_dim) if symbolic_tokens else None
+    if eager:
+        _autograd_node_lifetimes(peak, bw)
+    peak = _without(peak, drop, {token: sym.N} if token is not None else {})
+    trace = BlockTrace(peak, sym.N if token is not None else None)
+    if split:
+        trace.phases = _split(peak, bw)
+    trace.seconds = time.perf_counter() - start
+    return trace
+
+
+def _drop_unread(gm: torch.fx.GraphModule) -> None:
+    """Remove pure ops nobody reads (the partitioner may leave a multi-output op's copy in backward whose
+    outputs were all saved from the forward: eager autograd never runs it). Mutating ops stay."""
+    changed = False
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op != "call_function" or node.users:
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and not schema.is_mutable and not node.target.namespace.startswith("_c10d"):
+            gm.graph.erase_node(node)
+            changed = True
+    if changed:
+        gm.recompile()
+
+
+def _token_symbol(inputs, token_dim):
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.dim() > token_dim and isinstance(t.shape[token_dim], torch.SymInt):
+            return t.shape[token_dim].node.expr
+    return None
+
+
+def _autograd_node_lifetimes(peak: GraphPeak, bw: torch.fx.GraphModule) -> None:
+    """Eager autograd frees at node granularity: a storage last read inside one autograd node's backward (its
+    saved tensors, its incoming gradient, the gradients it computes) lives until that node returns. The
+    backward graph's nodes carry the ``seq_nr`` of the forward op whose backward they are; a run of consecutive
+    backward points with one seq_nr is one node's apply. (A compiled backward frees at each op's last use:
+    that is what ``boundpass.compile`` certifies; a model run eagerly, as ``plan``'s measurements are, holds
+    them to the end of the node.)"""
+    seq = {n.name: n.meta.get("seq_nr") for n in bw.graph.nodes}
+    run_end: dict[int, int] = {}
+    points = peak.points
+    i = 0
+    while i < len(points):
+        j = i
+        if points[i].phase == "backward" and seq.get(points[i].node) is not None:
+            while j + 1 < len(points) and points[j + 1].phase == "backward" and \
+                    seq.get(points[j + 1].node) == seq.get(points[i].node):
+                j += 1
+        for k in range(i, j + 1):
+            run_end[k] = j
+        i = j + 1
+    for s in peak.storages:
+        if s.end < len(points) and points[s.end].phase == "backward":
+            s.end = run_end.get(s.end, s.end)
+
+
+def _without(peak: GraphPeak, names: set, subs: dict) -> GraphPeak:
+    """The walk's live bytes recomputed from its storages' lifetimes, the (kind, name) storages left out and
+    symbols renamed: live(point) = its op's workspace + every kept storage with start <= point <= end."""
+    out = GraphPeak(gradient_bytes=sympy.sympify(peak.gradient_bytes).xreplace(subs),
+                    saved_bytes=sympy.sympify(peak.saved_bytes).xreplace(subs),
+                    caller_bytes=sympy.sympify(peak.caller_bytes).xreplace(subs))
+    names_subs = {str(a): str(b) for a, b in subs.items()}
+    starts: dict[int, list] = {}
+    ends: dict[int, list] = {}
+    for s in peak.storages:
+        s.nbytes = sympy.sympify(s.nbytes).xreplace(subs)
+        for a, b_ in names_subs.items():
+            s.shape = s.shape.replace(a, b_)
+        if (s.kind, s.name) in names:
+            continue
+        out.storages.append(s)
+        starts.setdefault(s.start, []).append(s)
+        ends.setdefault(s.end, []).append(s)
+    live = sympy.Integer(0)
+    for p in peak.points:
+        for s in starts.get(p.index, ()):
+            live += s.nbytes
+        workspace = sympy.sympify(p.workspace).xreplace(subs)
+        out.points.append(ProgramPoint(p.index, p.phase, p.node, p.target, p.module_path,
+                                       sympy.expand(live + workspace), workspace))
+        for s in ends.get(p.index, ()):
+            live -= s.nbytes
+    return out
+
+
+def _split(peak: GraphPeak, bw: torch.fx.GraphModule) -> dict:
+    """Max live bytes per sub-phase (PHASES), from the tags the backward nodes carry."""
+    part = {n.name: (n.meta.get("custom") or {}).get("boundpass_part") for n in bw.graph.nodes}
+    bw_points = [p for p in peak.points if p.phase == "backward"]
+    first = next((i for i, p in enumerate(bw_points) if part.get(p.node) in ("wo", "kernel")), len(bw_points))
+    if first == len(bw_points):  # no attention: the whole backward is the FFN's
+        return {"forward": _max(p.live for p in peak.points if p.phase == "forward"),
+                "ffn_backward": _max(p.live for p in bw_points), "attention_backward": sympy.Integer(0),
+                "tail_backward": sympy.Integer(0)}
+    kernel = [i for i, p in enumerate(bw_points) if part.get(p.node) == "kernel"]
+    last = kernel[-1] if kernel else len(bw_points) - 1  # no kernel tagged: the attention's backward to the end
+    groups = {"forward": [p for p in peak.points if p.phase == "forward"],
+              "ffn_backward": bw_points[:first], "attention_backward": bw_points[first:last + 1],
+              "tail_backward": bw_points[last + 1:]}
+    return {name: _max(p.live for p in pts) for name, pts in groups.items()}
+
+
+def _max(values) -> sympy.Expr:
+    """Max of sympy expressions, dominated ones (same N-dependent part, smaller constant) pruned."""
+    best: dict = {}
+    for v in values:
+        const, rest = sympy.sympify(v).as_coeff_Add()
+        if rest not in best or (best[rest] - const).is_negative:
+            best[rest] = const
+    return sympy.Max(*(c + r for r, c in best.items())) if best else sympy.Integer(0)
