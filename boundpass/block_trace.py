@@ -340,3 +340,46 @@ def _max(values) -> sympy.Expr:
         if rest not in best or (best[rest] - const).is_negative:
             best[rest] = const
     return sympy.Max(*(c + r for r, c in best.items())) if best else sympy.Integer(0)
+
+
+# ------------------------------------------------------------------------------------------- torchtitan blocks
+TRACED_FAMILIES = ("deepseek_v3",)  # families whose plan takes its block activations from this trace
+
+
+def _unwrapped(block: torch.nn.Module) -> torch.nn.Module:
+    return getattr(block, "_checkpoint_wrapped_module", block)
+
+
+def _one_rank_attention(block: torch.nn.Module, attention_config) -> dict:
+    """Stand-ins that make the block's attention the one-rank schedule the composed budget counts: the fused
+    O(N) kernel (SeqToHeadAttention without a group: v zero-padded where the qk and v head dims differ)."""
+    from boundpass.runtime.seq_to_head import SeqToHeadAttention
+    inner = block.attention.inner_attention
+    if isinstance(inner, SeqToHeadAttention):
+        return {} if inner.group is None else {"attention.inner_attention": SeqToHeadAttention(inner.inner, None)}
+    qk = getattr(attention_config, "qk_nope_head_dim", None)
+    v = getattr(attention_config, "v_head_dim", None)
+    if qk is None or v is None or qk + attention_config.qk_rope_head_dim == v:
+        return {}
+    return {"attention.inner_attention": SeqToHeadAttention(inner, None)}
+
+
+def trace_torchtitan_blocks(net: torch.nn.Module, heads_config) -> tuple:
+    """((kind, sub-phase, sympy bytes in N), ...) for the first dense and the first MoE block of a torchtitan
+    Decoder (meta or real weights: nothing is read or allocated), traced on one rank at symbolic N with the
+    weights' dtype; the block's input left out (the boundary term); its weights' gradients in, as backward
+    produces them (the composed budget's gradient term then leaves that block's own out)."""
+    out, seen = [], set()
+    for block in net.layers.values():
+        block = _unwrapped(block)
+        kind = "moe" if getattr(block, "moe", None) is not None else "dense"
+        if kind in seen:
+            continue
+        seen.add(kind)
+        weight = next(block.parameters())
+        x = torch.empty(1, 8, net.tok_embeddings.weight.shape[1], dtype=weight.dtype, device="meta",
+                        requires_grad=True)
+        trace = block_phases(block, (x, None, None), stand_in=_one_rank_attention(block, heads_config),
+                             weight_grads=True)
+        out += [(kind, phase, sympy.nsimplify(trace.phases[phase])) for phase in PHASES]
+    return tuple(out)

@@ -98,6 +98,10 @@ class ModelShape:
     leading_dense_params: int = 0  # elements of the dense blocks before the first MoE block (grads absent in MoE bwd)
     min_dense_block_params: int = 0  # elements of the smallest dense block (0: none)
     min_moe_block_params: int = 0    # elements of the smallest MoE block, its routed experts included (0: none)
+    # traced block activations (boundpass/block_trace.py): ((block kind "dense"/"moe", sub-phase, sympy bytes in N),
+    # ...) of one block of each kind, traced forward + backward on one rank; () = the hand-written block terms
+    traced: tuple = ()
+    traced_b: int = 0  # bytes per element of the weights / activations the blocks were traced at
 
     @property
     def dense_layers(self) -> int:
@@ -174,6 +178,8 @@ class ComposedBudget(BudgetTable):
         """Activation peak of one recomputed block: glue + max(attention, attention saved + FFN); ffn: "dense" or
         "moe" (a block kind the model does not have: 0). Gathered weights and gradients not included."""
         s = self.sum
+        if any(t.kind == f"traced_{ffn}_forward" for t in self.terms):
+            return max(s(f"traced_{ffn}_{phase}") for phase in _SUBPHASES)
         if not any(t.kind == ffn and t.counted for t in self.terms):
             return 0
         return s("layer") + max(s("attention"), s("attention_saved") + s(ffn))
@@ -220,11 +226,25 @@ def _phase_alternatives(s, kinds: set) -> dict:
     if "embedding_backward" in kinds:
         out["embedding"] = [alt("grad", "grad_embedding", "embedding_backward")]
     for ffn in ("dense", "moe"):
-        if ffn not in kinds:
-            continue
         grads = f"grad_{ffn}" if f"grad_{ffn}" in kinds else "grad"
         prefetch_bwd = "gather_prefetch_first" if ffn == "dense" and "gather_prefetch_first" in kinds \
             else "gather_prefetch"
+        if f"traced_{ffn}_forward" in kinds:
+            # the block's activations per sub-phase from its trace; the forward also as FullAC's recompute, which
+            # runs in backward with the gradients produced by then
+            t = lambda phase: f"traced_{ffn}_{phase}"  # noqa: E731
+            base = ("transient", "gather_current")
+            g = (grads, t("own_grads"))
+            out[ffn] = [
+                alt(*base, "gather_prefetch", t("forward")),
+                alt(*base, prefetch_bwd, *g, t("forward")),
+                alt(*base, prefetch_bwd, *g, t("ffn_backward"), f"grads_ffn_{ffn}"),
+                alt(*base, prefetch_bwd, *g, t("attention_backward"), f"grads_attention_{ffn}"),
+                alt(*base, prefetch_bwd, *g, t("tail_backward"), f"grads_tail_{ffn}"),
+            ]
+            continue
+        if ffn not in kinds:
+            continue
         base = ("transient", "gather_current", "layer")
         out[ffn] = [
             alt(*base, "gather_prefetch", "attention"),                                    # forward
@@ -290,9 +310,42 @@ def _terms(shape: ModelShape, launch: Launch) -> tuple:
     """(name, formula, kind, knob, float function) of every term at this launch; formulas in the shared symbols."""
     branch = rd.choose_branch(launch.tokens_per_rank, shape.vocab, launch.ring) if "ring_dtp" in launch.operators \
         else ""
-    return _term_formulas(shape.dense_layers > 0, shape.moe_layers > 0, shape.shared_hidden > 0,
-                          frozenset(launch.operators), launch.routing, launch.b < launch.b_acc, branch,
-                          shape.tied_embeddings, launch.grad_accumulation > 1, _first_dense_only(shape))
+    terms = _term_formulas(shape.dense_layers > 0, shape.moe_layers > 0, shape.shared_hidden > 0,
+                           frozenset(launch.operators), launch.routing, launch.b < launch.b_acc, branch,
+                           shape.tied_embeddings, launch.grad_accumulation > 1, _first_dense_only(shape))
+    if uses_trace(shape, launch):
+        terms = tuple(t for t in terms if t[2] not in _TRACED_KINDS) + _traced_terms(shape.traced)
+    return terms
+
+
+# the hand-written terms of a block's activations the trace replaces (docs/plan.md: which terms are traced)
+_TRACED_KINDS = frozenset({"layer", "attention", "attention_saved", "dense", "moe"})
+_SUBPHASES = ("forward", "ffn_backward", "attention_backward", "tail_backward")
+
+
+def uses_trace(shape: ModelShape, launch: Launch) -> bool:
+    """The traced block activations stand for the hand-written ones on one rank (W = E_p = 1): there the trace is
+    the schedule that runs (torchtitan's EP = 1 dispatch has routing-independent shapes, the attention has no
+    exchange). Under W > 1 the sequence-to-head exchange and the routing-set standard-EP / PipelinedLLEP rows
+    are not in a one-rank trace: the hand-written terms stay (docs/plan.md). A launch in another dtype than the
+    blocks were traced at (``traced_b``) uses the hand-written terms too."""
+    return bool(shape.traced) and launch.ranks == 1 and launch.ep == 1 and launch.b == shape.traced_b
+
+
+@functools.lru_cache(maxsize=None)
+def _traced_terms(traced: tuple) -> tuple:
+    out = []
+    for block, phase, expr in traced:
+        name = (f"traced {block} block, {phase.replace('_', ' ')}: activations + its own gradients as backward "
+                "produces them (block_trace, one rank)")
+        out.append((name, expr, f"traced_{block}_{phase}", "a shorter context", _lambdify(expr)))
+    for block in sorted({t[0] for t in traced}):
+        # the gradient terms count every block's gradient; the running block's own are in its trace (as backward
+        # writes them), so one block's (the smallest of its kind) leaves the gradient term there
+        own = -(G_dense_min if block == "dense" else G_moe_min) * sym.b
+        out.append((f"the running {block} block's own gradients (in its trace, not in the gradient term)", own,
+                    f"traced_{block}_own_grads", "", _lambdify(own)))
+    return tuple(out)
 
 
 def _first_dense_only(shape: ModelShape) -> bool:

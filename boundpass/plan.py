@@ -214,8 +214,13 @@ def model_shape(model: str, flavor: str) -> ModelShape:
                            top_k=max((l.moe.router.top_k for l in cfg.layers if getattr(l, "moe", None)), default=0))
 
 
-def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int) -> ModelShape:
-    """ModelShape of a built torchtitan Decoder (meta or real): parameter counts per block, experts, heads."""
+def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int,
+                    trace: bool | None = None) -> ModelShape:
+    """ModelShape of a built torchtitan Decoder (meta or real): parameter counts per block, experts, heads.
+
+    trace (None: for the families in block_trace.TRACED_FAMILIES): also trace one block of each kind forward +
+    backward at symbolic N (boundpass/block_trace.py) so that the composed budget takes those blocks'
+    activations from their graphs on one rank (composed.uses_trace)."""
     H = net.tok_embeddings.weight.shape[1]
     V = net.lm_head.weight.shape[0]
     blocks = list(net.layers.values())
@@ -241,6 +246,11 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
                 shared_hidden = max(shared_hidden, shared.w1.weight.shape[0])
         elif getattr(blk, "feed_forward", None) is not None:
             dense_hidden = max(dense_hidden, blk.feed_forward.w1.weight.shape[0])
+    from boundpass import block_trace
+    if trace is None:  # a parallelized model (DTensor weights) is traced by its one-rank schedule only unsharded
+        trace = name.split()[0] in block_trace.TRACED_FAMILIES and not any(
+            hasattr(p, "_local_tensor") for p in net.parameters())
+    traced = block_trace.trace_torchtitan_blocks(net, heads_config) if trace else ()
     a = heads_config
     heads = a.n_heads
     kv_heads = getattr(a, "n_kv_heads", None) or heads
@@ -252,7 +262,8 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
                       block_params=block_params,
                       tied_embeddings=net.tok_embeddings.weight is net.lm_head.weight,
                       leading_dense_params=leading_dense, min_dense_block_params=min(dense_sizes, default=0),
-                      min_moe_block_params=min(moe_sizes, default=0))
+                      min_moe_block_params=min(moe_sizes, default=0), traced=traced,
+                      traced_b=next(net.parameters()).element_size() if traced else 0)
 
 
 def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2) -> tuple[dict, list[str]]:
