@@ -6,6 +6,7 @@ the budget (planner.py; raises before any real compute) -> eager kernels ("aot_e
 """
 from __future__ import annotations
 
+import time
 import uuid
 
 import torch
@@ -25,6 +26,7 @@ from boundpass.passes.optimizer_swap import plan_optimizer
 from boundpass.passes.vocab_pass import VocabRewriteConfig, rewrite_vocab_regions
 from boundpass.planner import Knob, StepPlanner, infeasible, set_op_arg
 from boundpass.runtime import ring_dtp
+from boundpass.runtime.agreement import global_max_tokens
 from boundpass.step_peak import analyze_graphs
 from boundpass.units import format_bytes, parse_bytes
 
@@ -58,6 +60,7 @@ class BoundedModule(nn.Module):
         self.fullgraph = fullgraph
         self.reports: list[ExplainReport] = []
         self.certificates: list = []            # planner.StepCertificate per compiled graph
+        self.ring_n_max = 0                     # the ring's largest N at the last compile (Ring-DTP's N_max)
         self.saved_of_earlier_graphs: list[int] = []  # graph breaks: what each graph's forward leaves for backward
         self._compiled = torch.compile(self._step, backend=self._backend, fullgraph=fullgraph, dynamic=dynamic)
 
@@ -122,7 +125,10 @@ class BoundedModule(nn.Module):
         hi = 0
         for region in rewritten:
             tokens_here = _concrete(_as_expr(region.tokens), _shape_env(region.op_node))
-            max_tokens = self.max_tokens_per_rank or tokens_here
+            # the branch must agree over the ring: chosen from the ring's largest N (one all-reduce), not this rank's
+            max_tokens = self.max_tokens_per_rank or global_max_tokens(tokens_here, self.ring_group)
+            if ring_size > 1:
+                self.ring_n_max = max(self.ring_n_max, max_tokens)
             if max_tokens < tokens_here:
                 raise BoundpassInputError(f"max_tokens_per_rank={max_tokens} but this rank holds {tokens_here} tokens "
                                           f"at the vocab projection ({region.module_path})")
@@ -139,7 +145,8 @@ class BoundedModule(nn.Module):
         if not rewritten:
             return []
         tokens = max(_concrete(_as_expr(r.tokens), _shape_env(r.op_node)) for r in rewritten)
-        tokens = max(self.max_tokens_per_rank or 0, tokens)
+        # c and the chunk count must agree over the EP group: its range comes from the group's largest N
+        tokens = max(self.max_tokens_per_rank or 0, global_max_tokens(tokens, rewritten[0].group_name))
         return [Knob("dispatch_cap", sym.c, lo=1, hi=tokens, arg="cap",
                      ops=(torch.ops.boundpass.pipelined_llep_fwd.default, torch.ops.boundpass.pipelined_llep_bwd.default),
                      user=self.dispatch_cap, regions=rewritten)]
@@ -175,7 +182,9 @@ class _PlanningPartitioner:
         base = min_cut_rematerialization_partition if owner.inner == "inductor" else default_partition
         static = set(kwargs.get("static_lifetime_input_indices") or ())
         outputs = kwargs["num_fwd_outputs"]
-        ctx = {"max_tokens_per_rank": owner.max_tokens_per_rank}
+        ctx = {"max_tokens_per_rank": owner.max_tokens_per_rank or owner.ring_n_max or None}
+        timing = {"analysis": 0.0}
+        begun = time.perf_counter()
 
         def attempt(count: int):
             fw, bw = base(joint, joint_inputs, **kwargs)
@@ -187,7 +196,12 @@ class _PlanningPartitioner:
                         plan.runtime.offload_waits = True  # see CompiledSCO.offload_waits
                     sco_pass.rewrite_partitioned(plan, joint, fw, bw, outputs)
                     held = sco_pass.held_intervals(plan, bw)
-            return fw, bw, analyze_graphs(fw, bw, static_inputs=static, num_user_outputs=outputs, held=held, ctx=ctx)
+            start = time.perf_counter()
+            peak = analyze_graphs(fw, bw, static_inputs=static, num_user_outputs=outputs, held=held, ctx=ctx)
+            timing["analysis"] += time.perf_counter() - start
+            if shape_env is not None:  # partitioning may add symbols (e.g. a saved RNG state's size)
+                backed.update(shape_env.backed_var_to_val)
+            return fw, bw, peak
 
         shape_env = _graph_shape_env(joint)
         backed = dict(shape_env.backed_var_to_val) if shape_env is not None else {}
@@ -201,23 +215,28 @@ class _PlanningPartitioner:
         trials = {}
         fw, bw, peak = attempt(count)
         planner.caller = _int_or_hint(peak.caller_bytes, backed)
+        _fit_offload_bucket(owner, planner)
         trials[count] = planner.total(peak.evaluate(planner.values())[0])
         if plan.mode == "auto" and plan.most and not planner.fits(peak, planner.values()):
-            lo, hi, best = 1, plan.most, None
-            while lo <= hi:  # the fewest boundaries that make the narrowest schedule fit (monotone in L_off)
-                mid = (lo + hi) // 2
-                _, _, trial = attempt(mid)
-                trials[mid] = planner.total(trial.evaluate(planner.values())[0])
-                if trials[mid] <= owner.budget:
-                    best, hi = mid, mid - 1
-                else:
-                    lo = mid + 1
-            count = best if best is not None else plan.most
+            # the fewest boundaries that make the narrowest schedule fit; a linear scan, because the peak is not
+            # monotone in L_off: offloading the last boundary makes backward reload it at once (with a prefetch)
+            count = None
+            for trial_count in range(1, plan.most + 1):
+                _, _, trial = attempt(trial_count)
+                trials[trial_count] = planner.total(trial.evaluate(planner.values())[0])
+                if trials[trial_count] <= owner.budget:
+                    count = trial_count
+                    break
+            count = count if count is not None else min(trials, key=trials.get)
             fw, bw, peak = attempt(count)
-        values = planner.choose(peak)
+        planner.choose(peak)
+        _agree_on_caps(self.knobs)
+        values = planner.values(**{k.name: k.value for k in self.knobs})
         extra = [sco_pass.host_term(plan)] if plan.offloaded else []
         cert = planner.certify(peak, values, extra_terms=extra, sco_count=plan.offloaded)
         cert.sco_trials = trials
+        cert.analysis_s = timing["analysis"]                   # the graph walks (every SCO candidate)
+        cert.planning_s = time.perf_counter() - begun          # partitions, SCO rewrites, walks, knob search
         self.report.table, self.report.certificate = cert.table, cert
         owner.certificates.append(cert)
         for knob in self.knobs:  # the planner writes its choice into every graph by argument name
@@ -238,8 +257,10 @@ class _PlanningPartitioner:
         if not cert.table.fits():
             _raise_step_infeasible(owner, cert, self.knobs, plan)
         if shape_env is not None:  # a dynamic N must not grow past what was checked: guard on the budget
+            inputs = _input_symbols(fw)  # only sizes the caller controls are guarded; others take their value
             total = planner._sum("persistent") + sympy.Max(carry + peak.peak_expr().xreplace(
                 {k.symbol: k.value for k in self.knobs}), planner._sum("step") + planner.caller)
+            total = total.xreplace({s: v for s, v in backed.items() if s not in inputs})
             if total.free_symbols:
                 shape_env.evaluate_expr(sympy.Le(total, owner.budget))
         owner.saved_of_earlier_graphs.append(_int_or_hint(peak.saved_bytes, backed))
@@ -263,6 +284,39 @@ class _InductorPartitioner(CustomPartitionerFn):
         return self
 
 
+def _agree_on_caps(knobs: list[Knob]) -> None:
+    """Every EP rank runs the same chunk schedule: the narrowest cap any rank's budget allows (one all-reduce)."""
+    for knob in knobs:
+        if knob.name != "dispatch_cap" or not knob.regions:
+            continue
+        group = knob.regions[0].group_name
+        agreed = -global_max_tokens(-knob.value, group)  # max of the negatives: the minimum over the group
+        if agreed != knob.value:
+            knob.value, knob.why = agreed, "narrowest over the EP group"
+
+
+def _fit_offload_bucket(owner: "BoundedModule", planner: StepPlanner) -> None:
+    """OffloadStreamAdamW's bucket beta: the largest whose staging fits the optimizer phase as the graph sees it
+    (the batch the caller holds through the step included), never wider than compile() chose; the user's wins."""
+    from boundpass.runtime import offload_adamw as oa
+    plan = owner.optimizer_plan
+    if plan is None or not plan.offloaded or owner.optimizer_bucket is not None:
+        return
+    inner = list(getattr(plan.optimizer, "optimizers", [plan.optimizer]))
+    staging = [t for t in owner.state_terms if t.name.startswith("optimizer staging")]
+    if len(inner) != 1 or len(staging) != 1 or not isinstance(inner[0], oa.OffloadStreamAdamW):
+        return
+    opt, term = inner[0], staging[0]
+    room = owner.budget - planner._sum("persistent") - (planner._sum("step") - term.value) - planner.caller
+    values = oa.bound_values(b=4, Theta=opt.numel, beta=1, S=opt.staging_slots)
+    per_element = sym.evaluate(term.formula, values)
+    beta = min(opt.bucket_params, max(1, room // per_element))
+    if beta != opt.bucket_params:
+        opt.bucket_params = beta
+        term.value = sym.evaluate(term.formula, {**values, sym.beta: beta})
+        term.name = f"optimizer staging (OffloadStreamAdamW, beta={beta}, S={opt.staging_slots})"
+
+
 def _graph_shape_env(gm):
     for node in gm.graph.nodes:
         val = node.meta.get("val")
@@ -270,6 +324,17 @@ def _graph_shape_env(gm):
         if mode is not None:
             return mode.shape_env
     return None
+
+
+def _input_symbols(fw) -> set:
+    """The symbols in the forward graph's input sizes (what a new batch shape changes)."""
+    out = set()
+    for node in fw.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        for dim in getattr(val, "shape", ()) if isinstance(val, torch.Tensor) else ():
+            if isinstance(dim, torch.SymInt):
+                out |= dim.node.expr.free_symbols
+    return out
 
 
 def _int_or_hint(expr, backed: dict) -> int:
@@ -304,11 +369,10 @@ def _raise_step_infeasible(owner: "BoundedModule", cert, knobs: list[Knob], plan
                    "source per chunk does not fit beside the rest of the step (more EP ranks shrink the experts "
                    "each rank holds)", detail=f"at c={knob.value}", name=f"dispatch (PipelinedLLEP, c={knob.value}){where}")
     saved = sum(n for s, n in cert.peak.live_at(point, cert.values, top=10**6) if s.kind == "saved") if point else 0
-    if plan.eligible and plan.offloaded < len(plan.eligible) and saved:
+    if plan.eligible and saved and (plan.mode is False or plan.most < len(plan.eligible)):
+        # more offload can only help when boundaries are still on the device that the host pool could take
         if plan.mode is False:
-            knob = "boundpass.compile(..., sco=True, host_budget=<host bytes>) offloads checkpoint boundaries"
-        elif plan.offloaded < plan.most:
-            knob = "boundpass.compile(..., sco=True) offloads every boundary the host pool holds"
+            knob = "boundpass.compile(..., sco='auto', host_budget=<host bytes>) offloads checkpoint boundaries"
         else:
             knob = (f"boundpass.compile(..., host_budget=<larger>): the host pool holds {plan.most} of "
                     f"{len(plan.eligible)} checkpoint boundaries")
@@ -431,10 +495,12 @@ def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_bl
         composed_table = composed.check(model_shape, launch, budget=budget_bytes, host_budget=host_bytes)
     state_terms, plan = _state_terms(model, optimizer, budget=budget_bytes, host_budget=host_bytes,
                                      offload=offload_optimizer, bucket=optimizer_bucket, slots=optimizer_slots)
-    return BoundedModule(model, loss_fn, budget=budget_bytes, ring_group=ring_group, vocab_block=vocab_block,
+    bounded = BoundedModule(model, loss_fn, budget=budget_bytes, ring_group=ring_group, vocab_block=vocab_block,
                          max_tokens_per_rank=max_tokens_per_rank, inner=inner, fullgraph=fullgraph,
                          dynamic=dynamic, state_terms=state_terms, optimizer_plan=plan, host_budget=host_bytes,
                          sco=sco, dispatch=bool(dispatch), dispatch_cap=dispatch_cap, composed_table=composed_table)
+    bounded.optimizer_bucket = optimizer_bucket  # None: the planner may narrow beta to what the step leaves
+    return bounded
 
 
 def explain(compiled: BoundedModule) -> ExplainReport:

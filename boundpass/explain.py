@@ -56,6 +56,7 @@ class ExplainReport:
         if getattr(self, "sco", None) is not None:  # passes.sco_pass.SCOPlan: checkpoint boundary offload
             lines += self.sco.lines()
         lines += ["", "bounds (bytes per rank):", self.table.render() if self.table else "  (none)"]
+        lines += self._knob_lines()
         lines += self._step_peak_lines()
         if getattr(self, "composed", None) is not None:  # compile(..., launch=, model_shape=)
             from boundpass.composed import describe
@@ -63,10 +64,27 @@ class ExplainReport:
                       self.composed.render(), describe(self.composed)]
         if graph == "full":
             lines += ["", "rewritten graph (Dynamo, torch IR):", self.graph_code]
-        elif graph == "excerpt":
+        if graph in ("full", "excerpt"):  # the partitioned graphs: where SCO's offload / reload appear
+            for title, code in (("forward", self.forward_code), ("backward", self.backward_code)):
+                ops = [ln.strip() for ln in code.splitlines() if "torch.ops.boundpass." in ln]
+                if ops:
+                    lines += ["", f"partitioned {title} graph (aten), boundpass ops only:"] + [f"  {ln}" for ln in ops]
+        if graph == "excerpt":
             ops = [ln.strip() for ln in self.graph_code.splitlines() if "boundpass." in ln]
             lines += ["", "rewritten graph, boundpass ops only (Dynamo, torch IR):"] + [f"  {ln}" for ln in ops]
         return "\n".join(lines)
+
+    def _knob_lines(self) -> list[str]:
+        """The planner's choice per knob: value, why, and what the budget alone would have allowed."""
+        cert = getattr(self, "certificate", None)
+        knobs = cert.planner.knobs if cert is not None and cert.planner is not None else []
+        if not knobs:
+            return []
+        lines = ["", "knobs (boundpass/planner.py):"]
+        for k in knobs:
+            allowed = "nothing fits" if k.widest_fitting is None else f"the budget alone allows {k.widest_fitting}"
+            lines.append(f"  {k.name} = {k.value} ({k.why}; range {k.lo}..{k.hi}; {allowed})")
+        return lines
 
     # ---- the step's predicted memory over time --------------------------------------------------------------
     def timeline(self) -> list[tuple[str, str, str, int]]:

@@ -68,6 +68,8 @@ class StepCertificate:
     sco_count: int = 0
     planner: "StepPlanner | None" = None
     sco_trials: dict = field(default_factory=dict)  # L_off tried -> device peak at the narrowest knobs (bytes)
+    analysis_s: float = 0.0      # seconds spent walking the graphs
+    planning_s: float = 0.0      # seconds in the planning partitioner (partitions, rewrites, walks, knobs)
 
     def total_at(self, **knobs) -> int:
         """The certified device peak (bytes) had the knobs been ``knobs`` (e.g. dispatch_cap=8)."""

@@ -263,7 +263,7 @@ def _certified_total(layers, width, rows, offloaded):
 
 
 def test_explain_and_auto_offloads_only_what_the_device_budget_needs():
-    layers, width, rows = 4, 64, 64
+    layers, width, rows = 4, 64, 1024  # boundaries (256 KiB) dominate the weights (16 KiB)
     boundary = rows * width * 4
     totals = [_certified_total(layers, width, rows, k) for k in (1, 2)]
     assert totals[1] < totals[0]  # each boundary offloaded lowers the certified peak
@@ -285,7 +285,7 @@ def test_no_checkpointed_blocks_is_explained():
 
 
 def test_infeasible_device_budget_names_the_peak_and_its_knob():
-    layers, width, rows = 4, 64, 64
+    layers, width, rows = 4, 64, 1024  # boundaries (256 KiB) dominate the weights (16 KiB)
     every = _certified_total(layers, width, rows, layers)
     model = _mlp(layers, width)
     compiled = boundpass.compile(model, budget=every - 1, loss_fn=_square_loss, host_budget="1GiB", sco=True)
@@ -296,7 +296,7 @@ def test_infeasible_device_budget_names_the_peak_and_its_knob():
 
 
 def test_infeasible_host_budget_names_the_host_budget_knob():
-    layers, width, rows = 4, 64, 64
+    layers, width, rows = 4, 64, 1024  # boundaries (256 KiB) dominate the weights (16 KiB)
     boundary = rows * width * 4
     two = _certified_total(layers, width, rows, 2)
     model = _mlp(layers, width)
@@ -316,7 +316,7 @@ def test_unmatched_regions_are_kept_noted_and_rebudgeted(monkeypatch, roomy):
     """When the partitioned graph does not show the boundaries the plan counted on, nothing is offloaded, explain
     says why, the device term is corrected to every boundary on the device, and a budget that no longer fits
     raises before any real compute."""
-    layers, width, rows = 4, 64, 64
+    layers, width, rows = 4, 64, 1024  # boundaries (256 KiB) dominate the weights (16 KiB)
     every = _certified_total(layers, width, rows, layers)
     monkeypatch.setattr(sco_pass, "_joint_boundaries", lambda joint: [])
     boundary = rows * width * 4

@@ -186,11 +186,11 @@ def test_infeasible_budget_error_names_term_formula_value_budget_and_knob():
     with pytest.raises(boundpass.InfeasibleBudgetError) as info:
         compiled(*_batch(vocab, batch=8, seq=1024))
     err = info.value
-    # the peak's program point is the Ring-DTP op even at its narrowest strip: the knob is the ring or N
-    assert err.term.startswith("vocab (Ring-DTP, C=128) at ") and err.budget_bytes == 50 * 2**20
-    assert "ring_group" in err.knob and "N (now 8192)" in err.knob
+    # the step's real peak: the embedding's dense gradient in backward (the old table never counted it)
+    assert "graph peak at backward" in err.term and err.budget_bytes == 50 * 2**20
+    assert "tokens per rank" in err.knob
     message = str(err)
-    for needle in ("peak at", "ring_dtp", "50.00 MiB", "to fix", "bounds table", "saved", "model.lm_head"):
+    for needle in ("peak at", "50.00 MiB", "to fix", "bounds table", "model.emb"):
         assert needle in message
     # the report of the failed compilation explains it too
     assert not boundpass.explain(compiled).table.fits()

@@ -188,7 +188,9 @@ def ring_dtp_peak(node: fx.Node, ctx: dict):
     h_val, w_val = h.meta["val"], w.meta["val"]
     ring = _ring_size(group_name)
     tokens = as_expr(h_val.shape[0])
-    n_max = ctx.get("max_tokens_per_rank") or tokens
+    # the ring's largest N: at least this rank's (symbolic under dynamic shapes, so the budget guard sees it grow)
+    declared = ctx.get("max_tokens_per_rank")
+    n_max = tokens if not declared else sympy.Max(int(declared), tokens)
     if branch == "auto":
         branch = ring_dtp.choose_branch(int(n_max) if sympy.sympify(n_max).is_number else 1 << 62, vocab, ring)
     mixed = torch.promote_types(h_val.dtype, torch.float32) != h_val.dtype

@@ -1,0 +1,31 @@
+"""A plain PyTorch LM that is not torchtitan's (embedding, one wide MLP block, untied head) and its losses."""
+from __future__ import annotations
+
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class DenseLM(nn.Module):
+    """Embedding -> LayerNorm -> wide GELU MLP (residual) -> head; returns [B, S, V] logits."""
+
+    def __init__(self, vocab: int = 4096, hidden: int = 64, inter: int = 2048):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.up, self.down = nn.Linear(hidden, inter), nn.Linear(inter, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        h = h + self.down(F.gelu(self.up(self.norm(h))))
+        return self.head(h)
+
+
+def ce(out, labels):
+    """Mean token cross-entropy in fp32 (the vocab pass rewrites it)."""
+    return F.cross_entropy(out.flatten(0, 1).float(), labels.flatten())
+
+
+def smoothed_ce(out, labels):
+    """Label-smoothed cross-entropy: the vocab pass skips it, the [N, V] logits stay."""
+    return F.cross_entropy(out.flatten(0, 1), labels.flatten(), label_smoothing=0.1)
