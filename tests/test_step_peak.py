@@ -141,7 +141,8 @@ def test_demo_model_smallest_accepted_budget_holds_the_measured_step(torchtitan_
     model = build_debug_moe("deepseek_v3", vocab_size=vocab, seq_len=seq)
     batches = _batches(vocab, 2, seq, with_count=True)
     probe = boundpass.compile(model, budget="64GiB", loss_fn=torchtitan_loss(), vocab_block=128, dispatch_cap=1,
-                              optimizer=torch.optim.AdamW(model.parameters()), offload_optimizer=True)
+                              optimizer=torch.optim.AdamW(model.parameters()), offload_optimizer=True,
+                              optimizer_bucket=1)
     probe(*batches[0])
     narrowest = boundpass.explain(probe).table.total  # every knob at its narrowest: the least compile accepts
     model.zero_grad(set_to_none=True)
