@@ -25,22 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import fmt_bytes, markdown_table, publish, run_metadata, targets_section  # noqa: E402
 
 import boundpass  # noqa: E402
-from boundpass.memtrack import rss_peak_in_subprocess  # noqa: E402
-from boundpass.testing.dense_lm import DenseLM, ce, smoothed_ce  # noqa: E402
-from boundpass.testing.whole_step import measured_step_peak  # noqa: E402
+from boundpass.testing.dense_lm import DenseLM, ce, lm_batches, smoothed_ce  # noqa: E402
+from boundpass.testing.whole_step import certified_and_rss, measured_step_peak  # noqa: E402
 
 warnings.filterwarnings("ignore", message="In CPU autocast")
-
-
-def _batches(vocab, batch, seq, n=3, count=False):
-    out = []
-    for i in range(n):
-        g = torch.Generator().manual_seed(i)
-        t = torch.randint(0, vocab, (batch, seq), generator=g)
-        y = torch.randint(0, vocab, (batch, seq), generator=g)
-        y[:, :3] = -100
-        out.append((t, y, (y != -100).sum()) if count else (t, y))
-    return out
 
 
 def _dense(loss_fn, optimizer="adamw"):
@@ -49,7 +37,7 @@ def _dense(loss_fn, optimizer="adamw"):
         model = DenseLM(vocab=8192, hidden=128, inter=4096)
         opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if optimizer == "sgd"
                else torch.optim.AdamW(model.parameters(), lr=1e-3))
-        return model, loss_fn, opt, {}, _batches(8192, 4, 512)
+        return model, loss_fn, opt, {}, lm_batches(8192, 4, 512)
     return build
 
 
@@ -61,7 +49,7 @@ def _titan(name, *, dtype=torch.float32, fullac=False, **kwargs):
             from torchtitan.distributed.activation_checkpoint import FullAC
             FullAC(FullAC.Config()).apply(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        return model, torchtitan_loss(), opt, kwargs, _batches(32_768, 2, 256, count=True)
+        return model, torchtitan_loss(), opt, kwargs, lm_batches(32_768, 2, 256, with_count=True)
     return build
 
 
@@ -110,34 +98,9 @@ def run_case(build, runs: int) -> dict:
     return record
 
 
-_RSS_SNIPPET = """
-import torch, boundpass
-from boundpass.testing.dense_lm import DenseLM, ce
-def setup():
-    torch.manual_seed(0)
-    model = DenseLM(vocab=8192, hidden=128, inter=4096)
-    opt = torch.optim.AdamW(model.parameters(), foreach=False)
-    step = boundpass.compile(model, budget="16GiB", loss_fn=ce, optimizer=opt, inner="{inner}")
-    x = torch.randint(0, 8192, (4, 512)); y = torch.randint(0, 8192, (4, 512))
-    for _ in range(2):
-        step(x, y).backward(); opt.step(); opt.zero_grad(set_to_none=True)
-    table = boundpass.explain(step).table
-    print("CERTIFIED_ABOVE_PERSISTENT", table.total - table.sum("persistent"), flush=True)
-    return step, opt, x, y
-def measured(state):
-    step, opt, x, y = state
-    step(x, y).backward(); opt.step(); opt.zero_grad(set_to_none=True)
-"""
-
-
 def rss_case(inner: str) -> dict:
     """RSS growth of one plain-LM step (fresh process) vs the certified peak above the resident state."""
-    import subprocess
-    code = _RSS_SNIPPET.replace("{inner}", inner)
-    grown = rss_peak_in_subprocess(code)
-    probe = subprocess.run([sys.executable, "-c", code + "\nsetup()\n"], capture_output=True, text=True, timeout=600)
-    line = next(ln for ln in probe.stdout.splitlines() if ln.startswith("CERTIFIED_ABOVE_PERSISTENT"))
-    certified = int(line.split()[1])
+    certified, grown = certified_and_rss(inner)
     return {"inner": inner, "certified_above_persistent": certified, "rss_growth": grown,
             "ratio": certified / grown}
 

@@ -66,11 +66,11 @@ class ExplainReport:
             lines += ["", "rewritten graph (Dynamo, torch IR):", self.graph_code]
         if graph in ("full", "excerpt"):  # the partitioned graphs: where SCO's offload / reload appear
             for title, code in (("forward", self.forward_code), ("backward", self.backward_code)):
-                ops = [ln.strip() for ln in code.splitlines() if "torch.ops.boundpass." in ln]
+                ops = [_short_line(ln) for ln in code.splitlines() if "torch.ops.boundpass." in ln]
                 if ops:
                     lines += ["", f"partitioned {title} graph (aten), boundpass ops only:"] + [f"  {ln}" for ln in ops]
         if graph == "excerpt":
-            ops = [ln.strip() for ln in self.graph_code.splitlines() if "boundpass." in ln]
+            ops = [_short_line(ln) for ln in self.graph_code.splitlines() if "boundpass." in ln]
             lines += ["", "rewritten graph, boundpass ops only (Dynamo, torch IR):"] + [f"  {ln}" for ln in ops]
         return "\n".join(lines)
 
@@ -223,3 +223,9 @@ def _draw(ax, title: str, pred, meas, budget: int) -> int:
     ax.set_xlim(0, 1)
     ax.legend(loc="upper left", fontsize=8)
     return top
+
+
+def _short_line(line: str, width: int = 150) -> str:
+    """One graph line for a terminal: without its ``x = None`` clean-ups, cut to ``width`` characters."""
+    text = line.strip().split(";  ")[0]
+    return text if len(text) <= width else text[: width - 3] + "..."

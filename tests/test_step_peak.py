@@ -12,22 +12,11 @@ import torch
 
 import boundpass
 from boundpass.errors import InfeasibleBudgetError
-from boundpass.testing.dense_lm import DenseLM, ce, smoothed_ce
+from boundpass.testing.dense_lm import DenseLM, ce, lm_batches, smoothed_ce
 from boundpass.testing.whole_step import measured_step_peak
 
 warnings.filterwarnings("ignore", message="In CPU autocast")
 TIGHT = 1.10
-
-
-def _batches(vocab, batch, seq, n=3, with_count=False):
-    out = []
-    for i in range(n):
-        g = torch.Generator().manual_seed(i)
-        tokens = torch.randint(0, vocab, (batch, seq), generator=g)
-        labels = torch.randint(0, vocab, (batch, seq), generator=g)
-        labels[:, :3] = -100
-        out.append((tokens, labels, (labels != -100).sum()) if with_count else (tokens, labels))
-    return out
 
 
 def _check(step, model, opt, batches):
@@ -36,15 +25,6 @@ def _check(step, model, opt, batches):
     predicted = report.table.total
     assert measured <= predicted <= TIGHT * measured, (measured, predicted, report.table.render())
     return measured, predicted, report
-
-
-def _smallest_accepted(build, batches, budget_hi):
-    """The certified total with every knob at its narrowest (the smallest budget compile accepts)."""
-    model, loss_fn, opt_fn, kwargs = build()
-    step = boundpass.compile(model, budget=budget_hi, loss_fn=loss_fn, optimizer=opt_fn(model), **kwargs)
-    step(*batches[0])
-    cert = boundpass.explain(step).certificate
-    return step, cert
 
 
 @pytest.mark.parametrize("case", ["adamw", "sgd", "smoothing", "dynamic"])
@@ -56,7 +36,7 @@ def test_plain_pytorch_lm_whole_step(case):
     opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if case == "sgd"
            else torch.optim.AdamW(model.parameters(), lr=1e-3))
     step = boundpass.compile(model, budget="4GiB", loss_fn=loss_fn, optimizer=opt, dynamic=(case == "dynamic"))
-    batches = _batches(4096, 2, 256)
+    batches = lm_batches(4096, 2, 256)
     measured, predicted, report = _check(step, model, step.optimizer or opt, batches)
     if case == "smoothing":
         assert report.skipped_of("vocab") and not report.rewritten_of("vocab")
@@ -73,9 +53,9 @@ def test_plain_pytorch_lm_whole_step(case):
         model.zero_grad(set_to_none=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         step = boundpass.compile(model, budget=predicted + (64 << 10), loss_fn=loss_fn, optimizer=opt, dynamic=True)
-        measured_step_peak(step, model, opt, _batches(4096, 2, 256))
+        measured_step_peak(step, model, opt, lm_batches(4096, 2, 256))
         with pytest.raises(InfeasibleBudgetError):
-            step(*_batches(4096, 2, 512)[0])
+            step(*lm_batches(4096, 2, 512)[0])
 
 
 def test_label_smoothing_budget_below_its_logits_is_refused_before_compute():
@@ -85,7 +65,7 @@ def test_label_smoothing_budget_below_its_logits_is_refused_before_compute():
     opt = torch.optim.AdamW(model.parameters())
     step = boundpass.compile(model, budget="24MiB", loss_fn=smoothed_ce, optimizer=opt)
     with pytest.raises(InfeasibleBudgetError) as err:
-        step(*_batches(4096, 2, 256)[0])
+        step(*lm_batches(4096, 2, 256)[0])
     text = str(err.value)
     assert "peak at" in text and "to fix" in text and "reduce tokens per rank" in err.value.knob
     assert all(p.grad is None for p in model.parameters())  # raised before any real compute
@@ -110,7 +90,7 @@ def test_torchtitan_debug_models_whole_step(torchtitan_models, name, dispatch, d
     model = build_debug_moe(name, vocab_size=vocab, seq_len=seq, dtype=dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     step = boundpass.compile(model, budget="8GiB", loss_fn=torchtitan_loss(), optimizer=opt, dispatch=dispatch)
-    _, _, report = _check(step, model, step.optimizer, _batches(vocab, 2, seq, with_count=True))
+    _, _, report = _check(step, model, step.optimizer, lm_batches(vocab, 2, seq, with_count=True))
     assert bool(report.rewritten_of("dispatch")) == (dispatch and name != "gpt_oss")
 
 
@@ -128,7 +108,7 @@ def test_checkpointed_blocks_with_and_without_sco(torchtitan_models, sco):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     step = boundpass.compile(model, budget="8GiB", loss_fn=torchtitan_loss(), optimizer=opt, sco=sco,
                              host_budget="8GiB")
-    _, _, report = _check(step, model, opt, _batches(vocab, 2, seq, with_count=True))
+    _, _, report = _check(step, model, opt, lm_batches(vocab, 2, seq, with_count=True))
     assert report.sco.offloaded == (3 if sco else 0)
 
 
@@ -139,7 +119,7 @@ def test_demo_model_smallest_accepted_budget_holds_the_measured_step(torchtitan_
     torch._dynamo.reset()
     vocab, seq = 65_536, 512
     model = build_debug_moe("deepseek_v3", vocab_size=vocab, seq_len=seq)
-    batches = _batches(vocab, 2, seq, with_count=True)
+    batches = lm_batches(vocab, 2, seq, with_count=True)
     probe = boundpass.compile(model, budget="64GiB", loss_fn=torchtitan_loss(), vocab_block=128, dispatch_cap=1,
                               optimizer=torch.optim.AdamW(model.parameters()), offload_optimizer=True,
                               optimizer_bucket=1)
@@ -159,39 +139,13 @@ def test_demo_model_smallest_accepted_budget_holds_the_measured_step(torchtitan_
     assert boundpass.explain(step).table.total <= TIGHT * measured
 
 
-_RSS_STEP = """
-import torch, boundpass
-from boundpass.testing.dense_lm import DenseLM, ce
-def setup():
-    torch.manual_seed(0)
-    model = DenseLM(vocab=8192, hidden=128, inter=4096)
-    opt = torch.optim.AdamW(model.parameters(), foreach=False)
-    step = boundpass.compile(model, budget="16GiB", loss_fn=ce, optimizer=opt, inner="{inner}")
-    x = torch.randint(0, 8192, (4, 512)); y = torch.randint(0, 8192, (4, 512))
-    for _ in range(2):
-        step(x, y).backward(); opt.step(); opt.zero_grad(set_to_none=True)
-    table = boundpass.explain(step).table
-    print("CERTIFIED", table.total - table.sum("persistent"), flush=True)
-    return step, opt, x, y
-def measured(state):
-    step, opt, x, y = state
-    step(x, y).backward(); opt.step(); opt.zero_grad(set_to_none=True)
-"""
-
-
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 def test_certified_peak_holds_against_process_rss(inner):
     """RSS growth of one step in a fresh process (Inductor's kernels allocate where no tracker sees) against the
     certified peak less the state resident before the step. aot_eager: within 1.10 both ways; Inductor: sound,
     and its tightness (the bound is taken before fusion) is reported by bench/bound.py, not asserted here."""
-    import subprocess
-    import sys
-
-    from boundpass.memtrack import rss_peak_in_subprocess
-    code = _RSS_STEP.replace("{inner}", inner)
-    grown = rss_peak_in_subprocess(code, timeout=900)
-    probe = subprocess.run([sys.executable, "-c", code + "\nsetup()\n"], capture_output=True, text=True, timeout=900)
-    certified = int(next(ln for ln in probe.stdout.splitlines() if ln.startswith("CERTIFIED")).split()[1])
+    from boundpass.testing.whole_step import certified_and_rss
+    certified, grown = certified_and_rss(inner)
     assert grown <= certified, (grown, certified)
     if inner == "aot_eager":
         assert certified <= TIGHT * grown, (grown, certified)

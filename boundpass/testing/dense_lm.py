@@ -1,6 +1,7 @@
 """A plain PyTorch LM that is not torchtitan's (embedding, one wide MLP block, untied head) and its losses."""
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -29,3 +30,15 @@ def ce(out, labels):
 def smoothed_ce(out, labels):
     """Label-smoothed cross-entropy: the vocab pass skips it, the [N, V] logits stay."""
     return F.cross_entropy(out.flatten(0, 1), labels.flatten(), label_smoothing=0.1)
+
+
+def lm_batches(vocab: int, batch: int, seq: int, n: int = 3, with_count: bool = False) -> list[tuple]:
+    """``n`` seeded (tokens, labels[, valid-token count]) batches; the first 3 labels of each row are ignored."""
+    out = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(i)
+        tokens = torch.randint(0, vocab, (batch, seq), generator=g)
+        labels = torch.randint(0, vocab, (batch, seq), generator=g)
+        labels[:, :3] = -100
+        out.append((tokens, labels, (labels != -100).sum()) if with_count else (tokens, labels))
+    return out

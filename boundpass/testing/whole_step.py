@@ -28,28 +28,7 @@ def measured_step_peak(step, model, optimizer, batches, *, warmup: int = 1) -> i
     ``step`` returns the loss (or a tuple whose first item is the loss). The first ``warmup`` steps (compile,
     lazy optimizer state) run unmeasured; the peak is the largest over the remaining batches.
     """
-    def one(batch):
-        out = step(*batch)
-        loss = out[0] if isinstance(out, (tuple, list)) else out
-        loss.backward()
-        del out, loss
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            model.zero_grad(set_to_none=True)
-
-    batches = list(batches)
-    for batch in batches[:warmup]:
-        one(batch)
-    peak = 0
-    for batch in batches[warmup:]:
-        with LiveStorageTracker() as tracker:
-            tracker.track_existing(list(model.parameters()), list(model.buffers()),
-                                   optimizer_state_tensors(optimizer), batch)
-            one(batch)
-        peak = max(peak, tracker.peak_bytes())
-    return peak
+    return max(max(samples) for samples in _measured_steps(step, model, optimizer, batches, warmup))
 
 
 def measured_step_timeline(step, model, optimizer, batches, *, warmup: int = 1) -> list[int]:
@@ -60,17 +39,23 @@ def measured_step_timeline(step, model, optimizer, batches, *, warmup: int = 1) 
     optimizer.step and zero_grad; its maximum is that step's ``measured_step_peak``. The x of sample i is its
     rank among the step's allocations, not time: ``ExplainReport.plot(measured=...)`` spreads it over 0..1.
     """
+    return _measured_steps(step, model, optimizer, batches, warmup)[-1]
+
+
+def _measured_steps(step, model, optimizer, batches, warmup: int) -> list[list[int]]:
+    """Live-byte samples of each measured step (after ``warmup`` unmeasured ones), starting with no gradients."""
     batches = list(batches)
+    model.zero_grad(set_to_none=True)  # a step starts with no gradients held (no accumulation)
     for batch in batches[:warmup]:
         _train_step(step, model, optimizer, batch)
-    samples: list[int] = []
+    out = []
     for batch in batches[warmup:]:
         with LiveStorageTracker(record=True) as tracker:
             tracker.track_existing(list(model.parameters()), list(model.buffers()),
                                    optimizer_state_tensors(optimizer), batch)
             _train_step(step, model, optimizer, batch)
-        samples = tracker.samples
-    return samples
+        out.append(tracker.samples + [tracker.peak_bytes()])
+    return out
 
 
 def _train_step(step, model, optimizer, batch) -> None:
@@ -84,3 +69,41 @@ def _train_step(step, model, optimizer, batch) -> None:
         optimizer.zero_grad(set_to_none=True)
     else:
         model.zero_grad(set_to_none=True)
+
+
+# One plain-LM step in a fresh interpreter: its process RSS growth beside the certified peak less the state
+# resident before it (parameters, optimizer state). Inductor's kernels allocate where no dispatch mode sees.
+RSS_STEP_SNIPPET = """
+import torch, boundpass
+from boundpass.testing.dense_lm import DenseLM, ce
+def setup():
+    torch.manual_seed(0)
+    model = DenseLM(vocab=8192, hidden=128, inter=4096)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    step = boundpass.compile(model, budget="16GiB", loss_fn=ce, optimizer=opt, inner="{inner}")
+    x = torch.randint(0, 8192, (4, 512)); y = torch.randint(0, 8192, (4, 512))
+    for _ in range(2):
+        step(x, y).backward(); opt.step(); opt.zero_grad(set_to_none=True)
+    table = boundpass.explain(step).table
+    print("CERTIFIED", table.total - table.sum("persistent"), flush=True)
+    return step, opt, x, y
+def measured(state):
+    step, opt, x, y = state
+    step(x, y).backward(); opt.step(); opt.zero_grad(set_to_none=True)
+"""
+
+
+def certified_and_rss(inner: str, timeout: float = 900) -> tuple[int, int]:
+    """(certified peak above the resident state, RSS growth of the step) of RSS_STEP_SNIPPET, bytes."""
+    import subprocess
+    import sys
+
+    from boundpass.memtrack import rss_peak_in_subprocess
+    code = RSS_STEP_SNIPPET.replace("{inner}", inner)
+    grown = rss_peak_in_subprocess(code, timeout=timeout)
+    probe = subprocess.run([sys.executable, "-c", code + "\nsetup()\n"], capture_output=True, text=True,
+                           timeout=timeout)
+    line = next((ln for ln in probe.stdout.splitlines() if ln.startswith("CERTIFIED")), None)
+    if line is None:
+        raise RuntimeError(f"the certified-peak probe printed nothing; stderr:\n{probe.stderr[-2000:]}")
+    return int(line.split()[1]), grown
