@@ -6,7 +6,9 @@ the budget (planner.py; raises before any real compute) -> eager kernels ("aot_e
 """
 from __future__ import annotations
 
+import hashlib
 import time
+import types
 import uuid
 
 import torch
@@ -26,7 +28,7 @@ from boundpass.passes.optimizer_swap import plan_optimizer
 from boundpass.passes.vocab_pass import VocabRewriteConfig, rewrite_vocab_regions
 from boundpass.planner import Knob, StepPlanner, infeasible, set_op_arg
 from boundpass.runtime import ring_dtp
-from boundpass.runtime.agreement import global_max_tokens
+from boundpass.runtime.agreement import agree, global_max_tokens
 from boundpass.step_peak import analyze_graphs
 from boundpass.units import format_bytes, parse_bytes
 
@@ -62,7 +64,13 @@ class BoundedModule(nn.Module):
         self.certificates: list = []            # planner.StepCertificate per compiled graph
         self.ring_n_max = 0                     # the ring's largest N at the last compile (Ring-DTP's N_max)
         self.saved_of_earlier_graphs: list[int] = []  # graph breaks: what each graph's forward leaves for backward
-        self._compiled = torch.compile(self._step, backend=self._backend, fullgraph=fullgraph, dynamic=dynamic)
+        self.dynamic = dynamic
+        # Ranks compile together (see forward): one compiled step per combination of every rank's input signature
+        self.ep_groups: list[str] = []          # EP groups of the rewritten dispatch regions (known after a compile)
+        self._by_key: dict = {}                 # every rank's signatures -> compiled step (its own code object)
+        self._first_signature = None            # this rank's signature at a compile before any group was known
+        self._group_compiles = 0                # compiles every rank of the groups made together after the first
+        self._compiled = self._new_compiled()
 
     def _step(self, inputs, labels=None, *loss_args, **model_kwargs):
         out = self.model(inputs, **model_kwargs)
@@ -70,13 +78,87 @@ class BoundedModule(nn.Module):
             return out
         return self.loss_fn(out, labels, *loss_args)
 
+    def _new_compiled(self):
+        """A torch.compile of `_step` over a code object and a backend object of its own: Dynamo keeps compiled
+        graphs per code object and reuses them only under the backend that compiled them, so a new copy compiles
+        afresh on every rank (graph-break pieces in the model's own code included) and never reuses another's."""
+        f = BoundedModule._step
+        fn = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__)
+
+        def backend(gm, example_inputs):
+            return self._backend(gm, example_inputs)
+        return torch.compile(types.MethodType(fn, self), backend=backend, fullgraph=self.fullgraph,
+                             dynamic=self.dynamic)
+
+    def _agreement_groups(self) -> list:
+        """The groups whose ranks must compile together: the ring, and the EP groups a compile found."""
+        if not dist.is_initialized():
+            return []
+        groups = [self.ring_group] if self.ring_group is not None else []
+        groups += [dist.distributed_c10d._resolve_process_group(name) for name in self.ep_groups]
+        out = []
+        for group in groups:
+            if dist.get_world_size(group) > 1 and str(dist.get_backend(group)).lower() != "fake" \
+                    and all(group is not g for g in out):
+                out.append(group)
+        return out
+
+    def _select_compiled(self, args, model_kwargs):
+        """The compiled step for this call, chosen the same way on every rank of the ring / EP groups.
+
+        A compile runs collectives (the ring's N_max, the EP group's token count, the narrowest cap), so every
+        rank must compile at the same call. One all-gather per call and group of this rank's input signature
+        (shapes, dtypes, Python scalars: what Dynamo guards on): each combination of the group's signatures gets
+        its own compiled step (its own code object), compiled at the first call that shows it on every rank at
+        once. A rank whose N grows never recompiles alone; a rank whose inputs did not change compiles with it.
+        """
+        groups = self._agreement_groups()
+        if not groups:
+            if self._first_signature is None:
+                self._first_signature = _signature(args, model_kwargs)
+            return self._compiled
+        sig, first = _signature(args, model_kwargs), self._first_signature
+        view, first_ok = [], True
+        for group in groups:
+            rows = agree("boundpass.compile", group, dist.get_rank(group), dist.get_world_size(group), (),
+                         payload=[sig, int(first is None or first == sig)], what="ring/EP group")
+            view.append(tuple(row[0] for row in rows))
+            first_ok = first_ok and all(row[1] for row in rows)
+        view = tuple(view)
+        # the compile made before any group was known (EP groups appear at the first compile) serves this view
+        # when every rank's signature is the one it compiled with
+        adopt = not self._by_key and (first is None or first_ok)
+        new = view not in self._by_key and not adopt
+        if len(groups) > 1:  # ring x EP: whoever compiles makes every rank it shares a group with compile too
+            flag = torch.tensor([int(new)], dtype=torch.int64)
+            for group in groups:
+                if "nccl" in str(dist.get_backend(group)).lower():
+                    flag = flag.to(torch.device("cuda", torch.cuda.current_device()))
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            new = bool(flag.item())
+        if new:
+            limit = torch._dynamo.config.recompile_limit
+            if self._group_compiles >= limit:  # the same count on every rank: every rank compiled each time
+                raise BoundpassInputError(
+                    f"boundpass.compile: the ranks' input shapes changed {self._group_compiles} times under a ring / "
+                    f"EP group, and each new combination compiles on every rank (at most torch._dynamo.config."
+                    f"recompile_limit={limit}): pad batches to a few fixed shapes")
+            self._group_compiles += 1
+            self._by_key[view] = self._new_compiled()
+        elif view not in self._by_key:
+            self._by_key[view] = self._compiled
+        if self._first_signature is None:
+            self._first_signature = sig
+        return self._by_key[view]
+
     def forward(self, inputs, labels=None, *loss_args, **model_kwargs):
         # suppress_errors=True would make Dynamo swallow a budget error and run eagerly: force errors through.
         if self.certificates and self._grads_held():
             self.check_accumulation()
+        compiled = self._select_compiled((inputs, labels, *loss_args), model_kwargs)
         with torch._dynamo.config.patch(suppress_errors=False):
             try:
-                return self._compiled(inputs, labels, *loss_args, **model_kwargs)
+                return compiled(inputs, labels, *loss_args, **model_kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as exc:
                 inner = getattr(exc, "inner_exception", None)
                 if isinstance(inner, BoundpassError):
@@ -97,6 +179,9 @@ class BoundedModule(nn.Module):
         report.regions.extend(regions)
         dispatch_regions = rewrite_dispatch_regions(gm, self) if self.dispatch else []
         report.regions.extend(dispatch_regions)
+        for region in dispatch_regions:  # later calls agree over these groups before compiling (forward)
+            if region.rewritten and region.group_name and region.group_name not in self.ep_groups:
+                self.ep_groups.append(region.group_name)
         report.optimizer = self.optimizer_plan
         report.composed = self.composed_table
         knobs = self._vocab_knobs(regions, ring_size) + self._dispatch_knobs(dispatch_regions)
@@ -125,13 +210,17 @@ class BoundedModule(nn.Module):
         hi = 0
         for region in rewritten:
             tokens_here = _concrete(_as_expr(region.tokens), _shape_env(region.op_node))
-            # the branch must agree over the ring: chosen from the ring's largest N (one all-reduce), not this rank's
-            max_tokens = self.max_tokens_per_rank or global_max_tokens(tokens_here, self.ring_group)
+            # the branch must agree over the ring: chosen from the ring's largest N (one all-reduce), not this rank's;
+            # every rank compiles at the same call (forward), so the all-reduce runs even with max_tokens_per_rank and
+            # a rank over it makes every rank raise the same error (a lone raise would leave its peers waiting)
+            ring_max = global_max_tokens(tokens_here, self.ring_group)
+            max_tokens = self.max_tokens_per_rank or ring_max
             if ring_size > 1:
                 self.ring_n_max = max(self.ring_n_max, max_tokens)
-            if max_tokens < tokens_here:
-                raise BoundpassInputError(f"max_tokens_per_rank={max_tokens} but this rank holds {tokens_here} tokens "
-                                          f"at the vocab projection ({region.module_path})")
+            if max_tokens < ring_max:
+                raise BoundpassInputError(f"max_tokens_per_rank={max_tokens} but a rank of the ring holds {ring_max} "
+                                          f"tokens at the vocab projection ({region.module_path}; this rank "
+                                          f"{tokens_here}): raise max_tokens_per_rank on every rank")
             region.branch = ring_dtp.choose_branch(max_tokens, region.vocab, ring_size)
             set_op_arg(region.op_node, "branch", region.branch)
             hi = max(hi, -(-region.vocab // ring_size))
@@ -317,6 +406,23 @@ def _fit_offload_bucket(owner: "BoundedModule", planner: StepPlanner) -> None:
         term.name = f"optimizer staging (OffloadStreamAdamW, beta={beta}, S={opt.staging_slots})"
 
 
+def _signature(args, model_kwargs) -> int:
+    """A deterministic int63 of what Dynamo guards a call on: tensor shapes / dtypes / devices / requires_grad and
+    Python scalars (the same on every process, unlike hash())."""
+    def describe(x):
+        if isinstance(x, torch.Tensor):
+            return f"T{tuple(x.shape)}{x.dtype}{x.device.type}{int(x.requires_grad)}"
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return f"{type(x).__name__}:{x!r}"
+        if isinstance(x, (tuple, list)):
+            return f"{type(x).__name__}[" + ",".join(describe(y) for y in x) + "]"
+        if isinstance(x, dict):
+            return "{" + ",".join(f"{k!r}:{describe(v)}" for k, v in sorted(x.items(), key=lambda kv: repr(kv[0]))) + "}"
+        return type(x).__qualname__
+    text = describe(tuple(args)) + describe(dict(model_kwargs))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
 def _graph_shape_env(gm):
     for node in gm.graph.nodes:
         val = node.meta.get("val")
@@ -452,7 +558,9 @@ def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_bl
 
     budget / host_budget: per-rank device / host bytes ("60GiB", 2**30, ...). ring_group: the process group
     Ring-DTP rotates vocab shards/batches over (None: one device, P = 1). vocab_block: strip width C (None: the
-    widest that fits). max_tokens_per_rank: the largest N any ring rank will hold (None: this rank's N).
+    widest that fits). max_tokens_per_rank: the largest N any ring / EP rank will hold (None: the group's largest N
+    at each compile, one all-reduce). Under a ring or EP group every compile runs on every rank at once: each call
+    all-gathers the ranks' input signatures first (docs/compile.md, "Ranks holding different N").
     optimizer: a torch AdamW or torchtitan OptimizersContainer; offload_optimizer ("auto", True, False) swaps it
     for OffloadStreamAdamW (state migrated; step `compiled.optimizer` and build LR schedulers on it) with
     buckets of optimizer_bucket elements (None: the largest that fits) and optimizer_slots staging slots (None: 2,
