@@ -190,7 +190,7 @@ class BoundedModule(nn.Module):
         sco_plan = report.sco = sco_pass.find_sco(gm, self.sco, host_pool=host_pool)
         self.sco_plans.append(sco_plan)
         gm.recompile()
-        partitioner = _PlanningPartitioner(self, report, knobs, sco_plan)
+        partitioner = _PlanningPartitioner(self, report, knobs, sco_plan, gm)
         with torch._functorch.config.patch(enable_autograd_cache=False):  # a cache hit would skip the planner
             if self.inner == "inductor":
                 from torch._inductor.compile_fx import compile_fx
@@ -262,8 +262,9 @@ class _PlanningPartitioner:
     Runs before any graph is lowered or executed, so an infeasible budget raises before any real compute.
     """
 
-    def __init__(self, owner: "BoundedModule", report: ExplainReport, knobs: list[Knob], sco_plan):
+    def __init__(self, owner: "BoundedModule", report: ExplainReport, knobs: list[Knob], sco_plan, gm):
         self.owner, self.report, self.knobs, self.sco_plan = owner, report, knobs, sco_plan
+        self.gm = gm  # the rewritten Dynamo graph: shown by explain with the chosen knobs
 
     def __call__(self, joint: torch.fx.GraphModule, joint_inputs, **kwargs):
         from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
@@ -338,6 +339,7 @@ class _PlanningPartitioner:
                 setattr(region, knob.attr, knob.value)
         for gm in (fw, bw):
             gm.recompile()
+        self.report.graph_code = self.gm.print_readable(print_output=False)
         self.report.forward_code = fw.print_readable(print_output=False)
         self.report.backward_code = bw.print_readable(print_output=False)
         self.report.forward_graph, self.report.backward_graph = fw, bw
