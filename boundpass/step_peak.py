@@ -213,13 +213,12 @@ def _workspace(node: fx.Node, alias: GraphAliasTracker, ctx: dict) -> sympy.Expr
 
 
 def analyze_graphs(fw: fx.GraphModule, bw: fx.GraphModule | None, *, static_inputs: set[int],
-                   num_user_outputs: int, held: list[Held] = (), host_nodes: set[str] = frozenset(),
-                   ctx: dict | None = None) -> GraphPeak:
+                   num_user_outputs: int, held: list[Held] = (), ctx: dict | None = None) -> GraphPeak:
     """Program points of one graph's forward, then its backward (None: inference), persistent state excluded.
 
     static_inputs: forward placeholder indices that are parameters / buffers (counted as persistent state by
     the caller, never here). num_user_outputs: leading forward outputs returned to the caller (kept live by it
-    through backward). host_nodes: names of nodes whose outputs live on the host (not device bytes).
+    through backward). Host memory never appears as a graph value here: SCO's host copies live inside its op.
     ctx: launch facts the workspace bounds need (e.g. max_tokens_per_rank).
     """
     ctx = ctx or {}
@@ -240,13 +239,11 @@ def analyze_graphs(fw: fx.GraphModule, bw: fx.GraphModule | None, *, static_inpu
     out_keys = set()
     for o in outputs:
         out_keys |= set(fw_alias_probe.node_to_output_storages.get(o, ()))
-    host = {k for n in fw.graph.nodes if n.name in host_nodes
-            for k in fw_alias_probe.node_to_output_storages.get(n, ())}
 
     walk = _Walk(result, dict(inputs))
     for s in inputs.values():
         result.storages.append(s)
-    fw_alias = _walk_graph(walk, fw.graph, "forward", counted=lambda k: k not in persistent and k not in host,
+    fw_alias = _walk_graph(walk, fw.graph, "forward", counted=lambda k: k not in persistent,
                            keep=out_keys | set(inputs), kind=lambda n: "activation", held=list(held), ctx=ctx)
     if bw is None:
         return result
@@ -292,10 +289,8 @@ def analyze_graphs(fw: fx.GraphModule, bw: fx.GraphModule | None, *, static_inpu
         for key in bw_probe.node_to_output_storages.get(ph, ()):
             if key in saved_keys and key not in bw_probe.storage_to_uses and key not in keep:
                 walk.free(key)
-    bw_host = {k for n in bw.graph.nodes if n.name in host_nodes
-               for k in bw_probe.node_to_output_storages.get(n, ())}
     _walk_graph(walk, bw.graph, "backward",
-                counted=lambda k: k not in persistent and k not in bw_host and k not in saved_keys,
+                counted=lambda k: k not in persistent and k not in saved_keys,
                 keep=keep, kind=lambda n: "gradient" if n in bw_out.args[0] else "activation", held=list(held), ctx=ctx)
     return result
 
