@@ -246,7 +246,7 @@ class BoundedModule(nn.Module):
     def check_accumulation(self) -> None:
         """Gradients from an earlier backward are held through this step: its peak must still fit."""
         for cert in self.certificates:
-            if cert.accumulation_total > self.budget:
+            if cert.accumulation_total > self.budget and not cert.planner.held_grads:
                 grads = sum(t.value for t in self.state_terms if t.name == "gradients")
                 cert.table.terms.append(BoundTerm("gradients held from the previous backward (accumulation)",
                                                   sym.Theta * sym.b, grads, kind="transient", knob=""))
@@ -305,6 +305,8 @@ class _PlanningPartitioner:
         trials = {}
         fw, bw, peak = attempt(count)
         planner.caller = _int_or_hint(peak.caller_bytes, backed)
+        if owner._grads_held():  # compiled in the middle of gradient accumulation: certify that step
+            planner.held_grads = sum(t.value for t in owner.state_terms if t.name == "gradients")
         _fit_offload_bucket(owner, planner)
         trials[count] = planner.total(peak.evaluate(planner.values())[0])
         if plan.mode == "auto" and plan.most and not planner.fits(peak, planner.values()):

@@ -91,6 +91,7 @@ class StepPlanner:
         self.symbol_values = symbol_values     # backed sizes of the graph's symbolic dims
         self.carry = carry                     # saved bytes of earlier graphs of the same step (graph breaks)
         self.caller = 0                        # batch + returned outputs the caller holds through optimizer.step
+        self.held_grads = 0                    # gradients an earlier backward left (accumulation at compile time)
 
     # -------------------------------------------------------------------------------------------- totals
     def _sum(self, kind: str) -> int:
@@ -98,7 +99,8 @@ class StepPlanner:
 
     def total(self, graph_bytes: int) -> int:
         """Device peak of the step (bytes) when the graph's own peak is ``graph_bytes``."""
-        return self._sum("persistent") + max(self.carry + graph_bytes, self._sum("step") + self.caller)
+        return self._sum("persistent") + max(self.carry + self.held_grads + graph_bytes,
+                                             self._sum("step") + self.caller)
 
     def values(self, **knob_values) -> dict:
         out = dict(self.symbol_values)
@@ -148,12 +150,16 @@ class StepPlanner:
         if self.caller:
             table.terms.append(BoundTerm("batch and outputs the caller holds through the optimizer step",
                                          sympy.Integer(self.caller), self.caller, kind="step", knob=""))
+        if self.held_grads:
+            table.terms.append(BoundTerm("gradients held from the previous backward (accumulation)",
+                                         sympy.Integer(self.held_grads), self.held_grads, kind="transient", knob=""))
         if self.carry:
             table.terms.append(BoundTerm("saved tensors of earlier graphs of this step (graph breaks)",
                                          sympy.Integer(self.carry), self.carry, kind="transient", knob=""))
         grads = sum(t.value for t in self.state_terms if t.name == "gradients")
         cert = StepCertificate(values, peak, point, graph_bytes, table,
-                               accumulation_total=self.total(graph_bytes + grads), sco_count=sco_count,
+                               accumulation_total=self.total(graph_bytes + (0 if self.held_grads else grads)),
+                               sco_count=sco_count,
                                planner=self)
         return cert
 

@@ -149,3 +149,35 @@ def test_certified_peak_holds_against_process_rss(inner):
     assert grown <= certified, (grown, certified)
     if inner == "aot_eager":
         assert certified <= TIGHT * grown, (grown, certified)
+
+
+def test_gradient_accumulation_is_certified_and_checked_before_the_step():
+    """A step that starts with the previous micro-batch's gradients holds them through forward and backward: the
+    certificate's accumulation total bounds it (measured), and a budget that only fits the plain step refuses it
+    before running, naming the held gradients."""
+    from boundpass.memtrack import LiveStorageTracker
+    from boundpass.testing.whole_step import optimizer_state_tensors
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = DenseLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = boundpass.compile(model, budget="4GiB", loss_fn=ce, optimizer=opt)
+    first, second = lm_batches(4096, 2, 256, n=2)
+    for _ in range(2):  # compile, then AdamW's state exists
+        step(*first).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    step(*first).backward()  # micro-batch 1: its gradients stay
+    with LiveStorageTracker() as tracker:
+        tracker.track_existing(list(model.parameters()), list(model.buffers()), optimizer_state_tensors(opt),
+                               [p.grad for p in model.parameters()], second)
+        step(*second).backward()  # micro-batch 2 accumulates
+        opt.step()
+    cert = boundpass.explain(step).certificate
+    assert tracker.peak_bytes() <= cert.accumulation_total <= TIGHT * tracker.peak_bytes()
+    opt.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    tight = boundpass.compile(model, budget=cert.table.total, loss_fn=ce, optimizer=opt)
+    tight(*first).backward()
+    with pytest.raises(InfeasibleBudgetError, match="accumulation"):
+        tight(*second)

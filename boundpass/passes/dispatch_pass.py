@@ -18,6 +18,7 @@ Regions inside activation-checkpoint bodies (torchtitan FullAC / SelectiveAC) ar
 """
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from dataclasses import dataclass, field
@@ -312,9 +313,20 @@ def pipelined_llep_peak(node: fx.Node, ctx: dict):
     values.pop(sym.c)
     values.pop(sym.R)
     mixed = torch.promote_types(x_val.dtype, torch.float32) != x_val.dtype
-    bound = pipelined_llep_bound(mixed_precision=mixed, narrow_compute=compute_dtype != x_val.dtype,
-                                 count_own_weights=True)
-    return bound.xreplace(values)
+    bound = _cached_bound(pipelined_llep_bound, mixed_precision=mixed, narrow_compute=compute_dtype != x_val.dtype,
+                          count_own_weights=True)
+    return _cached_xreplace(bound, tuple(sorted(values.items(), key=lambda kv: kv[0].name)))
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_bound(fn, **flags):
+    """An op's sympy bound for these flags, built once (building it costs ~0.1 s; a graph has one per layer)."""
+    return fn(**flags)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_xreplace(expr, items: tuple):
+    return expr.xreplace(dict(items))
 
 
 def _register_workspace() -> None:

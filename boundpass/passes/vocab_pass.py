@@ -197,7 +197,9 @@ def ring_dtp_peak(node: fx.Node, ctx: dict):
     values = ring_dtp.bound_values(h_val.dtype, N=1, H=int(w_val.shape[1]), V=vocab, P=ring)
     values.update({sym.N: tokens, sym.N_max: n_max})
     values.pop(sym.C)
-    return ring_dtp.ring_dtp_bound(branch, mixed_precision=mixed, count_weight_shard=True).xreplace(values)
+    from boundpass.passes.dispatch_pass import _cached_bound, _cached_xreplace
+    bound = _cached_bound(ring_dtp.ring_dtp_bound, branch=branch, mixed_precision=mixed, count_weight_shard=True)
+    return _cached_xreplace(bound, tuple(sorted(values.items(), key=lambda kv: kv[0].name)))
 
 
 def _register_workspace() -> None:
