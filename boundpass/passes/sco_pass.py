@@ -36,7 +36,6 @@ import torch.fx as fx
 from torch import Tensor
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from boundpass import symbols as sym
 from boundpass.bounds import BoundTerm
 from boundpass.errors import BoundpassInputError
 from boundpass.runtime import sco as sco_rt
