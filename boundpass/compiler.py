@@ -37,7 +37,14 @@ MIN_VOCAB_BLOCK = 128  # narrower strips only add per-strip overhead; below this
 
 
 class BoundedModule(nn.Module):
-    """A model (and its loss) compiled by boundpass; call it like `loss = bm(inputs, labels, *loss_args)`."""
+    """A model (and its loss) compiled by boundpass.
+
+    Without `loss_fn` it is called exactly like the model: `bm(*args, **kwargs)` is `model(*args, **kwargs)`,
+    every positional and keyword argument passed through and the model's own outputs returned (a loss computed
+    in the model's forward is then inside the captured graph). With `loss_fn` (torchtitan's loss outside the
+    model): `bm(inputs, labels, *loss_args, **model_kwargs)` is `loss_fn(model(inputs, **model_kwargs), labels,
+    *loss_args)`.
+    """
 
     def __init__(self, model: nn.Module, loss_fn, *, budget: int, ring_group, vocab_block: int | None,
                  max_tokens_per_rank: int | None, inner: str, fullgraph: bool, dynamic, state_terms, optimizer_plan,
@@ -73,16 +80,18 @@ class BoundedModule(nn.Module):
         self._compiled = self._new_compiled()
 
     def _step(self, inputs, labels=None, *loss_args, **model_kwargs):
-        out = self.model(inputs, **model_kwargs)
-        if self.loss_fn is None:
-            return out
-        return self.loss_fn(out, labels, *loss_args)
+        """What is compiled with `loss_fn`: the model on `inputs`, then the loss outside it."""
+        return self.loss_fn(self.model(inputs, **model_kwargs), labels, *loss_args)
+
+    def _call_model(self, *args, **kwargs):
+        """What is compiled without `loss_fn`: the model called exactly as the caller called this module."""
+        return self.model(*args, **kwargs)
 
     def _new_compiled(self):
         """A torch.compile of `_step` over a code object and a backend object of its own: Dynamo keeps compiled
         graphs per code object and reuses them only under the backend that compiled them, so a new copy compiles
         afresh on every rank (graph-break pieces in the model's own code included) and never reuses another's."""
-        f = BoundedModule._step
+        f = BoundedModule._call_model if self.loss_fn is None else BoundedModule._step
         fn = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__)
 
         def backend(gm, example_inputs):
@@ -151,14 +160,19 @@ class BoundedModule(nn.Module):
             self._first_signature = sig
         return self._by_key[view]
 
-    def forward(self, inputs, labels=None, *loss_args, **model_kwargs):
+    def forward(self, *args, **kwargs):
+        """`model(*args, **kwargs)` without `loss_fn`; `loss_fn(model(inputs, **kwargs), labels, *loss_args)` with it
+        (args = inputs, labels, *loss_args). Every tensor argument, keyword ones included, is a graph input."""
+        if self.loss_fn is not None and not args:
+            raise BoundpassInputError("with loss_fn= the compiled module is called as bm(inputs, labels, *loss_args, "
+                                      "**model_kwargs): the model's inputs are missing")
         # suppress_errors=True would make Dynamo swallow a budget error and run eagerly: force errors through.
         if self.certificates and self._grads_held():
             self.check_accumulation()
-        compiled = self._select_compiled((inputs, labels, *loss_args), model_kwargs)
+        compiled = self._select_compiled(args, kwargs)
         with torch._dynamo.config.patch(suppress_errors=False):
             try:
-                return compiled(inputs, labels, *loss_args, **model_kwargs)
+                return compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as exc:
                 inner = getattr(exc, "inner_exception", None)
                 if isinstance(inner, BoundpassError):
@@ -559,6 +573,11 @@ def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_bl
             inner: str = "aot_eager", fullgraph: bool = True, dynamic=False, sco="auto", dispatch: bool = True,
             dispatch_cap: int | None = None, launch=None, model_shape=None) -> BoundedModule:
     """Compile `model` (+ `loss_fn(model_out, labels, *loss_args)`) so every bounded region fits `budget` bytes.
+
+    The result is called exactly like `model` when `loss_fn` is None (`step(*args, **kwargs)` returns what
+    `model(*args, **kwargs)` returns; a loss computed in the forward is matched in-graph), and as
+    `step(inputs, labels, *loss_args, **model_kwargs)` = `loss_fn(model(inputs, **model_kwargs), labels, *loss_args)`
+    when `loss_fn` is given (torchtitan computes its loss outside the model).
 
     budget / host_budget: per-rank device / host bytes ("60GiB", 2**30, ...). ring_group: the process group
     Ring-DTP rotates vocab shards/batches over (None: one device, P = 1). vocab_block: strip width C (None: the

@@ -1,0 +1,175 @@
+"""boundpass as a drop-in (issue 17): the compiled module is called exactly like the model, OffloadStreamAdamW
+takes AdamW's own arguments alone, and the entry points do not print upstream warnings a user cannot act on."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import boundpass
+
+VOCAB, HIDDEN = 1000, 32
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class PlainLM(nn.Module):
+    """A plain PyTorch LM whose forward takes the labels positionally and returns its loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, tok, labels):
+        logits = self.lm_head(torch.tanh(self.emb(tok)))
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+class HFStyleLM(nn.Module):
+    """Hugging Face's causal-LM call: forward(input_ids, labels=None); with labels the loss (labels shifted by padding
+    with -100, logits upcast and flattened, as transformers' ForCausalLMLoss does) and an auxiliary scalar, without
+    them the logits. (A model that also returns the [N, V] logits beside the loss keeps them: that region is skipped,
+    "used elsewhere", as docs/compile.md says.)"""
+
+    def __init__(self, return_logits=False):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, HIDDEN)
+        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.return_logits = return_logits
+
+    def forward(self, input_ids, labels=None):
+        hidden = torch.tanh(self.embed_tokens(input_ids))
+        logits = self.lm_head(hidden)
+        if labels is None:
+            return (logits,)
+        shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        loss = F.cross_entropy(logits.float().view(-1, VOCAB), shift.reshape(-1), ignore_index=-100)
+        return loss, (logits if self.return_logits else hidden.pow(2).mean())
+
+
+def _batch(batch=4, seq=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    labels = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    labels[0, :5] = -100
+    return tokens, labels
+
+
+def _assert_same_grads(model, reference):
+    want = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-5, atol=1e-7)
+
+
+def _assert_vocab_rewritten(compiled):
+    report = boundpass.explain(compiled)
+    assert [r.module_path for r in report.rewritten_of("vocab")] == ["model.lm_head"]
+    assert not report.skipped_of("vocab")
+    assert "REWRITTEN vocab  model.lm_head" in report.text(graph="none")
+    assert "boundpass.ring_dtp_fwd" in report.forward_code and "boundpass.ring_dtp_bwd" in report.backward_code
+
+
+def test_plain_lm_with_positional_labels_is_called_like_the_model():
+    model = PlainLM()
+    reference = copy.deepcopy(model)
+    tokens, labels = _batch()
+    compiled = boundpass.compile(model, budget="1GiB")
+    loss = compiled(tokens, labels)           # exactly model(tok, labels)
+    loss.backward()
+    want = reference(tokens, labels)
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-7)
+    _assert_same_grads(model, reference)
+    _assert_vocab_rewritten(compiled)         # the loss computed in the forward is matched in-graph
+    # the step's batch is the caller's: both arguments are graph inputs the step analysis holds
+    assert boundpass.explain(compiled).certificate is not None
+    assert len([n for n in boundpass.explain(compiled).forward_graph.graph.nodes
+                if n.op == "placeholder" and tuple(n.meta["val"].shape) == (4, 64)]) == 2
+
+
+def test_hf_style_labels_keyword_reaches_the_model():
+    model = HFStyleLM()
+    reference = copy.deepcopy(model)
+    tokens, labels = _batch(seed=1)
+    compiled = boundpass.compile(model, budget="1GiB")
+    out = compiled(tokens, labels=labels)     # exactly model(input_ids, labels=labels)
+    want = reference(tokens, labels=labels)
+    assert isinstance(out, tuple) and len(out) == 2
+    out[0].backward()
+    want[0].backward()
+    torch.testing.assert_close(out[0], want[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(out[1], want[1], rtol=1e-5, atol=1e-4)
+    _assert_same_grads(model, reference)
+    _assert_vocab_rewritten(compiled)
+    # the keyword tensor is a graph input like a positional one (the step analysis counts it as the caller's)
+    placeholders = [n for n in boundpass.explain(compiled).forward_graph.graph.nodes if n.op == "placeholder"]
+    assert sum(tuple(n.meta["val"].shape) == (4, 64) for n in placeholders) == 2
+    # without labels= the model returns its logits: the keyword changes the call, as it does uncompiled
+    (logits,) = compiled(tokens)
+    torch.testing.assert_close(logits, reference(tokens)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_hf_style_model_returning_its_logits_too_is_exact_and_says_why_it_is_not_rewritten():
+    model = HFStyleLM(return_logits=True)
+    reference = copy.deepcopy(model)
+    tokens, labels = _batch(seed=3)
+    compiled = boundpass.compile(model, budget="1GiB")
+    loss, logits = compiled(tokens, labels=labels)
+    want, want_logits = reference(tokens, labels=labels)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-6, atol=1e-6)
+    _assert_same_grads(model, reference)
+    (skipped,) = boundpass.explain(compiled).skipped_of("vocab")
+    assert "used elsewhere" in skipped.reason
+
+
+def test_keyword_tensors_are_graph_inputs_under_dynamic_shapes():
+    """With dynamic=True a keyword tensor's sizes are input symbols like a positional one's: a longer batch is
+    checked again against the budget (a guard), never run unchecked."""
+    model = HFStyleLM()
+    reference = copy.deepcopy(model)
+    compiled = boundpass.compile(model, budget="1GiB", dynamic=True)
+    for seq in (64, 96):
+        tokens, labels = _batch(seq=seq, seed=seq)
+        loss, _ = compiled(tokens, labels=labels)
+        torch.testing.assert_close(loss, reference(tokens, labels=labels)[0], rtol=1e-6, atol=1e-7)
+    from boundpass.compiler import _input_symbols
+    fw = boundpass.explain(compiled).forward_graph
+    batch = [n.meta["val"] for n in fw.graph.find_nodes(op="placeholder")
+             if isinstance(n.meta["val"], torch.Tensor) and n.meta["val"].dim() == 2
+             and any(isinstance(d, torch.SymInt) for d in n.meta["val"].shape)]
+    assert len(batch) == 2                    # input_ids and labels=: both symbolic graph inputs
+    assert _input_symbols(fw) >= {d.node.expr for t in batch for d in t.shape if isinstance(d, torch.SymInt)}
+    _assert_vocab_rewritten(compiled)
+
+
+def test_loss_fn_keeps_the_inputs_labels_loss_args_convention():
+    model = nn.Sequential()
+    model.add_module("emb", nn.Embedding(VOCAB, HIDDEN))
+    model.add_module("lm_head", nn.Linear(HIDDEN, VOCAB, bias=False))
+    reference = copy.deepcopy(model)
+
+    def loss_fn(logits, labels, scale):
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum") / scale
+
+    tokens, labels = _batch(seed=2)
+    compiled = boundpass.compile(model, budget="1GiB", loss_fn=loss_fn)
+    loss = compiled(tokens, labels, 7.0)
+    loss.backward()
+    want = loss_fn(reference(tokens), labels, 7.0)
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    _assert_same_grads(model, reference)
+    _assert_vocab_rewritten(compiled)
+    with pytest.raises(boundpass.BoundpassInputError, match="inputs"):
+        compiled()
