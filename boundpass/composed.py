@@ -71,8 +71,8 @@ G_dense_min = sympy.Symbol("G_dense_min", **_nonneg)  # the smallest dense block
 G_moe_min = sympy.Symbol("G_moe_min", **_nonneg)      # the smallest MoE block, routed experts included
 DEFAULT_CHUNK_CAP = 4096        # tokens per source rank per PipelinedLLEP chunk (c)
 DEFAULT_VOCAB_BLOCK = 4096      # Ring-DTP strip width (C)
-DEFAULT_BUCKET = 1 << 24        # OffloadStreamAdamW bucket (β, parameters)
-DEFAULT_SLOTS = 2               # OffloadStreamAdamW staging slots (S)
+DEFAULT_BUCKET = oa.DEFAULT_BUCKET  # OffloadStreamAdamW bucket (β, parameters): from its staging-byte default
+DEFAULT_SLOTS = oa.DEFAULT_SLOTS    # OffloadStreamAdamW staging slots (S)
 
 
 @dataclass(frozen=True)

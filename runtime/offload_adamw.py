@@ -28,10 +28,27 @@ from torch.distributed.tensor import DTensor
 from boundpass import symbols as sym
 from boundpass.errors import BoundpassInputError
 
-__all__ = ["OffloadStreamAdamW", "offload_adamw_bound", "offload_adamw_staging_bound", "offload_adamw_host_bound",
+__all__ = ["OffloadStreamAdamW", "DEFAULT_STAGING_BYTES", "DEFAULT_SLOTS", "DEFAULT_BUCKET", "default_bucket",
+           "offload_adamw_bound", "offload_adamw_staging_bound", "offload_adamw_host_bound",
            "reference_adamw_bound", "bound_values", "offload_optimizers_container"]
 
 _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+# The defaults when β and S are not given (OffloadStreamAdamW(params, lr=...) as for torch.optim.AdamW): the
+# staging's device bytes during step(), offload_adamw_staging_bound() = 16·S·β. 512 MiB = S = 2 slots of
+# β = 2^24 elements: the widest bucket boundpass.compile chooses (a wider one only adds staging bytes), and a
+# transient small beside the 16·Θ bytes torch AdamW keeps resident for a model large enough to need offloading
+# (Θ ≥ 2^25). Every other default of β and S (compile, plan, the recipe) is derived from these two constants.
+DEFAULT_STAGING_BYTES = 512 << 20
+DEFAULT_SLOTS = 2  # S: one bucket's copies overlap the next bucket's update (CUDA streams)
+_SLOT_BYTES_PER_ELEMENT = 4 * 4  # master, exp_avg, exp_avg_sq, fp32 grad: offload_adamw_staging_bound() / (S·β)
+
+
+def default_bucket(staging_slots: int = DEFAULT_SLOTS) -> int:
+    """β when it is not given: the bucket whose S slots stage DEFAULT_STAGING_BYTES (2^24 elements at S = 2)."""
+    return max(1, DEFAULT_STAGING_BYTES // (_SLOT_BYTES_PER_ELEMENT * staging_slots))
+
+
+DEFAULT_BUCKET = default_bucket()  # β at the default S
 # AdamW group keys that select torch's implementation; they mean nothing here and are not carried over.
 _TORCH_IMPL_KEYS = {"foreach", "fused", "capturable", "differentiable", "amsgrad", "maximize",
                     "decoupled_weight_decay"}
@@ -57,19 +74,25 @@ class _Slot:
 class OffloadStreamAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with host-resident fp32 state, stepped in buckets of ≤ β elements.
 
+    A drop-in for ``torch.optim.AdamW``: AdamW's own arguments (params, lr, betas, eps, weight_decay) are enough.
     ``bucket_params`` (β): elements per bucket; ``staging_slots`` (S): buckets in flight, each slot holds
-    16·β bytes on the device during ``step()`` (freed after it). ``pin_memory=None`` pins the host state
-    when the params are on a real CUDA device. Masters are taken from the params at the first step after
-    construction or a load without masters; from then on the params are casts of the masters.
+    16·β bytes on the device during ``step()`` (freed after it). Not given, S = DEFAULT_SLOTS (2) and β =
+    default_bucket(S): the bucket whose slots stage DEFAULT_STAGING_BYTES (512 MiB: β = 2^24 at S = 2). Slots
+    are never wider than the largest bucket nor more than the buckets: a model smaller than β stages 16·Θ bytes.
+    ``pin_memory=None`` pins the host state when the params are on a real CUDA device. Masters are taken from the
+    params at the first step after construction or a load without masters; from then on the params are casts of
+    the masters.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, *, bucket_params: int, staging_slots: int = 2,
+                 weight_decay: float = 0.01, *, bucket_params: int | None = None, staging_slots: int | None = None,
                  host_device: str | torch.device = "cpu", pin_memory: bool | None = None,
                  amsgrad: bool = False, maximize: bool = False):
         for name, value in (("bucket_params (β)", bucket_params), ("staging_slots (S)", staging_slots)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise BoundpassInputError(f"OffloadStreamAdamW: {name} must be an int >= 1, got {value!r}")
+        staging_slots = DEFAULT_SLOTS if staging_slots is None else staging_slots
+        bucket_params = default_bucket(staging_slots) if bucket_params is None else bucket_params
         if amsgrad or maximize:
             raise BoundpassInputError("OffloadStreamAdamW supports amsgrad=False and maximize=False only; use "
                                       "torch.optim.AdamW for amsgrad / maximize")

@@ -173,3 +173,65 @@ def test_loss_fn_keeps_the_inputs_labels_loss_args_convention():
     _assert_vocab_rewritten(compiled)
     with pytest.raises(boundpass.BoundpassInputError, match="inputs"):
         compiled()
+
+
+# ----------------------------------------------------------------------------- OffloadStreamAdamW drop-in
+def _optimizer_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(300, 24), nn.Linear(24, 40), nn.Tanh(), nn.Linear(40, 300, bias=False))
+
+
+def _train(model, opt, steps=5):
+    g = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        tokens = torch.randint(0, 300, (3, 16), generator=g)
+        out = model(tokens)
+        F.cross_entropy(out.flatten(0, 1), tokens.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("hyper", [dict(lr=3e-3),
+                                   dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)])
+def test_offload_adamw_takes_adamws_own_arguments_alone(hyper):
+    from boundpass.runtime import OffloadStreamAdamW
+    from boundpass.runtime import offload_adamw as oa
+    ours, ref = _optimizer_model(), _optimizer_model()
+    opt = OffloadStreamAdamW(ours.parameters(), **hyper)      # as torch.optim.AdamW(model.parameters(), ...)
+    want = torch.optim.AdamW(ref.parameters(), **hyper, foreach=False, fused=False)
+    # the defaults: S slots of beta elements staging the documented byte default
+    assert opt.staging_slots == oa.DEFAULT_SLOTS == 2 and opt.bucket_params == oa.DEFAULT_BUCKET == 1 << 24
+    assert 16 * opt.staging_slots * opt.bucket_params == oa.DEFAULT_STAGING_BYTES
+    assert opt.defaults["weight_decay"] == want.defaults["weight_decay"] == hyper.get("weight_decay", 0.01)
+    _train(ours, opt)
+    _train(ref, want)
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(p.detach(), q.detach()), name   # bit-exact, as tests/test_offload_adamw.py asserts
+    # one bucket (the model is smaller than beta): one slot of Θ elements on the device, never 512 MiB
+    from boundpass.memtrack import LiveStorageTracker
+    params = list(ours.parameters())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with LiveStorageTracker() as tracker:
+        tracker.track_existing(params, [p.grad for p in params], *opt._host.values())
+        before = tracker.live_bytes()
+        opt.step()
+        assert tracker.peak_bytes() - before == 16 * opt.numel
+
+
+def test_offload_adamw_explicit_knobs_still_win_and_derive_the_other():
+    from boundpass.errors import BoundpassInputError
+    from boundpass.runtime import OffloadStreamAdamW
+    from boundpass.runtime import offload_adamw as oa
+    params = list(_optimizer_model().parameters())
+    one = OffloadStreamAdamW(params, lr=1e-3, staging_slots=1)
+    assert one.staging_slots == 1 and one.bucket_params == oa.DEFAULT_STAGING_BYTES // 16  # same staging bytes
+    fixed = OffloadStreamAdamW(params, bucket_params=100)
+    assert fixed.bucket_params == 100 and fixed.staging_slots == oa.DEFAULT_SLOTS
+    both = OffloadStreamAdamW(params, bucket_params=64, staging_slots=3)
+    assert (both.bucket_params, both.staging_slots) == (64, 3)
+    migrated = OffloadStreamAdamW.from_adamw(torch.optim.AdamW(params, lr=2e-3))
+    assert migrated.bucket_params == oa.DEFAULT_BUCKET and migrated.param_groups[0]["lr"] == 2e-3
+    for bad in (dict(bucket_params=0), dict(staging_slots=0), dict(bucket_params=True)):
+        with pytest.raises(BoundpassInputError):
+            OffloadStreamAdamW(params, **bad)

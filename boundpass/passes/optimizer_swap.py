@@ -21,8 +21,8 @@ from boundpass.runtime import offload_adamw as oa
 from boundpass.units import format_bytes
 
 OFFLOAD_CHOICES = ("auto", True, False)
-DEFAULT_SLOTS = 2     # two slots suffice to overlap copy-in, update and write-back (SPEC §4)
-MAX_BUCKET = 1 << 24  # elements; beyond this a bucket only adds staging bytes, not speed
+DEFAULT_SLOTS = oa.DEFAULT_SLOTS    # two slots suffice to overlap copy-in, update and write-back
+MAX_BUCKET = oa.DEFAULT_BUCKET      # elements (2^24); beyond this a bucket only adds staging bytes, not speed
 MIN_OVERLAP_BUCKET = 1 << 16  # elements; below this per-bucket launch and copy latency dominates overlap
 
 
