@@ -1,9 +1,22 @@
-"""Vocab pass: find `linear -> (float/view/flatten/reshape) -> cross_entropy` in a Dynamo graph and rewrite it
-to the Ring-DTP custom op, so no [N, V] logits tensor exists in forward or backward.
+"""Vocab pass: find the vocabulary projection + cross-entropy in a Dynamo graph by what it computes, and rewrite
+it to the Ring-DTP custom op, so no [N, V] logits tensor exists in forward or backward.
 
-Matching happens on the Dynamo (pre-autograd) graph: there `linear` and `cross_entropy` are still single
-nodes with `nn_module_stack` meta, and AOTAutograd derives the backward from the op's registered autograd.
-Regions that cannot be rewritten exactly are skipped with a reason, never silently.
+A region is `projection -> (casts / reshapes / token slicing) -> cross-entropy`:
+- projection: `F.linear(h, W)` (nn.Linear), `h @ B` / `torch.matmul(h, B)` / `h.matmul(B)` with a 2-D B
+  (`W.T`, `W.t()`, `W.transpose(0, 1)`, or a [H, V] weight), `einsum('...h,vh->...v', h, W)` (or `hv`);
+  W may be shared with the embedding (tied): the op's weight gradient and the embedding's add up in autograd;
+- between them: `float` / `to(dtype)` / `contiguous`, `view` / `reshape` / `flatten` that keep the vocab dim last,
+  and indexing of the token dims (`logits[:, :-1]`, `logits[..., :-1, :]`, a boolean token mask); these are
+  replayed on the hidden states before the op, so the rewrite stays exact;
+- cross-entropy: `F.cross_entropy`, `F.nll_loss(F.log_softmax(logits, -1))`, or hand-written
+  `logsumexp(logits, -1) - logits.gather(-1, labels[..., None])[..., 0]` reduced by `.sum()` / `.mean()`,
+  optionally masked by `labels != ignore_index` (`* mask`, `torch.where`, `masked_fill`, `[mask]`) with the
+  gathered labels made safe (`clamp(min=0)`, `masked_fill`, `torch.where`). A denominator after the sum
+  (`/ mask.sum()`, torchtitan's global valid tokens) stays as written.
+
+Matching happens on the Dynamo (pre-autograd) graph: there these are still single nodes with `nn_module_stack`
+meta, and AOTAutograd derives the backward from the op's registered autograd. Regions that cannot be
+rewritten exactly are skipped with a reason, never silently.
 """
 from __future__ import annotations
 
@@ -16,23 +29,27 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from boundpass.passes.graph_edit import example_value as _val
-from boundpass.passes.graph_edit import node_adder
 from boundpass.runtime import ring_dtp
 
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
+_NLL_SIGNATURE = inspect.signature(F.nll_loss)
 _LINEAR_TARGETS = (torch._C._nn.linear, F.linear)
-# methods / functions that only reshape or upcast the logits on their way to cross_entropy
-_PASS_THROUGH_METHODS = {"float", "view", "reshape", "flatten", "contiguous", "to"}
-_PASS_THROUGH_FUNCS = {torch.flatten, torch.reshape}
+_MATMUL_TARGETS = (operator.matmul, torch.matmul)
+# methods / functions that only reshape or upcast the logits on their way to the loss
+_CAST_METHODS = {"float", "double", "half", "bfloat16", "contiguous", "to"}
+_RESHAPE_METHODS = {"view", "reshape", "flatten"}
+_PASS_THROUGH_FUNCS = {torch.flatten, torch.reshape, operator.getitem}
+_LOG_SOFTMAX = (F.log_softmax, torch.log_softmax)
 
 
 @dataclass
 class VocabRegion:
-    """One linear -> cross_entropy region: where it is, and what happened to it."""
+    """One projection -> cross-entropy region: where it is, and what happened to it."""
     module_path: str
     rewritten: bool
     reason: str = ""
     kind: str = "vocab"
+    form: str = ""                 # what was matched, e.g. "matmul(h, W.T) -> [:, :-1] -> cross_entropy"
     tokens: object = None          # N (int or SymInt) of the rewritten op
     hidden: int = 0
     vocab: int = 0
@@ -40,6 +57,12 @@ class VocabRegion:
     block: int = 0                 # strip width C chosen by the budget
     branch: str = ""               # Ring-DTP branch chosen for the launch configuration
     op_node: fx.Node | None = field(default=None, repr=False)
+
+    def describe(self) -> str:
+        if not self.rewritten:
+            return f"SKIPPED   vocab  {self.module_path}: {self.reason}"
+        return (f"REWRITTEN vocab  {self.module_path}: {self.form or 'linear -> cross_entropy'} => boundpass::ring_dtp "
+                f"(N={self.tokens}, H={self.hidden}, V={self.vocab}, {self.dtype}, branch={self.branch}, C={self.block})")
 
 
 @dataclass
@@ -62,38 +85,275 @@ def _module_path(node: fx.Node) -> str:
     return path.replace("L['self']", "<model>").replace("['", ".").replace("']", "")
 
 
-def _is_pass_through(node: fx.Node) -> bool:
-    if node.op == "call_method" and node.target in _PASS_THROUGH_METHODS:
+# ------------------------------------------------------------------------------------------ node shapes
+def _is_call(node, *, methods=(), funcs=()) -> bool:
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_method":
+        return node.target in methods
+    return node.op == "call_function" and any(node.target is f for f in funcs)
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    """Argument `index` (counting the tensor a method is called on) or keyword `name`."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _is_tensor(node) -> bool:
+    return isinstance(_val(node), torch.Tensor)
+
+
+def _last_dim(dim, ndim: int) -> bool:
+    if isinstance(dim, (list, tuple)):
+        if len(dim) != 1:
+            return False
+        dim = dim[0]
+    return isinstance(dim, int) and dim in (-1, ndim - 1)
+
+
+def _is_pass_through(node) -> bool:
+    """Casts, reshapes and indexing of a tensor (which of them keep the vocab dim is `_chain_reason`'s check)."""
+    if not isinstance(node, fx.Node) or not node.args or not _is_tensor(node.args[0]):
+        return False
+    if node.op == "call_method" and node.target in _CAST_METHODS | _RESHAPE_METHODS:
         if node.target == "to":  # only dtype casts, not device moves
-            return all(isinstance(a, torch.dtype) for a in node.args[1:]) and not node.kwargs
+            return (all(isinstance(a, torch.dtype) for a in node.args[1:])
+                    and set(node.kwargs) <= {"dtype"} and (len(node.args) > 1 or "dtype" in node.kwargs))
         return True
     return node.op == "call_function" and node.target in _PASS_THROUGH_FUNCS
 
 
-def _find_linear(ce_input: fx.Node) -> tuple[fx.Node | None, str]:
-    """Walk back from the CE input through reshapes/casts to the linear; reason when it cannot."""
-    node = ce_input
-    while isinstance(node, fx.Node) and _is_pass_through(node):
-        if len(node.users) != 1:
-            return None, f"intermediate logits ({node.name}) have other users {sorted(u.name for u in node.users)}"
+# ------------------------------------------------------------------------------------------ projection
+@dataclass
+class _Projection:
+    node: fx.Node          # the logits [..., V]
+    h: fx.Node             # hidden states [..., H]
+    weight: fx.Node        # [V, H] as used, or the [H, V] tensor to transpose (transpose=True)
+    transpose: bool
+    form: str
+    bias: bool = False
+
+
+def _untransposed(node):
+    """W when node is W.T / W.t() / W.transpose(0, 1) / W.permute(1, 0) of a 2-D W, else None."""
+    if not isinstance(node, fx.Node):
+        return None
+    src = node.args[0] if node.args else None
+    if not _is_tensor(src) or _val(src).dim() != 2:
+        return None
+    if node.op == "call_function" and node.target is getattr and node.args[1:] in (("T",), ("mT",)):
+        return src
+    if _is_call(node, methods=("t",), funcs=(torch.t,)) and len(node.args) == 1:
+        return src
+    if _is_call(node, methods=("transpose",), funcs=(torch.transpose,)):
+        dims = tuple(d % 2 for d in node.args[1:3]) if len(node.args) == 3 else None
+        return src if dims in ((0, 1), (1, 0)) else None
+    if _is_call(node, methods=("permute",), funcs=(torch.permute,)):
+        dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+        return src if tuple(d % 2 for d in dims) == (1, 0) else None
+    return None
+
+
+def _projection(node) -> _Projection | None:
+    """The vocab projection computing node (h @ W.T in one of its spellings), or None."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return None
+    if node.op == "call_function" and node.target in _LINEAR_TARGETS:
+        h, w = _arg(node, 0, "input"), _arg(node, 1, "weight")
+        bias = _arg(node, 2, "bias")
+        if _is_tensor(h) and _is_tensor(w) and _val(w).dim() == 2:
+            return _Projection(node, h, w, False, "linear", bias=bias is not None)
+        return None
+    if _is_call(node, methods=("matmul",), funcs=_MATMUL_TARGETS + (torch.mm,)) and len(node.args) == 2:
+        h, b = node.args
+        if not (_is_tensor(h) and _is_tensor(b) and _val(b).dim() == 2 and _val(h).dim() >= 1):
+            return None
+        w = _untransposed(b)
+        if w is not None:
+            return _Projection(node, h, w, False, "matmul(h, W.T)")
+        return _Projection(node, h, b, True, "matmul(h, W)")
+    if node.op == "call_function" and node.target is torch.functional.einsum:
+        operands = node.args[1:]
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = tuple(operands[0])
+        eq = node.args[0] if node.args and isinstance(node.args[0], str) else None
+        if eq is None or len(operands) != 2 or "->" not in eq:
+            return None
+        lhs, out = eq.replace(" ", "").split("->")
+        terms = lhs.split(",")
+        if len(terms) != 2:
+            return None
+        for (a, b), (h, w) in (((terms[0], terms[1]), operands), ((terms[1], terms[0]), operands[::-1])):
+            if len(b) != 2 or "." in b or not a or not (_is_tensor(h) and _is_tensor(w)):
+                continue
+            hid = a[-1]
+            if hid not in b or b[0] == b[1] or hid in a[:-1]:
+                continue
+            voc = b[1] if b[0] == hid else b[0]
+            if voc in a or out != a[:-1] + voc:
+                continue
+            return _Projection(node, h, w, b[0] == hid, f"einsum('{eq}')")
+    return None
+
+
+def _bias_add(node) -> bool:
+    """`projection + b`: a bias the op cannot fold."""
+    if not _is_call(node, methods=("add", "add_"), funcs=(operator.add, torch.add)) or len(node.args) < 2:
+        return False
+    return any(_projection(_trace_back(a)[0]) is not None for a in node.args[:2] if isinstance(a, fx.Node))
+
+
+def _trace_back(node):
+    """(first non-pass-through node, chain of pass-through nodes from it to `node`)."""
+    chain = []
+    while _is_pass_through(node):
+        chain.append(node)
         node = node.args[0]
-    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target not in _LINEAR_TARGETS:
-        what = getattr(node, "target", node)
-        return None, f"cross_entropy input does not come from a linear projection (found {what})"
-    if len(node.users) != 1:
-        return None, f"logits ({node.name}) are used elsewhere too ({sorted(u.name for u in node.users)}): [N, V] must exist"
-    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    if bias is not None:
-        return None, "the output projection has a bias (not supported by Ring-DTP)"
-    return node, ""
+    return node, chain[::-1]
 
 
-def _skip_reason(ce: fx.Node) -> str:
-    try:
-        bound = _CE_SIGNATURE.bind(*ce.args, **ce.kwargs)
-    except TypeError as exc:
-        return f"cannot read cross_entropy arguments: {exc}"
-    args = bound.arguments
+def _index_keeps_last_dim(idx, ndim: int) -> bool:
+    """Whether `x[idx]` (x of rank ndim) indexes only token dims, leaving the last (vocab) dim whole."""
+    items = list(idx) if isinstance(idx, tuple) else [idx]
+
+    def width(item):
+        if item is None or item is Ellipsis:
+            return 0
+        val = _val(item)
+        if isinstance(val, torch.Tensor) and val.dtype == torch.bool:
+            return val.dim()
+        return 1
+    used = sum(width(i) for i in items)
+    dim = 0
+    for item in items:
+        w = width(item)
+        if item is Ellipsis:
+            w = ndim - used
+            dim += w
+            continue
+        full = isinstance(item, slice) and item == slice(None)
+        if w and dim <= ndim - 1 < dim + w and not full:
+            return False
+        dim += w
+    return True
+
+
+def _chain_reason(chain: list, vocab: int) -> str:
+    """Why the pass-through chain cannot be replayed on the hidden states ("" when it can)."""
+    for node in chain:
+        src, out = _val(node.args[0]), _val(node)
+        if not isinstance(out, torch.Tensor):
+            return f"{node.name} does not give a tensor"
+        if _is_call(node, funcs=_LOG_SOFTMAX, methods=("log_softmax",)):
+            continue
+        if src.shape[-1] != vocab or out.dim() == 0 or out.shape[-1] != vocab:
+            return (f"{node.name} ({node.target}) moves the vocab dim of the logits ({tuple(src.shape)} -> "
+                    f"{tuple(out.shape)}); only token dims may be reshaped or indexed")
+        if node.target is operator.getitem and not _index_keeps_last_dim(node.args[1], src.dim()):
+            return f"{node.name} indexes the vocab dim of the logits"
+        if node.target in ("flatten", torch.flatten):
+            end = _arg(node, 2, "end_dim", -1)
+            if not isinstance(end, int) or end % src.dim() == src.dim() - 1:
+                return f"{node.name} flattens the vocab dim of the logits"
+    return ""
+
+
+def _replay(add, chain: list, h: fx.Node, hidden: int) -> fx.Node:
+    """The hidden states shaped and indexed as the chain shapes and indexes the logits (casts dropped)."""
+    x = h
+    for node in chain:
+        if node.target is operator.getitem:
+            x = add(operator.getitem, x, node.args[1])
+        elif node.target in ("flatten", torch.flatten):
+            x = add(torch.flatten, x, *node.args[1:], **node.kwargs)
+        elif node.target in ("view", "reshape", torch.reshape):
+            shape = node.args[1:] if node.op == "call_method" else node.args[1:]
+            if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+                shape = tuple(shape[0])
+            x = add("reshape", x, *shape[:-1], hidden, kind="call_method")  # reshape: h may be non-contiguous
+    return x
+
+
+def _adder(graph: fx.Graph, fake_mode, *, module_stack_of: fx.Node, trace_of: fx.Node):
+    """Like graph_edit.node_adder, with nodes nested in the arguments (an index tuple holding a SymInt)."""
+    def add(target, *args, kind="call_function", **kwargs):
+        node = graph.create_node(kind, target, args, kwargs)
+        node.meta["nn_module_stack"] = dict(module_stack_of.meta.get("nn_module_stack", {}))
+        node.meta["stack_trace"] = trace_of.meta.get("stack_trace")
+        vals = fx.node.map_arg(args, _val)
+        kw = fx.node.map_arg(kwargs, _val)
+        with fake_mode:
+            node.meta["example_value"] = (getattr(vals[0], target)(*vals[1:], **kw) if kind == "call_method"
+                                          else target(*vals, **kw))
+        return node
+    return add
+
+
+# ------------------------------------------------------------------------------------------ losses
+@dataclass
+class _Match:
+    """A cross-entropy over logits found in the graph: what to replace and what the op must be told."""
+    anchor: fx.Node                  # the node whose value the op's (reduced) loss replaces
+    loss: str                        # "cross_entropy", "log_softmax + nll_loss", "logsumexp - gather"
+    loss_input: fx.Node | None = None  # where the walk back to the projection starts
+    labels: fx.Node | None = None    # class indices, shaped as the logits' token dims
+    region: set = field(default_factory=set)   # loss-side nodes that read the [.., V] logits
+    tail: list = field(default_factory=list)   # [.., V] nodes between loss_input and the loss (log_softmax ...)
+    norm: fx.Node | None = None      # the tensor the softmax normalisation runs on (its dtype is checked)
+    ignore_index: int = -100
+    reduction: str = "sum"           # "sum", "mean" (over valid tokens), "mean_all" (over all tokens)
+    reason: str = ""
+    dead: list = field(default_factory=list)   # runtime size asserts on a boolean selection the rewrite removes
+
+
+_NE_EQ_METHODS, _NE_EQ_FUNCS = ("ne", "eq"), (operator.ne, torch.ne, operator.eq, torch.eq)
+_NOT_METHODS, _NOT_FUNCS = ("logical_not", "bitwise_not", "__invert__"), (operator.invert, torch.logical_not,
+                                                                          torch.bitwise_not)
+_MASK_CASTS = _CAST_METHODS | {"bool", "long", "int", "type_as"}
+
+
+def _strip_casts(node):
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in _MASK_CASTS and node.args:
+        node = node.args[0]
+    return node
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _mask_of(node, valid: bool):
+    """(labels, ignore_index) when node is `labels != ignore_index` (valid) / `labels == ignore_index`
+    (not valid), up to casts and negation; else None."""
+    node = _strip_casts(node)
+    if _is_call(node, methods=_NE_EQ_METHODS, funcs=_NE_EQ_FUNCS) and len(node.args) == 2 and not node.kwargs:
+        labels, ig = node.args
+        if not _is_tensor(labels) or not _is_int(ig):
+            return None
+        is_ne = node.target in ("ne", operator.ne, torch.ne)
+        return (labels, ig) if is_ne == valid else None
+    if _is_call(node, methods=_NOT_METHODS, funcs=_NOT_FUNCS) and len(node.args) == 1:
+        return _mask_of(node.args[0], not valid)
+    return None
+
+
+def _view_root(node):
+    while _is_call(node, methods=("view", "reshape", "flatten", "contiguous"), funcs=(torch.flatten, torch.reshape)):
+        node = node.args[0]
+    return node
+
+
+def _same_tensor(a, b) -> bool:
+    """a and b hold the same elements in the same layout (one node, or reshapes of one tensor to one shape)."""
+    if a is b:
+        return True
+    return (_is_tensor(a) and _is_tensor(b) and _view_root(a) is _view_root(b)
+            and tuple(_val(a).shape) == tuple(_val(b).shape))
+
+
+def _ce_like_reason(args: dict, fn: str) -> str:
     if args.get("weight") is not None:
         return "class weights are used"
     if args.get("label_smoothing", 0.0) not in (0, 0.0):
@@ -104,51 +364,320 @@ def _skip_reason(ce: fx.Node) -> str:
         return f"reduction={args['reduction']!r} returns per-token losses"
     logits, target = _val(args["input"]), _val(args["target"])
     if logits is None or target is None or logits.dim() != 2 or target.dim() != 1:
-        return "cross_entropy input is not [N, V] logits with [N] class-index targets"
+        return f"{fn} input is not [N, V] logits with [N] class-index targets"
+    if not _is_int(args.get("ignore_index", -100)):
+        return f"{fn} ignore_index is not a Python int"
     return ""
+
+
+def _match_ce(node) -> _Match | None:
+    if node.op != "call_function" or node.target is not F.cross_entropy:
+        return None
+    try:
+        args = _CE_SIGNATURE.bind(*node.args, **node.kwargs).arguments
+    except TypeError as exc:
+        return _Match(node, "cross_entropy", reason=f"cannot read cross_entropy arguments: {exc}")
+    return _Match(node, "cross_entropy", loss_input=args["input"], labels=args["target"], region={node},
+                  norm=args["input"], ignore_index=args.get("ignore_index", -100),
+                  reduction=args.get("reduction", "mean"), reason=_ce_like_reason(args, "cross_entropy"))
+
+
+def _is_log_softmax(node) -> bool:
+    if not _is_call(node, methods=("log_softmax",), funcs=_LOG_SOFTMAX) or not _is_tensor(node.args[0]):
+        return False
+    return _last_dim(_arg(node, 1, "dim"), _val(node.args[0]).dim())
+
+
+def _match_nll(node) -> _Match | None:
+    if node.op != "call_function" or node.target is not F.nll_loss:
+        return None
+    try:
+        args = _NLL_SIGNATURE.bind(*node.args, **node.kwargs).arguments
+    except TypeError as exc:
+        return _Match(node, "log_softmax + nll_loss", reason=f"cannot read nll_loss arguments: {exc}")
+    match = _Match(node, "log_softmax + nll_loss", labels=args["target"], region={node},
+                   ignore_index=args.get("ignore_index", -100), reduction=args.get("reduction", "mean"),
+                   reason=_ce_like_reason(args, "nll_loss"))
+    log_softmax, after = _trace_back(args["input"])
+    if not match.reason and not _is_log_softmax(log_softmax):
+        match.reason = (f"nll_loss input is not log_softmax(logits, dim=-1) (found "
+                        f"{getattr(log_softmax, 'target', log_softmax)})")
+    if not match.reason and _val(args["input"]).dtype != _val(log_softmax).dtype:
+        match.reason = (f"the log-probabilities are cast from {_val(log_softmax).dtype} to "
+                        f"{_val(args['input']).dtype} before nll_loss, which Ring-DTP would not reproduce")
+    if not match.reason:
+        match.loss_input, match.tail, match.norm = log_softmax.args[0], [log_softmax] + after, log_softmax
+    return match
+
+
+def _logsumexp_input(node):
+    if not _is_call(node, methods=("logsumexp",), funcs=(torch.logsumexp,)) or not _is_tensor(node.args[0]):
+        return None
+    if _arg(node, 2, "keepdim", False) or not _last_dim(_arg(node, 1, "dim"), _val(node.args[0]).dim()):
+        return None
+    return node.args[0]
+
+
+def _unsqueezed(idx):
+    """y when idx is y with a trailing unit dim (`y.unsqueeze(-1)`, `y[..., None]`, `y.view(*y.shape, 1)`)."""
+    if not isinstance(idx, fx.Node) or not idx.args or not _is_tensor(idx.args[0]) or not _is_tensor(idx):
+        return None
+    y = idx.args[0]
+    if tuple(_val(idx).shape) != tuple(_val(y).shape) + (1,):
+        return None
+    if _is_call(idx, methods=("unsqueeze",), funcs=(torch.unsqueeze,)):
+        return y if _arg(idx, 1, "dim") in (-1, _val(y).dim()) else None
+    if idx.target is operator.getitem:
+        items = idx.args[1] if isinstance(idx.args[1], tuple) else (idx.args[1],)
+        head = items[:-1]
+        if items[-1] is None and all(i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in head):
+            return y
+        return None
+    if _is_call(idx, methods=("view", "reshape"), funcs=(torch.reshape,)):
+        return y
+    return None
+
+
+def _gathered(node):
+    """(logits, gathered labels, [gather, squeeze]) when node is logits.gather(-1, y[..., None]).squeeze(-1)."""
+    if not isinstance(node, fx.Node) or not node.args or not _is_tensor(node):
+        return None
+    squeeze, gather = node, node.args[0]
+    if not (_is_call(squeeze, methods=("squeeze", "view", "reshape"), funcs=(torch.squeeze, torch.reshape))
+            or squeeze.target is operator.getitem) or not _is_tensor(gather):
+        return None
+    if _is_call(gather, methods=("gather",), funcs=(torch.gather,)):
+        logits, dim, idx = _arg(gather, 0, "input"), _arg(gather, 1, "dim"), _arg(gather, 2, "index")
+    elif _is_call(gather, methods=("take_along_dim",), funcs=(torch.take_along_dim,)):
+        logits, idx, dim = _arg(gather, 0, "input"), _arg(gather, 1, "indices"), _arg(gather, 2, "dim")
+    else:
+        return None
+    if not _is_tensor(logits) or not _last_dim(dim, _val(logits).dim()):
+        return None
+    y = _unsqueezed(idx)
+    lead = tuple(_val(logits).shape[:-1])
+    if y is None or tuple(_val(y).shape) != lead or tuple(_val(squeeze).shape) != lead:
+        return None
+    return logits, y, [gather, squeeze]
+
+
+def _safe_labels(y):
+    """(labels, ignore_index or None, how) when y is labels made safe for gather at ignored tokens."""
+    args = y.args
+    if _is_call(y, methods=("clamp", "clamp_min"), funcs=(torch.clamp, torch.clamp_min)):
+        lo, hi = _arg(y, 1, "min"), (_arg(y, 2, "max") if y.target in ("clamp", torch.clamp) else None)
+        if _is_int(lo) and lo == 0 and hi is None:
+            return args[0], None, "clamp"
+    if _is_call(y, methods=("masked_fill",), funcs=(torch.masked_fill,)) and len(args) == 3 and args[2] is not True \
+            and args[2] == 0:
+        mask = _mask_of(args[1], valid=False)
+        if mask and _same_tensor(mask[0], args[0]):
+            return args[0], mask[1], "masked_fill"
+    if _is_call(y, funcs=(torch.where,)) and len(args) == 3 and _is_int(args[2]) and args[2] == 0:
+        mask = _mask_of(args[0], valid=True)
+        if mask and _same_tensor(mask[0], args[1]):
+            return args[1], mask[1], "where"
+    return y, None, ""
+
+
+def _full_reduction(node, per) -> str:
+    """"sum" / "mean" when node reduces `per` over all its elements, else ""."""
+    if node.op == "call_method" and node.target in ("sum", "mean") and node.args == (per,) and not node.kwargs:
+        return node.target
+    if node.op == "call_function" and node.target in (torch.sum, torch.mean) and node.args == (per,) \
+            and not node.kwargs:
+        return "sum" if node.target is torch.sum else "mean"
+    return ""
+
+
+_SIZE_CHECKS = (operator.ge, operator.le, operator.gt, operator.lt, operator.eq, operator.ne)
+
+
+def _size_asserts(node):
+    """The nodes that only assert the size of node's value (Dynamo adds them after a boolean selection, whose
+    size is data-dependent), or None when its size is used for anything else."""
+    found, todo = [], [u for u in node.users if u.op == "call_function" and u.target is torch.ops.aten.sym_size.int]
+    while todo:
+        n = todo.pop()
+        found.append(n)
+        for u in n.users:
+            if u.op != "call_function" or not (u.target in _SIZE_CHECKS
+                                               or u.target is torch.ops.aten._assert_scalar.default):
+                return None
+            if u not in found and u not in todo:
+                todo.append(u)
+    return found
+
+
+_LSE_FORM = ("sum / mean of (logsumexp - gather), optionally masked by labels != ignore_index "
+             "(* mask, torch.where, masked_fill, [mask])")
+
+
+def _match_lse(node) -> _Match | None:
+    """Hand-written CE: `logsumexp(L, -1) - L.gather(-1, y[..., None])[..., 0]`, then sum / mean (masked)."""
+    if not _is_call(node, methods=("sub",), funcs=(operator.sub, torch.sub)) or len(node.args) != 2 or node.kwargs:
+        return None
+    lse, tgt = node.args
+    logits = _logsumexp_input(lse)
+    gathered = _gathered(tgt)
+    if logits is None or gathered is None or gathered[0] is not logits:
+        return None
+    _, y, (gather, squeeze) = gathered
+    match = _Match(node, "logsumexp - gather", loss_input=logits, region={lse, gather}, norm=logits)
+    per_token = {lse: {node}, gather: {squeeze}, squeeze: {node}}
+    for n, allowed in per_token.items():
+        if set(n.users) - allowed:
+            match.reason = (f"{n.name} of the hand-written cross-entropy is used elsewhere too "
+                            f"({sorted(u.name for u in set(n.users) - allowed)})")
+            return match
+    labels, safe_ig, safe = _safe_labels(y)
+    users = list(node.users)
+    if len(users) != 1:
+        match.reason = (f"the per-token losses ({node.name}) are used elsewhere too "
+                        f"({sorted(u.name for u in users)}): the rewritten op returns only their sum")
+        return match
+    r, mask, selected = users[0], None, False
+    how = _full_reduction(r, node)
+    if how:
+        match.anchor, match.reduction = r, ("sum" if how == "sum" else "mean_all")
+        if safe:
+            match.reason = (f"the labels are made safe for gather ({safe}) but the per-token losses are not "
+                            f"masked: ignored tokens count in the loss")
+        match.labels = labels
+        return match
+    args = r.args
+    if _is_call(r, methods=("mul",), funcs=(operator.mul, torch.mul)) and len(args) == 2 and not r.kwargs:
+        mask = _mask_of(args[1] if args[0] is node else args[0], valid=True)
+    elif _is_call(r, funcs=(torch.where,)) and len(args) == 3 and args[1] is node and args[2] in (0, 0.0) \
+            and not isinstance(args[2], bool):
+        mask = _mask_of(args[0], valid=True)
+    elif _is_call(r, methods=("masked_fill",), funcs=(torch.masked_fill,)) and len(args) == 3 and args[0] is node \
+            and args[2] in (0, 0.0) and not isinstance(args[2], bool):
+        mask = _mask_of(args[1], valid=False)
+    elif r.target is operator.getitem and args[0] is node and isinstance(_val(args[1]), torch.Tensor) \
+            and _val(args[1]).dtype == torch.bool:
+        mask, selected = _mask_of(args[1], valid=True), True
+    asserts = _size_asserts(r) or []
+    reduced = [u for u in r.users if u not in asserts]
+    how = _full_reduction(reduced[0], r) if len(reduced) == 1 else ""
+    if mask is None or not how:
+        match.reason = (f"hand-written cross-entropy: its per-token losses ({node.name}) go to {r.name} "
+                        f"({r.target}), not a recognised reduction ({_LSE_FORM})")
+        return match
+    if not _same_tensor(mask[0], labels) or (safe_ig is not None and safe_ig != mask[1]):
+        match.reason = (f"hand-written cross-entropy: the mask ({mask[0].name} != {mask[1]}) is not over the "
+                        f"gathered labels ({labels.name})")
+        return match
+    match.anchor, match.labels, match.ignore_index, match.dead = reduced[0], labels, mask[1], asserts
+    match.reduction = "sum" if how == "sum" else ("mean" if selected else "mean_all")
+    return match
+
+
+# ------------------------------------------------------------------------------------------ the pass
+def _reaches_output(node, depth: int = 8) -> bool:
+    """Whether node's value (or an alias / cast / reshape of it) is an output of the graph."""
+    if node.op == "output":
+        return True
+    aliasing = _is_pass_through(node) or _is_call(node, methods=("detach", "clone", "cpu"), funcs=(torch.detach,))
+    return depth > 0 and aliasing and any(_reaches_output(u, depth - 1) for u in node.users)
+
+
+def _users_reason(nodes: list, allowed: set, path: str) -> str:
+    for node in nodes:
+        extra = [u for u in node.users if u not in allowed]
+        if not extra:
+            continue
+        shape = tuple(_val(node).shape)
+        if any(_reaches_output(u) for u in extra):
+            return (f"the logits of {path} ({node.name}: {shape}) are also returned by the compiled graph, so the "
+                    f"[N, V] tensor must exist: return only the loss from the model and loss_fn (e.g. `return loss`, "
+                    f"not `return loss, logits`; compute logits for evaluation outside the bounded step)")
+        return (f"the logits of {path} ({node.name}: {shape}) are used elsewhere too "
+                f"({sorted(u.name for u in extra)}): the [N, V] tensor must exist; use them only in the loss")
+    return ""
+
+
+def _fmt(node) -> str:
+    if node.target is operator.getitem:
+        items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+
+        def one(i):
+            if i is Ellipsis:
+                return "..."
+            if isinstance(i, slice):
+                return ":".join("" if p is None else str(p) for p in (i.start, i.stop)) + \
+                    ("" if i.step is None else f":{i.step}")
+            return str(getattr(i, "name", i))
+        return "[" + ", ".join(one(i) for i in items) + "]"
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
+def _resolve(match: _Match):
+    """(projection, chain of [.., V] nodes from it to the loss, module path, reason)."""
+    proj, chain, reason = None, [], match.reason
+    if not reason:
+        base, chain = _trace_back(match.loss_input)
+        chain = chain + match.tail
+        proj = _projection(base)
+        if proj is None:
+            reason = ("the output projection has a bias (not supported by Ring-DTP)" if _bias_add(base) else
+                      f"{match.loss} input does not come from a vocab projection (linear, matmul with a 2-D weight "
+                      f"or einsum '...h,vh->...v'; found {getattr(base, 'target', base)})")
+    path = _module_path(proj.node if proj is not None else match.anchor)
+    if reason:
+        return proj, chain, path, reason
+    w = _val(proj.weight)
+    vocab = int(w.shape[1] if proj.transpose else w.shape[0])
+    if proj.bias:
+        return proj, chain, path, "the output projection has a bias (not supported by Ring-DTP)"
+    reason = _chain_reason(chain, vocab) or _users_reason([proj.node] + chain, set(chain) | match.region, path)
+    if not reason:
+        h_dtype, norm_dtype = _val(proj.h).dtype, _val(match.norm).dtype
+        acc = torch.promote_types(h_dtype, torch.float32)
+        if norm_dtype != acc:
+            reason = (f"{match.loss} runs on {norm_dtype} logits of a {h_dtype} projection; "
+                      f"Ring-DTP accumulates in {acc}, which would change the numerics")
+    return proj, chain, path, reason
 
 
 def rewrite_vocab_regions(gm: fx.GraphModule, config: VocabRewriteConfig) -> list[VocabRegion]:
     """Rewrite every eligible region in place; return all regions found (rewritten and skipped)."""
-    regions = []
-    for ce in list(gm.graph.nodes):
-        if ce.op != "call_function" or ce.target is not F.cross_entropy:
+    regions, erased = [], set()
+    for node in list(gm.graph.nodes):
+        if node in erased or node.op not in ("call_function", "call_method"):
             continue
-        reason = _skip_reason(ce)
-        args = _CE_SIGNATURE.bind(*ce.args, **ce.kwargs).arguments if not reason.startswith("cannot") else {}
-        linear = None
-        if not reason:
-            linear, reason = _find_linear(args["input"])
-        path = _module_path(linear if linear is not None else ce)
-        if not reason:
-            h_val, w_val, logits_val = _val(linear.args[0]), _val(linear.args[1]), _val(args["input"])
-            acc = torch.promote_types(h_val.dtype, torch.float32)
-            if logits_val.dtype != acc:
-                reason = (f"cross_entropy runs on {logits_val.dtype} logits of a {h_val.dtype} projection; "
-                          f"Ring-DTP accumulates in {acc}, which would change the numerics")
+        match = _match_ce(node) or _match_nll(node) or _match_lse(node)
+        if match is None:
+            continue
+        proj, chain, path, reason = _resolve(match)
+        form = " -> ".join([proj.form] + [_fmt(n) for n in chain if n not in match.tail] + [match.loss]) \
+            if proj is not None else match.loss
         if reason:
-            regions.append(VocabRegion(module_path=path, rewritten=False, reason=reason))
+            regions.append(VocabRegion(module_path=path, rewritten=False, reason=reason, form=form))
             continue
-        regions.append(_rewrite(gm, ce, linear, args, config, path))
+        regions.append(_rewrite(gm, match, proj, chain, config, path, form))
+        erased.add(match.anchor)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
     return regions
 
 
-def _rewrite(gm, ce, linear, args, config, path) -> VocabRegion:
-    h, weight = linear.args[0], linear.args[1]
-    h_val, w_val = _val(h), _val(weight)
-    vocab, hidden = int(w_val.shape[0]), int(w_val.shape[1])
-    fake_mode = _val(ce).fake_mode  # the graph's own fake mode (the backend's differs: notes §2)
-    ignore_index = int(args.get("ignore_index", -100))
+def _rewrite(gm, match: _Match, proj: _Projection, chain, config, path, form) -> VocabRegion:
+    w_val, h_val = _val(proj.weight), _val(proj.h)
+    vocab, hidden = (int(w_val.shape[1]), int(w_val.shape[0])) if proj.transpose else \
+        (int(w_val.shape[0]), int(w_val.shape[1]))
+    anchor = match.anchor
+    fake_mode = _val(anchor).fake_mode  # the graph's own fake mode (the backend's differs: notes §2)
+    ignore_index = int(match.ignore_index)
     graph = gm.graph
+    add = _adder(graph, fake_mode, module_stack_of=proj.node, trace_of=anchor)
 
-    add = node_adder(graph, fake_mode, module_stack_of=linear, trace_of=ce)
-
-    with graph.inserting_before(ce):
-        tokens = add("reshape", h, -1, hidden, kind="call_method")
-        labels = add("reshape", args["target"], -1, kind="call_method")
+    with graph.inserting_before(anchor):
+        x = _replay(add, chain, proj.h, hidden)  # the logits' token slicing / reshapes, applied to h
+        tokens = add("reshape", x, -1, hidden, kind="call_method")
+        labels = add("reshape", match.labels, -1, kind="call_method")
+        weight = add("t", proj.weight, kind="call_method") if proj.transpose else proj.weight
         shard = weight
         if config.ring_size > 1:
             # replicated weight: this rank folds only its own rows; the gradient of the other rows comes
@@ -158,13 +687,18 @@ def _rewrite(gm, ce, linear, args, config, path) -> VocabRegion:
         fused = add(torch.ops.boundpass.ring_dtp_fwd.default, tokens, shard, labels, vocab, config.group_name,
                     config.block, ignore_index, config.branch, [])
         loss = add(operator.getitem, fused, 0)
-        if args.get("reduction", "mean") == "mean":
+        if match.reduction == "mean":
             valid = add(operator.ne, labels, ignore_index)
             count = add("sum", valid, kind="call_method")
             loss = add(operator.truediv, loss, count)
-    ce.replace_all_uses_with(loss)
-    graph.erase_node(ce)
-    return VocabRegion(module_path=path, rewritten=True, tokens=_val(tokens).shape[0], hidden=hidden,
+        elif match.reduction == "mean_all":
+            loss = add(operator.truediv, loss, add("numel", labels, kind="call_method"))
+    anchor.replace_all_uses_with(loss)
+    graph.erase_node(anchor)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in sorted(match.dead, key=order.__getitem__, reverse=True):  # asserts on a selection now gone
+        graph.erase_node(node)
+    return VocabRegion(module_path=path, rewritten=True, form=form, tokens=_val(tokens).shape[0], hidden=hidden,
                        vocab=vocab, dtype=h_val.dtype, op_node=fused)
 
 

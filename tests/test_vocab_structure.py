@@ -1,0 +1,318 @@
+"""The vocab pass finds projection + cross-entropy by what the graph computes (issue 15, vocab half).
+
+Each form: a tiny plain-PyTorch LM through `boundpass.compile`; the region is REWRITTEN (or SKIPPED with the
+reason) and loss and every parameter gradient equal the uncompiled model's, with ignored labels (-100), a
+ragged token count and a vocab that the strip width does not divide.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import boundpass
+
+V, H, B, S = 301, 16, 3, 13      # N = 39 tokens (36 shifted); strips of 128 over V = 301: 128, 128, 45
+BLOCK = 128
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+class LM(nn.Module):
+    """Embedding -> block -> vocab projection, written in one of the spellings of `h @ W.T`."""
+
+    def __init__(self, head="linear", tied=False, bias=False):
+        super().__init__()
+        self.head, self.tied = head, tied
+        self.emb = nn.Embedding(V, H)
+        self.block = nn.Linear(H, H)
+        if head == "linear" and tied != "functional":
+            self.lm_head = nn.Linear(H, V, bias=bias)
+            if tied:  # HF-style tying: the head module holds the embedding's Parameter
+                self.lm_head.weight = self.emb.weight
+        elif head in ("hv", "einsum_hv"):
+            self.w_out = nn.Parameter(torch.randn(H, V) / H ** 0.5)
+        elif not tied:
+            self.w_out = nn.Parameter(torch.randn(V, H) / H ** 0.5)
+        if bias and head != "linear":
+            self.b_out = nn.Parameter(torch.randn(V))
+
+    def weight(self):
+        if self.tied:
+            return self.emb.weight if self.tied == "functional" or self.head != "linear" else self.lm_head.weight
+        return self.lm_head.weight if self.head == "linear" else self.w_out
+
+    def forward(self, tokens):
+        h = torch.tanh(self.block(self.emb(tokens)))
+        w = self.weight()
+        logits = {
+            "linear": lambda: F.linear(h, w) if self.tied == "functional" else self.lm_head(h),
+            "at_T": lambda: h @ w.T,
+            "matmul_t": lambda: torch.matmul(h, w.t()),
+            "transpose": lambda: h.matmul(w.transpose(0, 1)),
+            "einsum": lambda: torch.einsum("bsh,vh->bsv", h, w),
+            "einsum_ellipsis": lambda: torch.einsum("...h,vh->...v", h, w),
+            "hv": lambda: h @ w,
+            "einsum_hv": lambda: torch.einsum("bsh,hv->bsv", h, w),
+            "einsum_swapped": lambda: torch.einsum("vh,bsh->bsv", w, h),
+            "permute": lambda: h @ w.permute(1, 0),
+            "mT": lambda: torch.matmul(h, w.mT),
+        }[self.head]()
+        if hasattr(self, "b_out"):
+            logits = logits + self.b_out
+        return logits
+
+
+# ------------------------------------------------------------------------------------------- loss forms
+def ce_mean(lg, y):
+    return F.cross_entropy(lg.reshape(-1, V), y.reshape(-1))
+
+
+def ce_sum_float(lg, y):
+    return F.cross_entropy(lg.flatten(0, 1).float(), y.flatten(0, 1), reduction="sum", ignore_index=-100)
+
+
+def ce_shifted(lg, y):
+    return F.cross_entropy(lg[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1))
+
+
+def ce_shifted_hf(lg, y):  # HF's causal-LM loss: logits[..., :-1, :].contiguous().view(-1, V)
+    shift_logits, shift_labels = lg[..., :-1, :].contiguous(), y[..., 1:].contiguous()
+    return F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1), reduction="sum")
+
+
+def nll_mean(lg, y):
+    return F.nll_loss(F.log_softmax(lg.float(), dim=-1).view(-1, V), y.view(-1))
+
+
+def nll_sum_shifted(lg, y):
+    logp = torch.log_softmax(lg[:, 1:], -1)
+    return F.nll_loss(logp.flatten(0, 1), y[:, :-1].flatten(), reduction="sum", ignore_index=-100)
+
+
+def lse_masked_mean(lg, y):  # clamp the labels for gather, mask, divide by the valid count
+    lg, y = lg.flatten(0, 1), y.flatten()
+    mask = y != -100
+    tgt = lg.gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return ((torch.logsumexp(lg, dim=-1) - tgt) * mask).sum() / mask.sum()
+
+
+def lse_where_sum_shifted(lg, y):
+    lg, y = lg[:, :-1], y[:, 1:]
+    mask = y != -100
+    safe = torch.where(mask, y, 0)
+    per = torch.logsumexp(lg, -1) - torch.gather(lg, -1, safe[..., None])[..., 0]
+    return torch.where(mask, per, 0.0).sum()
+
+
+def lse_selected_mean(lg, y):
+    ignored = y == -100
+    safe = y.masked_fill(ignored, 0)
+    per = lg.logsumexp(-1) - lg.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    return per[~ignored].mean()
+
+
+def lse_masked_mean_over_all(lg, y):
+    mask = (y != -100).float()
+    per = torch.logsumexp(lg, -1) - lg.gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (per * mask).mean()
+
+
+def lse_take_along_masked_fill(lg, y):
+    valid = ~(y == -100)
+    tgt = torch.take_along_dim(lg, torch.where(valid, y, 0).unsqueeze(-1), dim=-1)[..., 0]
+    per = torch.logsumexp(lg, dim=-1) - tgt
+    return per.masked_fill(~valid, 0).sum() / valid.sum()
+
+
+def lse_plain_mean(lg, y):  # no ignore_index at all (the batch holds no -100)
+    return (torch.logsumexp(lg, -1) - lg.gather(-1, y.unsqueeze(-1)).squeeze(-1)).mean()
+
+
+def lse_plain_sum_float(lg, y):
+    lg = lg.float()
+    return (torch.logsumexp(lg, -1) - lg.gather(-1, y.unsqueeze(-1)).squeeze(-1)).sum()
+
+
+# ------------------------------------------------------------------------------------------- helpers
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _batch(ignored=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, V, (B, S), generator=g)
+    labels = torch.randint(0, V, (B, S), generator=g)
+    if ignored:
+        labels[0, :5] = -100
+        labels[2, 7] = -100
+    return tokens, labels
+
+
+def _run(model, loss_fn, ignored=True, **kw):
+    """(compiled output, uncompiled output, report); gradients of both left on the two models."""
+    torch.manual_seed(0)
+    reference = copy.deepcopy(model)
+    tokens, labels = _batch(ignored)
+    compiled = boundpass.compile(model, budget="1GiB", loss_fn=loss_fn, inner="aot_eager", vocab_block=BLOCK, **kw)
+    got = compiled(tokens, labels)
+    want = loss_fn(reference(tokens), labels)
+    return got, want, reference, boundpass.explain(compiled)
+
+
+def _assert_exact(model, loss_fn, ignored=True):
+    got, want, reference, report = _run(model, loss_fn, ignored)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want, **TOL)
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name].grad, **TOL, msg=lambda m: f"{name}: {m}")
+    assert not report.skipped_of("vocab"), [r.reason for r in report.skipped_of("vocab")]
+    (region,) = report.rewritten_of("vocab")
+    assert region.block == BLOCK and region.vocab == V and region.hidden == H
+    # no [N, V] tensor left in the step
+    for graph in (report.forward_graph, report.backward_graph):
+        sizes = [n.meta["val"].numel() for n in graph.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+        assert max(sizes) < B * S * V / 2
+    assert f"REWRITTEN vocab  {region.module_path}: {region.form}" in str(report)
+    return region
+
+
+HEADS = ["linear", "at_T", "matmul_t", "transpose", "einsum", "einsum_ellipsis", "hv", "einsum_hv", "einsum_swapped",
+         "permute", "mT"]
+LOSSES = [ce_mean, ce_sum_float, ce_shifted, ce_shifted_hf, nll_mean, nll_sum_shifted, lse_masked_mean,
+          lse_where_sum_shifted, lse_selected_mean, lse_masked_mean_over_all, lse_take_along_masked_fill]
+
+
+# ------------------------------------------------------------------------------------------- rewritten
+@pytest.mark.parametrize("head", HEADS)
+def test_every_projection_spelling_is_rewritten_exactly(head):
+    region = _assert_exact(LM(head), ce_shifted)
+    assert region.form.endswith("cross_entropy")
+    assert region.form.split("(")[0].split(" ")[0] == ("linear" if head == "linear" else "einsum" if "einsum" in head else "matmul")
+
+
+@pytest.mark.parametrize("loss_fn", LOSSES, ids=lambda f: f.__name__)
+def test_every_cross_entropy_form_is_rewritten_exactly(loss_fn):
+    region = _assert_exact(LM("at_T"), loss_fn)
+    want = {"ce": "cross_entropy", "nll": "log_softmax + nll_loss", "lse": "logsumexp - gather"}
+    assert region.form.endswith(want[loss_fn.__name__.split("_")[0]])
+
+
+@pytest.mark.parametrize("loss_fn", [lse_plain_mean, lse_plain_sum_float, ce_mean], ids=lambda f: f.__name__)
+def test_forms_without_ignored_labels(loss_fn):
+    _assert_exact(LM("einsum"), loss_fn, ignored=False)
+
+
+@pytest.mark.parametrize("head,tied", [("linear", "module"), ("linear", "functional"), ("at_T", True),
+                                       ("einsum", True)])
+@pytest.mark.parametrize("loss_fn", [ce_shifted, nll_mean, lse_masked_mean], ids=lambda f: f.__name__)
+def test_tied_embedding_gets_both_gradients(head, tied, loss_fn):
+    model = LM(head, tied=tied)
+    assert {n for n, _ in model.named_parameters()} == {"emb.weight", "block.weight", "block.bias"}
+    _assert_exact(model, loss_fn)
+
+
+def test_shift_is_applied_to_the_hidden_states():
+    region = _assert_exact(LM("linear"), ce_shifted)
+    assert region.tokens == B * (S - 1) and "[:, :-1]" in region.form
+    region = _assert_exact(LM("linear"), lse_where_sum_shifted)
+    assert region.tokens == B * (S - 1)
+
+
+def test_dynamic_shapes_with_a_shift():
+    model = LM("at_T")
+    reference = copy.deepcopy(model)
+    compiled = boundpass.compile(model, budget="1GiB", loss_fn=ce_shifted_hf, vocab_block=BLOCK, dynamic=True)
+    for seq in (9, 17):
+        tokens, labels = torch.randint(0, V, (2, seq)), torch.randint(0, V, (2, seq))
+        labels[1, :3] = -100
+        torch.testing.assert_close(compiled(tokens, labels), ce_shifted_hf(reference(tokens), labels), **TOL)
+        assert len(boundpass.explain(compiled).rewritten_of("vocab")) == 1
+
+
+# ------------------------------------------------------------------------------------------- skipped
+class ReturnsLogits(nn.Module):
+    """HF-style: the model hands back a dict holding the logits, and the loss_fn passes it on."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = LM("at_T")
+
+    def forward(self, tokens):
+        return {"logits": self.lm(tokens)}
+
+
+def _skipped(model, loss_fn, reason):
+    got, want, _, report = _run(model, loss_fn)
+    torch.testing.assert_close(got, want, **TOL)
+    assert not report.rewritten_of("vocab")
+    (region,) = report.skipped_of("vocab")
+    assert reason in region.reason, region.reason
+    assert f"SKIPPED   vocab  {region.module_path}: {region.reason}" in str(report)
+    return region
+
+
+@pytest.mark.parametrize("loss_fn", [
+    lambda lg, y: (ce_shifted(lg, y), lg),
+    lambda lg, y: (lse_masked_mean(lg, y), lg.detach()),
+    lambda lg, y: (nll_mean(lg, y), lg.float().view(-1, V)),
+], ids=["ce", "lse-detached", "nll-reshaped"])
+def test_returned_logits_are_skipped_naming_the_module_and_the_fix(loss_fn):
+    region = _skipped(LM("at_T"), loss_fn, "are also returned by the compiled graph")
+    assert region.module_path in region.reason and "return only the loss" in region.reason
+
+
+def test_model_returning_its_logits_in_a_dict_is_skipped():
+    loss_fn = lambda out, y: (ce_mean(out["logits"], y), out)  # noqa: E731
+    region = _skipped(ReturnsLogits(), loss_fn, "are also returned by the compiled graph")
+    assert region.module_path == "model.lm" and "model.lm (" in region.reason
+
+
+@pytest.mark.parametrize("loss_fn,reason", [
+    (lambda lg, y: ce_shifted(lg, y) + lg.pow(2).mean(), "used elsewhere"),
+    (lambda lg, y: F.cross_entropy(lg[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1), label_smoothing=0.1),
+     "label smoothing"),
+    (lambda lg, y: F.nll_loss(F.log_softmax(lg, -1).flatten(0, 1), y.flatten(), weight=torch.ones(V)),
+     "class weights"),
+    (lambda lg, y: F.nll_loss(F.log_softmax(lg, -1).flatten(0, 1), y.flatten(), reduction="none").sum(),
+     "per-token"),
+    (lambda lg, y: F.cross_entropy(lg.transpose(1, 2), y), "not [N, V] logits"),
+    (lambda lg, y: F.nll_loss(lg.flatten(0, 1), y.flatten()), "not log_softmax"),
+    # hand-written label smoothing: the logits feed the smoothing term too
+    (lambda lg, y: 0.9 * lse_masked_mean(lg, y) - 0.1 * F.log_softmax(lg, -1).mean(), "used elsewhere"),
+    # the per-token losses are returned as well
+    (lambda lg, y: (torch.logsumexp(lg, -1) - lg.gather(-1, y.clamp(min=0)[..., None])[..., 0]).sum(-1).mean(),
+     "not a recognised reduction"),
+    # clamped labels with no mask: ignored tokens count as class 0
+    (lambda lg, y: (torch.logsumexp(lg, -1) - lg.gather(-1, y.clamp(min=0)[..., None])[..., 0]).sum(),
+     "not masked"),
+])
+def test_unrewritable_forms_are_skipped_with_a_reason(loss_fn, reason):
+    _skipped(LM("matmul_t"), loss_fn, reason)
+
+
+@pytest.mark.parametrize("head", ["linear", "at_T", "einsum"])
+def test_bias_is_skipped(head):
+    _skipped(LM(head, bias=True), ce_shifted, "bias")
+
+
+def test_z_loss_on_a_hand_written_logsumexp_is_skipped():
+    def loss_fn(lg, y):
+        lse = torch.logsumexp(lg, -1)
+        per = lse - lg.gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        mask = y != -100
+        return (per * mask).sum() / mask.sum() + 1e-4 * (lse ** 2).mean()
+    _skipped(LM("at_T"), loss_fn, "used elsewhere")
+
+
+def test_a_non_vocab_logsumexp_is_not_a_region():
+    """A logsumexp that is not `lse - gather` (an attention-style softmax denominator) is left alone, silently."""
+    def loss_fn(lg, y):
+        return ce_mean(lg, y) + torch.logsumexp(y.float(), -1).sum() * 0
+    _, _, _, report = _run(LM("linear"), loss_fn)
+    assert len(report.rewritten_of("vocab")) == 1 and not report.skipped_of("vocab")
