@@ -193,7 +193,8 @@ LOSSES = [ce_mean, ce_sum_float, ce_shifted, ce_shifted_hf, nll_mean, nll_sum_sh
 def test_every_projection_spelling_is_rewritten_exactly(head):
     region = _assert_exact(LM(head), ce_shifted)
     assert region.form.endswith("cross_entropy")
-    assert region.form.split("(")[0].split(" ")[0] == ("linear" if head == "linear" else "einsum" if "einsum" in head else "matmul")
+    spelled = region.form.split("(")[0].split(" ")[0]
+    assert spelled == ("linear" if head == "linear" else "einsum" if "einsum" in head else "matmul")
 
 
 @pytest.mark.parametrize("loss_fn", LOSSES, ids=lambda f: f.__name__)
@@ -285,7 +286,9 @@ def test_model_returning_its_logits_in_a_dict_is_skipped():
     (lambda lg, y: F.nll_loss(lg.flatten(0, 1), y.flatten()), "not log_softmax"),
     # hand-written label smoothing: the logits feed the smoothing term too
     (lambda lg, y: 0.9 * lse_masked_mean(lg, y) - 0.1 * F.log_softmax(lg, -1).mean(), "used elsewhere"),
-    # the per-token losses are returned as well
+    (lambda lg, y: F.cross_entropy(lg.half().float().flatten(0, 1), y.flatten()), "would change the numerics"),
+    (lambda lg, y: F.cross_entropy(lg.reshape(B, S * V).reshape(B * S, V), y.flatten()), "moves the vocab dim"),
+    # not a full reduction of the per-token losses
     (lambda lg, y: (torch.logsumexp(lg, -1) - lg.gather(-1, y.clamp(min=0)[..., None])[..., 0]).sum(-1).mean(),
      "not a recognised reduction"),
     # clamped labels with no mask: ignored tokens count as class 0
@@ -316,3 +319,47 @@ def test_a_non_vocab_logsumexp_is_not_a_region():
         return ce_mean(lg, y) + torch.logsumexp(y.float(), -1).sum() * 0
     _, _, _, report = _run(LM("linear"), loss_fn)
     assert len(report.rewritten_of("vocab")) == 1 and not report.skipped_of("vocab")
+
+
+# ------------------------------------------------------------------------------------------- over a ring
+class ScaledHead(LM):
+    """The projection weight is computed (not a parameter): its row gradients cannot be completed over a ring."""
+
+    def forward(self, tokens):
+        return torch.tanh(self.block(self.emb(tokens))) @ (2 * self.w_out).T
+
+
+def _shifted_on_ring(rank, world):
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    model = LM("at_T", tied=True).double()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, V, (2, 9 + 4 * rank), generator=g)   # different N per rank
+    labels = torch.randint(0, V, (2, 9 + 4 * rank), generator=g)
+    labels[0, :3] = -100
+    compiled = boundpass.compile(model, budget="1GiB", loss_fn=ce_shifted_hf, ring_group=dist.group.WORLD,
+                                 vocab_block=BLOCK)
+    loss = compiled(tokens, labels)
+    loss.backward()
+    want = ce_shifted_hf(reference(tokens), labels)
+    want.backward()
+    for module in (model, reference):  # the data-parallel gradient sum
+        for p in module.parameters():
+            dist.all_reduce(p.grad)
+    errors = [(p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())]
+    rewritten = [r.form for r in boundpass.explain(compiled).rewritten_of("vocab")]
+    torch._dynamo.reset()
+    scaled = boundpass.compile(ScaledHead("at_T"), budget="1GiB", loss_fn=ce_shifted, ring_group=dist.group.WORLD)
+    scaled(tokens, labels)
+    skipped = [r.reason for r in boundpass.explain(scaled).skipped_of("vocab")]
+    return (loss - want).abs().item(), max(errors), rewritten, skipped
+
+
+@pytest.mark.distributed
+def test_shifted_tied_matmul_over_a_ring_of_two_ranks():
+    from boundpass.testing.distributed import run_on_ranks
+    for loss_err, grad_err, rewritten, skipped in run_on_ranks(_shifted_on_ring, 2, timeout_s=180):
+        assert loss_err < 1e-10 and grad_err < 1e-10
+        assert rewritten == ["matmul(h, W.T) -> [..., :-1, :] -> contiguous -> view -> cross_entropy"]
+        assert len(skipped) == 1 and "is not a parameter" in skipped[0]

@@ -62,7 +62,8 @@ class VocabRegion:
         if not self.rewritten:
             return f"SKIPPED   vocab  {self.module_path}: {self.reason}"
         return (f"REWRITTEN vocab  {self.module_path}: {self.form or 'linear -> cross_entropy'} => boundpass::ring_dtp "
-                f"(N={self.tokens}, H={self.hidden}, V={self.vocab}, {self.dtype}, branch={self.branch}, C={self.block})")
+                f"(N={self.tokens}, H={self.hidden}, V={self.vocab}, {self.dtype}, branch={self.branch}, "
+                f"C={self.block})")
 
 
 @dataclass
@@ -612,7 +613,7 @@ def _fmt(node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
-def _resolve(match: _Match):
+def _resolve(match: _Match, ring_size: int = 1):
     """(projection, chain of [.., V] nodes from it to the loss, module path, reason)."""
     proj, chain, reason = None, [], match.reason
     if not reason:
@@ -637,7 +638,23 @@ def _resolve(match: _Match):
         if norm_dtype != acc:
             reason = (f"{match.loss} runs on {norm_dtype} logits of a {h_dtype} projection; "
                       f"Ring-DTP accumulates in {acc}, which would change the numerics")
+        for node in chain:  # a round trip through a narrower dtype (fp32 -> bf16 -> fp32) rounds the logits
+            src, out = _val(node.args[0]).dtype, _val(node).dtype
+            if not reason and torch.promote_types(src, out) != out:
+                reason = (f"{node.name} casts the logits from {src} to {out} before {match.loss}; Ring-DTP "
+                          f"accumulates in {acc}, which would change the numerics")
+    if not reason and ring_size > 1 and not _is_parameter(proj.weight):
+        reason = (f"the projection weight ({proj.weight.name}) is not a parameter: over a ring of {ring_size} "
+                  f"ranks the op returns each rank's rows of its gradient, which only a data-parallel gradient "
+                  f"sum of parameters completes")
     return proj, chain, path, reason
+
+
+def _is_parameter(node) -> bool:
+    """A parameter of the model (a graph input or attribute holding an nn.Parameter), or its transpose."""
+    node = _untransposed(node) or node
+    return (isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr")
+            and isinstance(_val(node), torch.nn.Parameter))
 
 
 def rewrite_vocab_regions(gm: fx.GraphModule, config: VocabRewriteConfig) -> list[VocabRegion]:
@@ -649,7 +666,7 @@ def rewrite_vocab_regions(gm: fx.GraphModule, config: VocabRewriteConfig) -> lis
         match = _match_ce(node) or _match_nll(node) or _match_lse(node)
         if match is None:
             continue
-        proj, chain, path, reason = _resolve(match)
+        proj, chain, path, reason = _resolve(match, config.ring_size)
         form = " -> ".join([proj.form] + [_fmt(n) for n in chain if n not in match.tail] + [match.loss]) \
             if proj is not None else match.loss
         if reason:
