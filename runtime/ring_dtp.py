@@ -348,7 +348,9 @@ def _(grad_loss, h, w, labels, lse, vocab_size, group_name, block, ignore_index,
     if mixed_real_call("Ring-DTP backward", {"grad_loss": grad_loss, "h": h, "w": w, "labels": labels, "lse": lse}):
         return ring_dtp_backward(grad_loss, h, w, labels, lse, vocab_size, group_name, block, ignore_index, branch,
                                  tuple(token_counts))
-    return torch.empty_like(h), torch.empty_like(w)
+    # the real kernel returns fresh (contiguous) accumulators, also for a transposed w or a strided h
+    return (torch.empty_like(h, memory_format=torch.contiguous_format),
+            torch.empty_like(w, memory_format=torch.contiguous_format))
 
 
 def _setup_context(ctx, inputs, output):

@@ -125,6 +125,12 @@ def lse_take_along_masked_fill(lg, y):
     return per.masked_fill(~valid, 0).sum() / valid.sum()
 
 
+def lse_cast_twice(lg, y):  # each use spells the upcast again: two nodes, one value
+    mask = y != -100
+    tgt = lg.float().gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return ((lg.float().logsumexp(-1) - tgt) * mask).sum()
+
+
 def lse_plain_mean(lg, y):  # no ignore_index at all (the batch holds no -100)
     return (torch.logsumexp(lg, -1) - lg.gather(-1, y.unsqueeze(-1)).squeeze(-1)).mean()
 
@@ -157,7 +163,8 @@ def _run(model, loss_fn, ignored=True, **kw):
     torch.manual_seed(0)
     reference = copy.deepcopy(model)
     tokens, labels = _batch(ignored)
-    compiled = boundpass.compile(model, budget="1GiB", loss_fn=loss_fn, inner="aot_eager", vocab_block=BLOCK, **kw)
+    kw = {"inner": "aot_eager", **kw}
+    compiled = boundpass.compile(model, budget="1GiB", loss_fn=loss_fn, vocab_block=BLOCK, **kw)
     got = compiled(tokens, labels)
     want = loss_fn(reference(tokens), labels)
     return got, want, reference, boundpass.explain(compiled)
@@ -185,7 +192,8 @@ def _assert_exact(model, loss_fn, ignored=True):
 HEADS = ["linear", "at_T", "matmul_t", "transpose", "einsum", "einsum_ellipsis", "hv", "einsum_hv", "einsum_swapped",
          "permute", "mT"]
 LOSSES = [ce_mean, ce_sum_float, ce_shifted, ce_shifted_hf, nll_mean, nll_sum_shifted, lse_masked_mean,
-          lse_where_sum_shifted, lse_selected_mean, lse_masked_mean_over_all, lse_take_along_masked_fill]
+          lse_where_sum_shifted, lse_selected_mean, lse_masked_mean_over_all, lse_take_along_masked_fill,
+          lse_cast_twice]
 
 
 # ------------------------------------------------------------------------------------------- rewritten
@@ -225,15 +233,37 @@ def test_shift_is_applied_to_the_hidden_states():
     assert region.tokens == B * (S - 1)
 
 
-def test_dynamic_shapes_with_a_shift():
+@pytest.mark.parametrize("loss_fn", [ce_shifted_hf, lse_where_sum_shifted, lse_masked_mean_over_all, nll_sum_shifted],
+                         ids=lambda f: f.__name__)
+def test_dynamic_shapes(loss_fn):
     model = LM("at_T")
     reference = copy.deepcopy(model)
-    compiled = boundpass.compile(model, budget="1GiB", loss_fn=ce_shifted_hf, vocab_block=BLOCK, dynamic=True)
+    compiled = boundpass.compile(model, budget="1GiB", loss_fn=loss_fn, vocab_block=BLOCK, dynamic=True)
     for seq in (9, 17):
         tokens, labels = torch.randint(0, V, (2, seq)), torch.randint(0, V, (2, seq))
         labels[1, :3] = -100
-        torch.testing.assert_close(compiled(tokens, labels), ce_shifted_hf(reference(tokens), labels), **TOL)
+        model.zero_grad(), reference.zero_grad()
+        got, want = compiled(tokens, labels), loss_fn(reference(tokens), labels)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want, **TOL)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **TOL)
         assert len(boundpass.explain(compiled).rewritten_of("vocab")) == 1
+
+
+@pytest.mark.parametrize("head,loss_fn", [("hv", lse_where_sum_shifted), ("einsum", nll_mean)],
+                         ids=lambda x: getattr(x, "__name__", x))
+def test_inductor(head, loss_fn):
+    model = LM(head)
+    got, want, reference, report = _run(model, loss_fn, inner="inductor")
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want, **TOL)
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name].grad, **TOL)
+    assert len(report.rewritten_of("vocab")) == 1 and "boundpass.ring_dtp_bwd" in report.backward_code
 
 
 # ------------------------------------------------------------------------------------------- skipped
@@ -261,8 +291,9 @@ def _skipped(model, loss_fn, reason):
 @pytest.mark.parametrize("loss_fn", [
     lambda lg, y: (ce_shifted(lg, y), lg),
     lambda lg, y: (lse_masked_mean(lg, y), lg.detach()),
+    lambda lg, y: (lse_cast_twice(lg, y), lg.float()),
     lambda lg, y: (nll_mean(lg, y), lg.float().view(-1, V)),
-], ids=["ce", "lse-detached", "nll-reshaped"])
+], ids=["ce", "lse-detached", "lse-twin-cast", "nll-reshaped"])
 def test_returned_logits_are_skipped_naming_the_module_and_the_fix(loss_fn):
     region = _skipped(LM("at_T"), loss_fn, "are also returned by the compiled graph")
     assert region.module_path in region.reason and "return only the loss" in region.reason

@@ -307,6 +307,7 @@ class _Match:
     reduction: str = "sum"           # "sum", "mean" (over valid tokens), "mean_all" (over all tokens)
     reason: str = ""
     dead: list = field(default_factory=list)   # runtime size asserts on a boolean selection the rewrite removes
+    twin: list = field(default_factory=list)   # a second spelling of the logits chain (read by gather)
 
 
 _NE_EQ_METHODS, _NE_EQ_FUNCS = ("ne", "eq"), (operator.ne, torch.ne, operator.eq, torch.eq)
@@ -514,6 +515,19 @@ _LSE_FORM = ("sum / mean of (logsumexp - gather), optionally masked by labels !=
              "(* mask, torch.where, masked_fill, [mask])")
 
 
+def _twin_chain(a, b):
+    """The nodes of a's pass-through chain that repeat b's (same ops, same arguments, from one tensor), or None
+    when a and b are not the same computation. `lg.float()` written twice is two nodes holding one value."""
+    twin = []
+    while a is not b:
+        if not (_is_pass_through(a) and _is_pass_through(b) and a.op == b.op and a.target == b.target
+                and a.args[1:] == b.args[1:] and a.kwargs == b.kwargs):
+            return None
+        twin.append(a)
+        a, b = a.args[0], b.args[0]
+    return twin
+
+
 def _match_lse(node) -> _Match | None:
     """Hand-written CE: `logsumexp(L, -1) - L.gather(-1, y[..., None])[..., 0]`, then sum / mean (masked)."""
     if not _is_call(node, methods=("sub",), funcs=(operator.sub, torch.sub)) or len(node.args) != 2 or node.kwargs:
@@ -521,10 +535,13 @@ def _match_lse(node) -> _Match | None:
     lse, tgt = node.args
     logits = _logsumexp_input(lse)
     gathered = _gathered(tgt)
-    if logits is None or gathered is None or gathered[0] is not logits:
+    twin = _twin_chain(gathered[0], logits) if logits is not None and gathered is not None else None
+    if twin is None:
         return None
     _, y, (gather, squeeze) = gathered
-    match = _Match(node, "logsumexp - gather", loss_input=logits, region={lse, gather}, norm=logits)
+    # logsumexp and gather read one logits tensor (or the same casts / reshapes of it, spelled twice)
+    match = _Match(node, "logsumexp - gather", loss_input=logits, region={lse, gather, *twin}, norm=logits,
+                   twin=twin)
     per_token = {lse: {node}, gather: {squeeze}, squeeze: {node}}
     for n, allowed in per_token.items():
         if set(n.users) - allowed:
@@ -631,7 +648,8 @@ def _resolve(match: _Match, ring_size: int = 1):
     vocab = int(w.shape[1] if proj.transpose else w.shape[0])
     if proj.bias:
         return proj, chain, path, "the output projection has a bias (not supported by Ring-DTP)"
-    reason = _chain_reason(chain, vocab) or _users_reason([proj.node] + chain, set(chain) | match.region, path)
+    reason = _chain_reason(chain, vocab) or _users_reason([proj.node] + chain + match.twin, set(chain) | match.region,
+                                                                path)
     if not reason:
         h_dtype, norm_dtype = _val(proj.h).dtype, _val(match.norm).dtype
         acc = torch.promote_types(h_dtype, torch.float32)
