@@ -42,11 +42,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host-link", type=float, default=50e9, help="--search: bytes/s per rank host <-> device")
     p.add_argument("--gpus-per-node", type=int, default=8, help="--search: ranks per node")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--verbose", action="store_true",
+                   help="also show the upstream warnings boundpass filters (boundpass/quiet.py)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if not args.verbose:
+        from boundpass.quiet import filter_upstream_warnings
+        filter_upstream_warnings()
     from boundpass.plan import CostModel, as_json, plan
     ops = () if args.operators.strip().lower() in ("", "none") else tuple(
         o.strip() for o in args.operators.split(",") if o.strip())

@@ -15,13 +15,13 @@ import copy
 import os
 import sys
 import textwrap
-import warnings
 
 import torch
 import torch.distributed as dist
 
 import boundpass
 from boundpass.memtrack import rss_peak_in_subprocess
+from boundpass.quiet import filter_upstream_warnings
 from boundpass.recipes.models import build_debug_moe, torchtitan_loss
 from boundpass.units import format_bytes
 
@@ -59,8 +59,6 @@ def _batch(vocab, batch, seq, seed):
 
 
 def main(argv=None) -> int:
-    # torchtitan's router asks for fp32 autocast, which CPU autocast does not support; it only warns.
-    warnings.filterwarnings("ignore", message="In CPU autocast")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=65_536, help="enlarged vocabulary (rows of lm_head)")
     parser.add_argument("--seq", type=int, default=512, help="sequence length")
@@ -69,7 +67,11 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", default="1GiB", help="per-rank device budget")
     parser.add_argument("--infeasible-budget", default="900MiB", help="a budget to show the fail-fast error")
     parser.add_argument("--skip-rss", action="store_true", help="skip the peak-RSS measurement subprocesses")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show the upstream warnings boundpass filters (boundpass/quiet.py)")
     args = parser.parse_args(argv)
+    if not args.verbose:
+        filter_upstream_warnings()
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:

@@ -57,7 +57,9 @@ def build_debug_moe(name: str = "deepseek_v3", *, vocab_size: int | None = None,
     model.to_empty(device="cpu")
     torch.manual_seed(seed)
     model.init_weights(buffer_device=None)
-    return model.to(dtype).train()
+    # floating tensors only: Module.to(dtype) casts complex ones too, and deepseek_v3's RoPE cache is complex
+    # (torchtitan ComplexRoPE: torch.polar); cast to a real dtype it keeps cos(theta) alone and RoPE no longer rotates
+    return model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t).train()
 
 
 def torchtitan_loss():

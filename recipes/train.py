@@ -11,8 +11,8 @@ test assets (`c4_test` + `./tests/assets/tokenizer`) are pointed at locally gene
 from __future__ import annotations
 
 import os
-import warnings
 
+from boundpass.quiet import filter_upstream_warnings
 from boundpass.recipes import cpu_support
 
 
@@ -40,7 +40,7 @@ def build_in_process(argv: list[str]):
     initialised, optimizer, dataloader); nothing is trained. The caller closes it. See `train_in_process`."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     cpu_support.apply_runtime_shims()
-    warnings.filterwarnings("ignore", message="In CPU autocast")
+    filter_upstream_warnings()  # each one with its reason: boundpass/quiet.py
     import torch
     from torchtitan.tools.logging import init_logger
 
@@ -79,8 +79,7 @@ def train_in_process(argv: list[str]):
 def main() -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the datasets are local files: never reach the network
     shims = cpu_support.apply_runtime_shims()
-    # torchtitan's router asks for fp32 autocast, which CPU autocast does not support; it only warns, every step.
-    warnings.filterwarnings("ignore", message="In CPU autocast")
+    filter_upstream_warnings()  # each one with its reason: boundpass/quiet.py
     import torchtitan.train as tt_train
     from torchtitan.tools.logging import init_logger, logger
 

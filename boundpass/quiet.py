@@ -1,0 +1,33 @@
+"""Upstream warnings a boundpass user cannot act on, filtered one by one at boundpass's entry points.
+
+`python -m boundpass` (the plan CLI), the demo (`python -m boundpass.recipes.demo`) and the torchtitan recipe
+(`boundpass.recipes.train`) call `filter_upstream_warnings()` before any work; `--verbose` skips it. Library calls
+(`boundpass.compile`, `boundpass.plan.plan`) filter nothing: a program that imports boundpass keeps its own warning
+policy. Each entry matches one exact message (a regex anchored at its start, as `warnings.filterwarnings` does)
+and one category, never a whole module or category, so a new upstream warning still shows.
+
+Not filtered: "Casting complex values to real discards the imaginary part", which the demo printed. It was
+boundpass's own bug (recipes/models.py cast the model with Module.to(dtype), turning deepseek_v3's complex RoPE
+cache into its real part: RoPE scaled instead of rotating), fixed there; if it shows again, something casts a
+complex tensor and should not.
+"""
+from __future__ import annotations
+
+import warnings
+
+# (message regex, category, why a boundpass user cannot act on it)
+UPSTREAM_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
+    (r"In CPU autocast, but the target dtype is not supported\. Disabling autocast\.", UserWarning,
+     # torch/amp/autocast_mode.py, raised from torchtitan/models/common/moe.py (TokenChoiceTopKRouter): the router
+     # computes its gate under torch.autocast(device_type=x.device.type, dtype=torch.float32); CPU autocast takes
+     # only bf16 / fp16, so torch disables it for that block and warns at every router call (every MoE layer of
+     # every forward, and every block plan traces). fp32 models (the demo) compute the same gate either way; on
+     # a GPU the autocast applies. It is torchtitan's code, not the user's.
+     "torchtitan's MoE router asks CPU autocast for fp32, which CPU autocast does not support"),
+)
+
+
+def filter_upstream_warnings() -> None:
+    """Ignore exactly the warnings in UPSTREAM_WARNINGS (message and category) for the rest of this process."""
+    for message, category, _ in UPSTREAM_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
