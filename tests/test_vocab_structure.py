@@ -330,6 +330,21 @@ def test_unrewritable_forms_are_skipped_with_a_reason(loss_fn, reason):
     _skipped(LM("matmul_t"), loss_fn, reason)
 
 
+def test_logits_used_for_a_metric_are_skipped_naming_the_user():
+    loss_fn = lambda lg, y: (ce_mean(lg, y), (lg.argmax(-1) == y).float().mean())  # noqa: E731
+    region = _skipped(LM("linear"), loss_fn, "used elsewhere too (['argmax'])")
+    assert region.module_path == "model.lm_head" and "model.lm_head" in region.reason
+
+
+@pytest.mark.parametrize("loss_fn", [
+    lambda lg, y: F.cross_entropy(lg.flatten(0, 1), y.flatten(), label_smoothing=0.1),
+    lambda lg, y: F.nll_loss(F.log_softmax(lg, -1).flatten(0, 1), y.flatten(), reduction="none").sum(),
+    lambda lg, y: (torch.logsumexp(lg, -1) - lg.gather(-1, y.clamp(min=0)[..., None])[..., 0]).sum(),
+], ids=["label-smoothing", "nll-none", "lse-unmasked-clamp"])
+def test_skip_lines_name_the_projection_module(loss_fn):
+    assert _skipped(LM("linear"), loss_fn, "").module_path == "model.lm_head"
+
+
 @pytest.mark.parametrize("head", ["linear", "at_T", "einsum"])
 def test_bias_is_skipped(head):
     _skipped(LM(head, bias=True), ce_shifted, "bias")

@@ -122,6 +122,8 @@ def _is_pass_through(node) -> bool:
         if node.target == "to":  # only dtype casts, not device moves
             return (all(isinstance(a, torch.dtype) for a in node.args[1:])
                     and set(node.kwargs) <= {"dtype"} and (len(node.args) > 1 or "dtype" in node.kwargs))
+        if node.target == "view":  # view(shape), not a reinterpretation view(dtype)
+            return not any(isinstance(a, torch.dtype) for a in node.args[1:]) and not node.kwargs
         return True
     return node.op == "call_function" and node.target in _PASS_THROUGH_FUNCS
 
@@ -401,14 +403,14 @@ def _match_nll(node) -> _Match | None:
                    ignore_index=args.get("ignore_index", -100), reduction=args.get("reduction", "mean"),
                    reason=_ce_like_reason(args, "nll_loss"))
     log_softmax, after = _trace_back(args["input"])
-    if not match.reason and not _is_log_softmax(log_softmax):
-        match.reason = (f"nll_loss input is not log_softmax(logits, dim=-1) (found "
-                        f"{getattr(log_softmax, 'target', log_softmax)})")
+    if not _is_log_softmax(log_softmax):
+        match.reason = match.reason or (f"nll_loss input is not log_softmax(logits, dim=-1) (found "
+                                        f"{getattr(log_softmax, 'target', log_softmax)})")
+        return match
+    match.loss_input, match.tail, match.norm = log_softmax.args[0], [log_softmax] + after, log_softmax
     if not match.reason and _val(args["input"]).dtype != _val(log_softmax).dtype:
         match.reason = (f"the log-probabilities are cast from {_val(log_softmax).dtype} to "
                         f"{_val(args['input']).dtype} before nll_loss, which Ring-DTP would not reproduce")
-    if not match.reason:
-        match.loss_input, match.tail, match.norm = log_softmax.args[0], [log_softmax] + after, log_softmax
     return match
 
 
@@ -633,15 +635,15 @@ def _fmt(node) -> str:
 def _resolve(match: _Match, ring_size: int = 1):
     """(projection, chain of [.., V] nodes from it to the loss, module path, reason)."""
     proj, chain, reason = None, [], match.reason
-    if not reason:
+    if match.loss_input is not None:
         base, chain = _trace_back(match.loss_input)
         chain = chain + match.tail
         proj = _projection(base)
-        if proj is None:
+        if proj is None and not reason:
             reason = ("the output projection has a bias (not supported by Ring-DTP)" if _bias_add(base) else
                       f"{match.loss} input does not come from a vocab projection (linear, matmul with a 2-D weight "
                       f"or einsum '...h,vh->...v'; found {getattr(base, 'target', base)})")
-    path = _module_path(proj.node if proj is not None else match.anchor)
+    path = _module_path(proj.node if proj is not None else match.anchor)  # the projection's module, if found
     if reason:
         return proj, chain, path, reason
     w = _val(proj.weight)
@@ -691,7 +693,7 @@ def rewrite_vocab_regions(gm: fx.GraphModule, config: VocabRewriteConfig) -> lis
             regions.append(VocabRegion(module_path=path, rewritten=False, reason=reason, form=form))
             continue
         regions.append(_rewrite(gm, match, proj, chain, config, path, form))
-        erased.add(match.anchor)
+        erased.update([match.anchor, *match.dead])
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
