@@ -131,6 +131,25 @@ def lse_cast_twice(lg, y):  # each use spells the upcast again: two nodes, one v
     return ((lg.float().logsumexp(-1) - tgt) * mask).sum()
 
 
+def lse_reversed_sign(lg, y):  # log-probabilities gathered, the minus after the mean
+    mask = y != -100
+    logp_t = lg.gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, -1)
+    return -logp_t[mask].mean()
+
+
+def logp_gather_masked_mean(lg, y):
+    logp = F.log_softmax(lg.float(), dim=-1)
+    mask = y != -100
+    nll = -logp.gather(-1, y.masked_fill(~mask, 0).unsqueeze(-1)).squeeze(-1)
+    return (nll * mask).sum() / mask.sum()
+
+
+def logp_gather_shifted_neg_after(lg, y):
+    logp, y = torch.log_softmax(lg, -1)[:, :-1], y[:, 1:]
+    mask = y != -100
+    return -(torch.gather(logp, -1, torch.where(mask, y, 0)[..., None])[..., 0] * mask).sum() / mask.sum()
+
+
 def lse_plain_mean(lg, y):  # no ignore_index at all (the batch holds no -100)
     return (torch.logsumexp(lg, -1) - lg.gather(-1, y.unsqueeze(-1)).squeeze(-1)).mean()
 
@@ -193,7 +212,7 @@ HEADS = ["linear", "at_T", "matmul_t", "transpose", "einsum", "einsum_ellipsis",
          "permute", "mT"]
 LOSSES = [ce_mean, ce_sum_float, ce_shifted, ce_shifted_hf, nll_mean, nll_sum_shifted, lse_masked_mean,
           lse_where_sum_shifted, lse_selected_mean, lse_masked_mean_over_all, lse_take_along_masked_fill,
-          lse_cast_twice]
+          lse_cast_twice, lse_reversed_sign, logp_gather_masked_mean, logp_gather_shifted_neg_after]
 
 
 # ------------------------------------------------------------------------------------------- rewritten
@@ -208,7 +227,8 @@ def test_every_projection_spelling_is_rewritten_exactly(head):
 @pytest.mark.parametrize("loss_fn", LOSSES, ids=lambda f: f.__name__)
 def test_every_cross_entropy_form_is_rewritten_exactly(loss_fn):
     region = _assert_exact(LM("at_T"), loss_fn)
-    want = {"ce": "cross_entropy", "nll": "log_softmax + nll_loss", "lse": "logsumexp - gather"}
+    want = {"ce": "cross_entropy", "nll": "log_softmax + nll_loss", "lse": "logsumexp - gather",
+            "logp": "-log_softmax.gather"}
     assert region.form.endswith(want[loss_fn.__name__.split("_")[0]])
 
 
@@ -219,7 +239,8 @@ def test_forms_without_ignored_labels(loss_fn):
 
 @pytest.mark.parametrize("head,tied", [("linear", "module"), ("linear", "functional"), ("at_T", True),
                                        ("einsum", True)])
-@pytest.mark.parametrize("loss_fn", [ce_shifted, nll_mean, lse_masked_mean], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("loss_fn", [ce_shifted, nll_mean, lse_masked_mean, logp_gather_shifted_neg_after],
+                         ids=lambda f: f.__name__)
 def test_tied_embedding_gets_both_gradients(head, tied, loss_fn):
     model = LM(head, tied=tied)
     assert {n for n, _ in model.named_parameters()} == {"emb.weight", "block.weight", "block.bias"}
@@ -321,6 +342,9 @@ def test_model_returning_its_logits_in_a_dict_is_skipped():
     (lambda lg, y: F.cross_entropy(lg.reshape(B, S * V).reshape(B * S, V), y.flatten()), "moves the vocab dim"),
     # not a full reduction of the per-token losses
     (lambda lg, y: (torch.logsumexp(lg, -1) - lg.gather(-1, y.clamp(min=0)[..., None])[..., 0]).sum(-1).mean(),
+     "not a recognised reduction"),
+    # log-probabilities of the labels weighted by something that is not a mask (a policy-gradient loss)
+    (lambda lg, y: -(F.log_softmax(lg, -1).gather(-1, y.clamp(min=0)[..., None])[..., 0] * torch.ones(B, S)).sum(),
      "not a recognised reduction"),
     # clamped labels with no mask: ignored tokens count as class 0
     (lambda lg, y: (torch.logsumexp(lg, -1) - lg.gather(-1, y.clamp(min=0)[..., None])[..., 0]).sum(),

@@ -310,6 +310,7 @@ class _Match:
     reason: str = ""
     dead: list = field(default_factory=list)   # runtime size asserts on a boolean selection the rewrite removes
     twin: list = field(default_factory=list)   # a second spelling of the logits chain (read by gather)
+    negate: bool = False                       # the region reduces log-probabilities (-loss): replace by -op
 
 
 _NE_EQ_METHODS, _NE_EQ_FUNCS = ("ne", "eq"), (operator.ne, torch.ne, operator.eq, torch.eq)
@@ -535,6 +536,9 @@ def _match_lse(node) -> _Match | None:
     if not _is_call(node, methods=("sub",), funcs=(operator.sub, torch.sub)) or len(node.args) != 2 or node.kwargs:
         return None
     lse, tgt = node.args
+    negate = _logsumexp_input(lse) is None   # `gather - logsumexp`: log-probabilities, reduced then negated
+    if negate:
+        lse, tgt = tgt, lse
     logits = _logsumexp_input(lse)
     gathered = _gathered(tgt)
     twin = _twin_chain(gathered[0], logits) if logits is not None and gathered is not None else None
@@ -543,21 +547,27 @@ def _match_lse(node) -> _Match | None:
     _, y, (gather, squeeze) = gathered
     # logsumexp and gather read one logits tensor (or the same casts / reshapes of it, spelled twice)
     match = _Match(node, "logsumexp - gather", loss_input=logits, region={lse, gather, *twin}, norm=logits,
-                   twin=twin)
+                   twin=twin, negate=negate)
     per_token = {lse: {node}, gather: {squeeze}, squeeze: {node}}
     for n, allowed in per_token.items():
         if set(n.users) - allowed:
             match.reason = (f"{n.name} of the hand-written cross-entropy is used elsewhere too "
                             f"({sorted(u.name for u in set(n.users) - allowed)})")
             return match
+    return _reduce(match, node, y)
+
+
+def _reduce(match: _Match, per: fx.Node, y: fx.Node) -> _Match:
+    """Complete match from the reduction of the per-token losses `per` over the gathered labels `y`:
+    `.sum()` / `.mean()`, or masked by labels != ignore_index, then `.sum()` / `.mean()`."""
     labels, safe_ig, safe = _safe_labels(y)
-    users = list(node.users)
+    users = list(per.users)
     if len(users) != 1:
-        match.reason = (f"the per-token losses ({node.name}) are used elsewhere too "
+        match.reason = (f"the per-token losses ({per.name}) are used elsewhere too "
                         f"({sorted(u.name for u in users)}): the rewritten op returns only their sum")
         return match
     r, mask, selected = users[0], None, False
-    how = _full_reduction(r, node)
+    how = _full_reduction(r, per)
     if how:
         match.anchor, match.reduction = r, ("sum" if how == "sum" else "mean_all")
         if safe:
@@ -567,21 +577,21 @@ def _match_lse(node) -> _Match | None:
         return match
     args = r.args
     if _is_call(r, methods=("mul",), funcs=(operator.mul, torch.mul)) and len(args) == 2 and not r.kwargs:
-        mask = _mask_of(args[1] if args[0] is node else args[0], valid=True)
-    elif _is_call(r, funcs=(torch.where,)) and len(args) == 3 and args[1] is node and args[2] in (0, 0.0) \
+        mask = _mask_of(args[1] if args[0] is per else args[0], valid=True)
+    elif _is_call(r, funcs=(torch.where,)) and len(args) == 3 and args[1] is per and args[2] in (0, 0.0) \
             and not isinstance(args[2], bool):
         mask = _mask_of(args[0], valid=True)
-    elif _is_call(r, methods=("masked_fill",), funcs=(torch.masked_fill,)) and len(args) == 3 and args[0] is node \
+    elif _is_call(r, methods=("masked_fill",), funcs=(torch.masked_fill,)) and len(args) == 3 and args[0] is per \
             and args[2] in (0, 0.0) and not isinstance(args[2], bool):
         mask = _mask_of(args[1], valid=False)
-    elif r.target is operator.getitem and args[0] is node and isinstance(_val(args[1]), torch.Tensor) \
+    elif r.target is operator.getitem and args[0] is per and isinstance(_val(args[1]), torch.Tensor) \
             and _val(args[1]).dtype == torch.bool:
         mask, selected = _mask_of(args[1], valid=True), True
     asserts = _size_asserts(r) or []
     reduced = [u for u in r.users if u not in asserts]
     how = _full_reduction(reduced[0], r) if len(reduced) == 1 else ""
     if mask is None or not how:
-        match.reason = (f"hand-written cross-entropy: its per-token losses ({node.name}) go to {r.name} "
+        match.reason = (f"hand-written cross-entropy: its per-token losses ({per.name}) go to {r.name} "
                         f"({r.target}), not a recognised reduction ({_LSE_FORM})")
         return match
     if not _same_tensor(mask[0], labels) or (safe_ig is not None and safe_ig != mask[1]):
@@ -591,6 +601,35 @@ def _match_lse(node) -> _Match | None:
     match.anchor, match.labels, match.ignore_index, match.dead = reduced[0], labels, mask[1], asserts
     match.reduction = "sum" if how == "sum" else ("mean" if selected else "mean_all")
     return match
+
+
+_NEG_METHODS, _NEG_FUNCS = ("neg", "__neg__"), (operator.neg, torch.neg)
+
+
+def _match_logp_gather(node) -> _Match | None:
+    """Hand-written NLL: `-log_softmax(L, -1).gather(-1, y[..., None])[..., 0]` (the minus anywhere after the
+    gather: on the per-token values, or on their sum), then sum / mean (masked) as in `_reduce`."""
+    gathered = _gathered(node)
+    if gathered is None:
+        return None
+    logp, y, (gather, squeeze) = gathered
+    log_softmax, after = _trace_back(logp)
+    if not _is_log_softmax(log_softmax):
+        return None
+    match = _Match(node, "-log_softmax.gather", loss_input=log_softmax.args[0], region={gather},
+                   tail=[log_softmax] + after, norm=log_softmax)
+    if _val(logp).dtype != _val(log_softmax).dtype:
+        match.reason = (f"the log-probabilities are cast from {_val(log_softmax).dtype} to {_val(logp).dtype} "
+                        f"before the gather, which Ring-DTP would not reproduce")
+        return match
+    if set(gather.users) != {squeeze}:
+        match.reason = f"{gather.name} of the hand-written cross-entropy is used elsewhere too"
+        return match
+    users = list(squeeze.users)
+    if len(users) == 1 and _is_call(users[0], methods=_NEG_METHODS, funcs=_NEG_FUNCS):
+        return _reduce(match, users[0], y)   # per-token losses -log p
+    match.negate = True                      # reduce the log-probabilities; the op's loss goes in negated
+    return _reduce(match, squeeze, y)
 
 
 # ------------------------------------------------------------------------------------------ the pass
@@ -683,7 +722,7 @@ def rewrite_vocab_regions(gm: fx.GraphModule, config: VocabRewriteConfig) -> lis
     for node in list(gm.graph.nodes):
         if node in erased or node.op not in ("call_function", "call_method"):
             continue
-        match = _match_ce(node) or _match_nll(node) or _match_lse(node)
+        match = _match_ce(node) or _match_nll(node) or _match_lse(node) or _match_logp_gather(node)
         if match is None:
             continue
         proj, chain, path, reason = _resolve(match, config.ring_size)
@@ -730,6 +769,8 @@ def _rewrite(gm, match: _Match, proj: _Projection, chain, config, path, form) ->
             loss = add(operator.truediv, loss, count)
         elif match.reduction == "mean_all":
             loss = add(operator.truediv, loss, add("numel", labels, kind="call_method"))
+        if match.negate:
+            loss = add(operator.neg, loss)
     anchor.replace_all_uses_with(loss)
     graph.erase_node(anchor)
     order = {n: i for i, n in enumerate(graph.nodes)}
