@@ -18,6 +18,7 @@ import sympy
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from boundpass import inductor_peak
 from boundpass import symbols as sym
 from boundpass.bounds import BoundTerm, BudgetTable, raise_infeasible
 from boundpass.errors import BoundpassError, BoundpassInputError
@@ -209,7 +210,11 @@ class BoundedModule(nn.Module):
             if self.inner == "inductor":
                 from torch._inductor.compile_fx import compile_fx
                 plan_fn = _InductorPartitioner(partitioner)
-                return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": plan_fn})
+                # the budget is checked on the kernels Inductor emits (after fusion), once both graphs are lowered
+                with inductor_peak.recording() as schedules:
+                    compiled = compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": plan_fn})
+                partitioner.finish_inductor(schedules)
+                return compiled
 
             def eager(graph, inputs):
                 return sco_pass.eager_callable(graph)  # boxed: saved tensors die at their last use
@@ -291,6 +296,7 @@ class _PlanningPartitioner:
         begun = time.perf_counter()
 
         def attempt(count: int):
+            nonlocal held
             fw, bw = base(joint, joint_inputs, **kwargs)
             held = []
             if plan.eligible:
@@ -307,6 +313,7 @@ class _PlanningPartitioner:
                 backed.update(shape_env.backed_var_to_val)
             return fw, bw, peak
 
+        held: list = []
         shape_env = _graph_shape_env(joint)
         backed = dict(shape_env.backed_var_to_val) if shape_env is not None else {}
         # fullgraph: one graph per step (a recompile replaces it). Otherwise the graphs of one step run forward
@@ -359,19 +366,63 @@ class _PlanningPartitioner:
         self.report.forward_code = fw.print_readable(print_output=False)
         self.report.backward_code = bw.print_readable(print_output=False)
         self.report.forward_graph, self.report.backward_graph = fw, bw
+        self.pending = types.SimpleNamespace(fw=fw, bw=bw, planner=planner, values=values, extra=extra, held=held,
+                                             static=static, outputs=outputs, ctx=ctx, shape_env=shape_env,
+                                             backed=backed, carry=carry, cert=cert)
+        if owner.inner != "inductor":
+            self._check(cert, peak, self.pending)
+        # Inductor: checked in finish_inductor, on the schedule it emits for both graphs (still before any compute)
+        return fw, bw
+
+    def finish_inductor(self, schedules) -> None:
+        """Certify the step on Inductor's final schedules of the forward and backward just lowered, and check it.
+
+        The graph walk before fusion chose the knobs (sound: fusion only removes buffers, and a peak the scheduler's
+        reordering raised is caught here); the certificate and the budget check use what the kernels keep live.
+        """
+        p = getattr(self, "pending", None)
+        if p is None:
+            return  # no backward graph was partitioned (inference): nothing was planned
+        self.pending = None
+        fw_s, bw_s = inductor_peak.schedule_for(schedules, p.fw), inductor_peak.schedule_for(schedules, p.bw)
+        cert = p.cert
+        try:
+            if fw_s is None or bw_s is None:
+                raise LookupError("Inductor did not lower the partitioned graphs while boundpass recorded")
+            start = time.perf_counter()
+            peak = inductor_peak.analyze_schedules(fw_s, bw_s, p.fw, p.bw, static_inputs=p.static,
+                                                   num_user_outputs=p.outputs, held=p.held, ctx=p.ctx)
+            analysis = time.perf_counter() - start
+            refined = p.planner.certify(peak, p.values, extra_terms=p.extra, sco_count=cert.sco_count)
+        except LookupError as exc:  # the pre-fusion certificate stands (sound, looser); explain says why
+            cert.source = f"FX graphs before fusion (Inductor's schedule unreadable: {exc})"
+            self._check(cert, cert.peak, p)
+            return
+        refined.sco_trials, refined.planning_s = cert.sco_trials, cert.planning_s
+        refined.analysis_s = cert.analysis_s + analysis
+        refined.source = "Inductor's final schedule"
+        refined.before_fusion = cert.graph_bytes
+        owner = self.owner
+        owner.certificates[owner.certificates.index(cert)] = refined
+        self.report.table, self.report.certificate = refined.table, refined
+        self._check(refined, peak, p)
+
+    def _check(self, cert, peak, p) -> None:
+        """Raise if the certified step does not fit; guard a dynamic size on the budget; record what it saves."""
+        owner = self.owner
+        planner = cert.planner
         if not cert.table.host_fits():
             raise_infeasible(cert.table, max((t for t in cert.table.terms if t.kind == "host"), key=lambda t: t.value))
         if not cert.table.fits():
-            _raise_step_infeasible(owner, cert, self.knobs, plan)
-        if shape_env is not None:  # a dynamic N must not grow past what was checked: guard on the budget
-            inputs = _input_symbols(fw)  # only sizes the caller controls are guarded; others take their value
-            total = planner._sum("persistent") + sympy.Max(carry + peak.peak_expr().xreplace(
+            _raise_step_infeasible(owner, cert, self.knobs, self.sco_plan)
+        if p.shape_env is not None:  # a dynamic N must not grow past what was checked: guard on the budget
+            inputs = _input_symbols(p.fw)  # only sizes the caller controls are guarded; others take their value
+            total = planner._sum("persistent") + sympy.Max(p.carry + peak.peak_expr().xreplace(
                 {k.symbol: k.value for k in self.knobs}), planner._sum("step") + planner.caller)
-            total = total.xreplace({s: v for s, v in backed.items() if s not in inputs})
+            total = total.xreplace({s: v for s, v in p.backed.items() if s not in inputs})
             if total.free_symbols:
-                shape_env.evaluate_expr(sympy.Le(total, owner.budget))
-        owner.saved_of_earlier_graphs.append(_int_or_hint(peak.saved_bytes, backed))
-        return fw, bw
+                p.shape_env.evaluate_expr(sympy.Le(total, owner.budget))
+        owner.saved_of_earlier_graphs.append(_int_or_hint(peak.saved_bytes, p.backed))
 
 
 class _InductorPartitioner(CustomPartitionerFn):

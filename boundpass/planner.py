@@ -70,6 +70,8 @@ class StepCertificate:
     sco_trials: dict = field(default_factory=dict)  # L_off tried -> device peak at the narrowest knobs (bytes)
     analysis_s: float = 0.0      # seconds spent walking the graphs
     planning_s: float = 0.0      # seconds in the planning partitioner (partitions, rewrites, walks, knobs)
+    source: str = "partitioned FX graphs"   # what the peak was read from (Inductor: its final schedule)
+    before_fusion: int | None = None        # Inductor: the graph peak the FX walk gave before fusion (bytes)
 
     def total_at(self, **knobs) -> int:
         """The certified device peak (bytes) had the knobs been ``knobs`` (e.g. dispatch_cap=8)."""

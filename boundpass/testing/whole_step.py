@@ -1,7 +1,14 @@
 """Measure the whole training step the compiler certified: parameters, buffers, gradients, optimizer state and
 every activation, with real tensors (LiveStorageTracker; boundpass's custom ops run under it, so their strips and
-chunks count too). Used by the tests, the bench and the demo; Inductor kernels allocate outside a dispatch mode,
-so an Inductor step is measured by process RSS instead (``boundpass.memtrack.rss_peak_in_subprocess``).
+chunks count too). Used by the tests, the bench and the demo.
+
+Inductor's kernels allocate outside any dispatch mode (its wrapper calls ``empty_strided_cpu`` directly), so an
+Inductor step is measured at torch's allocator instead: ``allocator_step_peak`` reads every CPU allocation and
+free c10's allocator reports to ``torch.profiler`` (``profile_memory=True``; torch's own
+``torch.profiler._memory_profiler.MemoryProfile`` timeline), kernel-internal temporaries included. On an eager
+step it agrees with the tracker to the byte (tests/test_step_peak.py). Process RSS
+(``boundpass.memtrack.rss_peak_in_subprocess``) adds what no tensor holds: BLAS packing buffers, the C heap,
+Python objects.
 """
 from __future__ import annotations
 
@@ -29,6 +36,40 @@ def measured_step_peak(step, model, optimizer, batches, *, warmup: int = 1) -> i
     lazy optimizer state) run unmeasured; the peak is the largest over the remaining batches.
     """
     return max(max(samples) for samples in _measured_steps(step, model, optimizer, batches, warmup))
+
+
+def allocator_step_peak(step, model, optimizer, batches, *, warmup: int = 1) -> int:
+    """Peak allocated bytes of one steady-state step as torch's CPU allocator saw it (any compiled step).
+
+    The state live when the step starts (parameters, buffers, optimizer state, the batch; each storage once)
+    plus the highest the allocations and frees of the step (``torch.profiler`` memory events, in time order)
+    take the running sum above it. Arguments as ``measured_step_peak``.
+    """
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+    batches = list(batches)
+    model.zero_grad(set_to_none=True)
+    for batch in batches[:warmup]:
+        _train_step(step, model, optimizer, batch)
+    best = 0
+    for batch in batches[warmup:]:
+        state = {}
+        for t in [*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer),
+                  *[b for b in batch if isinstance(b, torch.Tensor)]]:
+            storage = t.untyped_storage()
+            state[storage.data_ptr()] = storage.nbytes()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                     with_stack=True) as prof:
+            _train_step(step, model, optimizer, batch)
+        live = peak = 0
+        for _, action, _, size in prof._memory_profile().timeline:
+            if action == Action.CREATE:
+                live += size
+            elif action == Action.DESTROY:
+                live -= size
+            peak = max(peak, live)
+        best = max(best, sum(state.values()) + peak)
+    return best
 
 
 def measured_step_timeline(step, model, optimizer, batches, *, warmup: int = 1) -> list[int]:
@@ -71,35 +112,51 @@ def _train_step(step, model, optimizer, batch) -> None:
         model.zero_grad(set_to_none=True)
 
 
-# One plain-LM step in a fresh interpreter: its process RSS growth beside the certified peak less the state
+# One training step in a fresh interpreter: its process RSS growth beside the certified peak less the state
 # resident before it (parameters, optimizer state). Inductor's kernels allocate where no dispatch mode sees.
+RSS_MODELS = {
+    # plain PyTorch LM: V = 8,192, 4 x 512 tokens, a 4,096-wide MLP
+    "dense": """
+    from boundpass.testing.dense_lm import DenseLM, ce
+    model, loss_fn = DenseLM(vocab=8192, hidden=128, inter=4096), ce
+    x = torch.randint(0, 8192, (4, 512)); y = torch.randint(0, 8192, (4, 512)); batch = (x, y)
+""",
+    # torchtitan deepseek_v3 debug (MoE, every dispatch region rewritten), V = 8,192, 2 x 256 tokens
+    "deepseek_v3": """
+    from boundpass.recipes.models import build_debug_moe, torchtitan_loss
+    from boundpass.testing.dense_lm import lm_batches
+    model, loss_fn = build_debug_moe("deepseek_v3", vocab_size=8192, seq_len=256), torchtitan_loss()
+    batch = lm_batches(8192, 2, 256, n=1, with_count=True)[0]
+""",
+}
 RSS_STEP_SNIPPET = """
-import torch, boundpass
-from boundpass.testing.dense_lm import DenseLM, ce
+import warnings, torch, boundpass
+warnings.filterwarnings("ignore")
 def setup():
     torch.manual_seed(0)
-    model = DenseLM(vocab=8192, hidden=128, inter=4096)
+{model}
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
-    step = boundpass.compile(model, budget="16GiB", loss_fn=ce, optimizer=opt, inner="{inner}")
-    x = torch.randint(0, 8192, (4, 512)); y = torch.randint(0, 8192, (4, 512))
+    step = boundpass.compile(model, budget="16GiB", loss_fn=loss_fn, optimizer=opt, inner="{inner}")
     for _ in range(2):
-        step(x, y).backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        measured((step, opt, batch))
     table = boundpass.explain(step).table
     print("CERTIFIED", table.total - table.sum("persistent"), flush=True)
-    return step, opt, x, y
+    return step, opt, batch
 def measured(state):
-    step, opt, x, y = state
-    step(x, y).backward(); opt.step(); opt.zero_grad(set_to_none=True)
+    step, opt, batch = state
+    out = step(*batch)
+    (out[0] if isinstance(out, tuple) else out).backward(); del out
+    opt.step(); opt.zero_grad(set_to_none=True)
 """
 
 
-def certified_and_rss(inner: str, timeout: float = 900) -> tuple[int, int]:
+def certified_and_rss(inner: str, model: str = "dense", timeout: float = 900) -> tuple[int, int]:
     """(certified peak above the resident state, RSS growth of the step) of RSS_STEP_SNIPPET, bytes."""
     import subprocess
     import sys
 
     from boundpass.memtrack import rss_peak_in_subprocess
-    code = RSS_STEP_SNIPPET.replace("{inner}", inner)
+    code = RSS_STEP_SNIPPET.replace("{inner}", inner).replace("{model}", RSS_MODELS[model].strip("\n"))
     grown = rss_peak_in_subprocess(code, timeout=timeout)
     probe = subprocess.run([sys.executable, "-c", code + "\nsetup()\n"], capture_output=True, text=True,
                            timeout=timeout)
