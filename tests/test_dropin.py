@@ -175,6 +175,60 @@ def test_loss_fn_keeps_the_inputs_labels_loss_args_convention():
         compiled()
 
 
+class _LossInForward(nn.Module):
+    """DenseLM with its loss in forward, HF-style: forward(input_ids, labels=None) -> summed CE."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        from boundpass.testing.dense_lm import DenseLM
+        self.lm = DenseLM(vocab, hidden=16, inter=64)
+
+    def forward(self, input_ids, labels=None):
+        out = self.lm(input_ids)
+        return F.cross_entropy(out.flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+def _ring_dropin_rank(rank, world, vocab, shapes):
+    """Ranks holding different N under a ring, the labels as a keyword: (loss err, grad err, compiles) per call."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    model = _LossInForward(vocab).double()
+    reference = copy.deepcopy(model)
+    compiled = boundpass.compile(model, budget="1GiB", ring_group=dist.group.WORLD)
+    out = []
+    for call, per_rank in enumerate(shapes):
+        b, s = per_rank[rank]
+        tokens, labels = _batch(b, s, seed=10 * call + rank)
+        tokens, labels = tokens % vocab, labels.clamp(-100, vocab - 1)
+        for module in (model, reference):
+            module.zero_grad(set_to_none=True)
+        loss = compiled(tokens, labels=labels)
+        loss.backward()
+        want = reference(tokens, labels=labels)
+        want.backward()
+        for module in (model, reference):  # the data-parallel gradient sum
+            for p in module.parameters():
+                dist.all_reduce(p.grad)
+        grad_err = max((p.grad - q.grad).abs().max().item() / q.grad.abs().max().clamp_min(1e-30).item()
+                       for p, q in zip(model.parameters(), reference.parameters()))
+        assert boundpass.explain(compiled).rewritten_of("vocab")
+        out.append((abs(loss.item() - want.item()) / abs(want.item()), grad_err, len(compiled.reports)))
+    return out
+
+
+@pytest.mark.distributed
+def test_keyword_labels_under_a_ring_with_unequal_tokens_compile_together():
+    """The rank signature that makes every ring rank compile at the same call covers keyword tensors: only rank 1's
+    labels= (and input_ids) grow at the second call, and both ranks compile together; the first shapes again reuse."""
+    from boundpass.testing.distributed import run_on_ranks
+    shapes = [((1, 16), (2, 64)), ((1, 16), (2, 128)), ((1, 16), (2, 64))]
+    r0, r1 = run_on_ranks(_ring_dropin_rank, 2, 256, shapes, timeout_s=120)
+    for calls in (r0, r1):
+        for loss_err, grad_err, _ in calls:
+            assert loss_err < 1e-12 and grad_err < 1e-10, calls
+    assert [c[2] for c in r0] == [c[2] for c in r1] == [1, 2, 2]
+
+
 # ----------------------------------------------------------------------------- OffloadStreamAdamW drop-in
 def _optimizer_model(seed=0):
     torch.manual_seed(seed)
