@@ -374,13 +374,33 @@ def test_bias_is_skipped(head):
     _skipped(LM(head, bias=True), ce_shifted, "bias")
 
 
-def test_z_loss_on_a_hand_written_logsumexp_is_skipped():
-    def loss_fn(lg, y):
-        lse = torch.logsumexp(lg, -1)
-        per = lse - lg.gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        mask = y != -100
-        return (per * mask).sum() / mask.sum() + 1e-4 * (lse ** 2).mean()
-    _skipped(LM("at_T"), loss_fn, "used elsewhere")
+def z_loss_shared_lse(lg, y):  # the hand-written CE's own log-sum-exp feeds a z-loss
+    lse = torch.logsumexp(lg, -1)
+    per = lse - lg.gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    mask = y != -100
+    return (per * mask).sum() / mask.sum() + 1e-2 * (lse ** 2 * mask).sum() / mask.sum()
+
+
+def z_loss_first(lg, y):  # OLMo-style: a separate logsumexp of the logits, computed before the cross-entropy
+    z = 1e-2 * lg.logsumexp(-1).pow(2).mean()
+    return F.cross_entropy(lg.view(-1, V), y.view(-1), reduction="sum") / (y != -100).sum() + z
+
+
+def z_loss_after(lg, y):
+    return ce_sum_float(lg, y) + 1e-2 * (lg.logsumexp(dim=-1).pow(2) * (y != -100)).sum()
+
+
+@pytest.mark.parametrize("loss_fn", [z_loss_shared_lse, z_loss_first, z_loss_after], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("head", ["linear", "at_T"])
+def test_z_loss_is_served_by_the_ops_lse(head, loss_fn):
+    region = _assert_exact(LM(head), loss_fn)
+    assert "z-loss" in region.form
+
+
+def test_z_loss_on_the_unshifted_logits_of_a_shifted_loss_is_skipped():
+    def loss_fn(lg, y):  # the op sees S - 1 positions, the z-loss all S: the [N, V] logits must exist
+        return ce_shifted(lg, y) + 1e-2 * lg.logsumexp(-1).pow(2).mean()
+    _skipped(LM("at_T"), loss_fn, "used elsewhere too")
 
 
 def test_a_non_vocab_logsumexp_is_not_a_region():

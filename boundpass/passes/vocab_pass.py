@@ -263,9 +263,10 @@ def _chain_reason(chain: list, vocab: int) -> str:
     return ""
 
 
-def _replay(add, chain: list, h: fx.Node, hidden: int) -> fx.Node:
-    """The hidden states shaped and indexed as the chain shapes and indexes the logits (casts dropped)."""
-    x = h
+def _replay(add, chain: list, h: fx.Node, hidden: int):
+    """The hidden states shaped and indexed as the chain shapes and indexes the logits (casts dropped), and
+    {chain node: the hidden states shaped as that node's logits}."""
+    x, at = h, {}
     for node in chain:
         if node.target is operator.getitem:
             x = add(operator.getitem, x, node.args[1])
@@ -276,7 +277,8 @@ def _replay(add, chain: list, h: fx.Node, hidden: int) -> fx.Node:
             if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
                 shape = tuple(shape[0])
             x = add("reshape", x, *shape[:-1], hidden, kind="call_method")  # reshape: h may be non-contiguous
-    return x
+        at[node] = x
+    return x, at
 
 
 def _adder(graph: fx.Graph, fake_mode, *, module_stack_of: fx.Node, trace_of: fx.Node):
@@ -311,6 +313,8 @@ class _Match:
     dead: list = field(default_factory=list)   # runtime size asserts on a boolean selection the rewrite removes
     twin: list = field(default_factory=list)   # a second spelling of the logits chain (read by gather)
     negate: bool = False                       # the region reduces log-probabilities (-loss): replace by -op
+    lse_uses: list = field(default_factory=list)  # (logsumexp node, logits node it reads): served by the op's lse
+    insert_before: fx.Node | None = None       # where the op goes (before the anchor, or the first lse use)
 
 
 _NE_EQ_METHODS, _NE_EQ_FUNCS = ("ne", "eq"), (operator.ne, torch.ne, operator.eq, torch.eq)
@@ -548,7 +552,9 @@ def _match_lse(node) -> _Match | None:
     # logsumexp and gather read one logits tensor (or the same casts / reshapes of it, spelled twice)
     match = _Match(node, "logsumexp - gather", loss_input=logits, region={lse, gather, *twin}, norm=logits,
                    twin=twin, negate=negate)
-    per_token = {lse: {node}, gather: {squeeze}, squeeze: {node}}
+    if set(lse.users) - {node}:  # a z-loss on the same log-sum-exp: the op returns it (differentiable)
+        match.lse_uses.append((lse, logits))
+    per_token = {gather: {squeeze}, squeeze: {node}}
     for n, allowed in per_token.items():
         if set(n.users) - allowed:
             match.reason = (f"{n.name} of the hand-written cross-entropy is used elsewhere too "
@@ -689,11 +695,11 @@ def _resolve(match: _Match, ring_size: int = 1):
     vocab = int(w.shape[1] if proj.transpose else w.shape[0])
     if proj.bias:
         return proj, chain, path, "the output projection has a bias (not supported by Ring-DTP)"
-    reason = _chain_reason(chain, vocab) or _users_reason([proj.node] + chain + match.twin, set(chain) | match.region,
-                                                                path)
+    h_dtype, norm_dtype = _val(proj.h).dtype, _val(match.norm).dtype
+    acc = torch.promote_types(h_dtype, torch.float32)
+    allowed = set(chain) | match.region | _z_loss_uses(match, proj, chain, acc)
+    reason = _chain_reason(chain, vocab) or _users_reason([proj.node] + chain + match.twin, allowed, path)
     if not reason:
-        h_dtype, norm_dtype = _val(proj.h).dtype, _val(match.norm).dtype
-        acc = torch.promote_types(h_dtype, torch.float32)
         if norm_dtype != acc:
             reason = (f"{match.loss} runs on {norm_dtype} logits of a {h_dtype} projection; "
                       f"Ring-DTP accumulates in {acc}, which would change the numerics")
@@ -706,7 +712,57 @@ def _resolve(match: _Match, ring_size: int = 1):
         reason = (f"the projection weight ({proj.weight.name}) is not a parameter: over a ring of {ring_size} "
                   f"ranks the op returns each rank's rows of its gradient, which only a data-parallel gradient "
                   f"sum of parameters completes")
+    if not reason:  # last: it may move the labels' reshape up the graph
+        reason = _place(match, proj, chain)
     return proj, chain, path, reason
+
+
+def _z_loss_uses(match: _Match, proj: _Projection, chain: list, acc) -> set:
+    """`logsumexp(c, -1)` of the logits c (a z-loss) where the op's per-token lse is that value: c holds the op's
+    tokens in its leading dims (only reshapes and casts follow it) in the op's accumulation dtype. Recorded in
+    match.lse_uses; returns those nodes."""
+    found = set()
+    for i, c in enumerate([proj.node] + chain):
+        after = chain[i:]
+        if any(n.target is operator.getitem or n in match.tail for n in after) or _val(c).dtype != acc:
+            continue
+        for u in c.users:
+            if u not in match.region and _logsumexp_input(u) is c:
+                match.lse_uses.append((u, c))
+                found.add(u)
+    return found
+
+
+def _place(match: _Match, proj: _Projection, chain: list) -> str:
+    """Set where the op goes: before the loss, or before the first use of a log-sum-exp it serves (a z-loss
+    computed before the cross-entropy). The op's inputs must exist there: pure nodes computing them (the labels'
+    reshape) are moved up; anything else is a reason not to rewrite."""
+    match.insert_before = match.anchor
+    if not match.lse_uses:
+        return ""
+    order = {n: i for i, n in enumerate(match.anchor.graph.nodes)}
+    first = min([match.anchor] + [v for u, _ in match.lse_uses for v in u.users], key=order.get)
+    placed = {n for n in order if order[n] < order[first]}
+    needed = [proj.h, proj.weight, match.labels]
+    for node in chain:
+        fx.node.map_arg((node.args[1:], node.kwargs), needed.append)
+    late = sorted({n for n in needed if n not in placed}, key=order.get)
+    movable, seen, todo = [], set(), list(late)
+    while todo:  # the late nodes and what they read that is late too
+        n = todo.pop()
+        if n in seen or n in placed:
+            continue
+        seen.add(n)
+        if n.op not in ("call_function", "call_method") or n.is_impure() or \
+                n in {u for u, _ in match.lse_uses} or n is proj.node or n in chain:
+            return (f"the log-sum-exp of the logits ({match.lse_uses[0][0].name}) is used (at {first.name}) "
+                    f"before the loss's input {n.name} exists: compute the cross-entropy first")
+        movable.append(n)
+        fx.node.map_arg((n.args, n.kwargs), todo.append)
+    for n in sorted(movable, key=order.get):
+        first.prepend(n)
+    match.insert_before = first
+    return ""
 
 
 def _is_parameter(node) -> bool:
@@ -728,6 +784,8 @@ def rewrite_vocab_regions(gm: fx.GraphModule, config: VocabRewriteConfig) -> lis
         proj, chain, path, reason = _resolve(match, config.ring_size)
         form = " -> ".join([proj.form] + [_fmt(n) for n in chain if n not in match.tail] + [match.loss]) \
             if proj is not None else match.loss
+        if match.lse_uses and not reason:
+            form += " (+ its logsumexp, e.g. a z-loss)"
         if reason:
             regions.append(VocabRegion(module_path=path, rewritten=False, reason=reason, form=form))
             continue
@@ -749,8 +807,8 @@ def _rewrite(gm, match: _Match, proj: _Projection, chain, config, path, form) ->
     graph = gm.graph
     add = _adder(graph, fake_mode, module_stack_of=proj.node, trace_of=anchor)
 
-    with graph.inserting_before(anchor):
-        x = _replay(add, chain, proj.h, hidden)  # the logits' token slicing / reshapes, applied to h
+    with graph.inserting_before(match.insert_before or anchor):
+        x, at = _replay(add, chain, proj.h, hidden)  # the logits' token slicing / reshapes, applied to h
         tokens = add("reshape", x, -1, hidden, kind="call_method")
         labels = add("reshape", match.labels, -1, kind="call_method")
         weight = add("t", proj.weight, kind="call_method") if proj.transpose else proj.weight
@@ -771,6 +829,11 @@ def _rewrite(gm, match: _Match, proj: _Projection, chain, config, path, form) ->
             loss = add(operator.truediv, loss, add("numel", labels, kind="call_method"))
         if match.negate:
             loss = add(operator.neg, loss)
+        if match.lse_uses:
+            lse = add(operator.getitem, fused, 1)
+            for use, logits in match.lse_uses:  # the op's per-token lse, shaped as logits' token dims
+                like = add("select", at.get(logits, proj.h), -1, 0, kind="call_method")
+                use.replace_all_uses_with(add("view_as", lse, like, kind="call_method"))
     anchor.replace_all_uses_with(loss)
     graph.erase_node(anchor)
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -811,7 +874,14 @@ def ring_dtp_peak(node: fx.Node, ctx: dict):
     values.pop(sym.C)
     from boundpass.passes.dispatch_pass import _cached_bound, _cached_xreplace
     bound = _cached_bound(ring_dtp.ring_dtp_bound, branch=branch, mixed_precision=mixed, count_weight_shard=True)
-    return _cached_xreplace(bound, tuple(sorted(values.items(), key=lambda kv: kv[0].name)))
+    bound = _cached_xreplace(bound, tuple(sorted(values.items(), key=lambda kv: kv[0].name)))
+    grad_loss = node.args[0].meta.get("val") if not forward else None
+    if isinstance(grad_loss, torch.Tensor) and grad_loss.dim() == 1:
+        # grad_loss is [1 + N]: the lse output is differentiated (a z-loss); its per-token scale is live in
+        # backward and travels with the batch (docs/ring_dtp.md), which ring_dtp_bound does not count
+        acc_bytes = torch.promote_types(h_val.dtype, torch.float32).itemsize
+        bound = bound + (1 + min(2, ring - 1)) * n_max * acc_bytes
+    return bound
 
 
 def _register_workspace() -> None:
