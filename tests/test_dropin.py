@@ -336,7 +336,7 @@ def test_upstream_filters_hide_exactly_the_routers_warning():
         assert reason and any(re.match(message, m) for m in messages) and category is UserWarning
     with warnings.catch_warnings(record=True) as quiet:
         warnings.simplefilter("always")
-        filter_upstream_warnings()
+        filter_upstream_warnings(log_records=False)  # the warnings only: catch_warnings restores them after
         model(tokens)
         warnings.warn("CPU autocast: something else", UserWarning)
         warnings.warn("In CPU autocast, but the target dtype is not supported. Disabling autocast.", RuntimeWarning)
@@ -362,3 +362,28 @@ def test_debug_models_keep_the_complex_rope_cache_and_warn_nothing():
         assert rope.cache.dtype == torch.complex64
         torch.testing.assert_close(rope.cache, rope._precompute_cache(), rtol=0, atol=0)
         assert {p.dtype for p in model.parameters()} == {dtype}
+
+
+@pytest.mark.torchtitan
+def test_demo_filters_torchtitans_checkpoint_notice_only(caplog):
+    """torchtitan logs a checkpoint notice (root logger, WARNING) whenever the debug model's config is built; the
+    demo's filter drops that exact record and no other."""
+    import logging
+
+    pytest.importorskip("torchtitan")
+    from boundpass.quiet import LOG_FILTER, UPSTREAM_LOG_RECORDS, filter_upstream_warnings
+    from boundpass.recipes.models import debug_moe_config
+    (notice, _), = UPSTREAM_LOG_RECORDS
+    root = logging.getLogger()
+    with caplog.at_level(logging.WARNING):
+        debug_moe_config("deepseek_v3")
+    assert notice in caplog.messages  # the exact text torchtitan logs
+    caplog.clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            filter_upstream_warnings()
+            debug_moe_config("deepseek_v3")
+            root.warning("another notice")
+        assert caplog.messages == ["another notice"]
+    finally:
+        root.removeFilter(LOG_FILTER)
