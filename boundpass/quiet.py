@@ -1,7 +1,8 @@
 """Upstream warnings a boundpass user cannot act on, filtered one by one at boundpass's entry points.
 
 `python -m boundpass` (the plan CLI), the demo (`python -m boundpass.recipes.demo`) and the torchtitan recipe
-(`boundpass.recipes.train`) call `filter_upstream_warnings()` before any work; `--verbose` skips it. Library calls
+(`boundpass.recipes.train`, warnings only) call `filter_upstream_warnings()` before any work; `--verbose` (plan,
+demo) skips it. Library calls
 (`boundpass.compile`, `boundpass.plan.plan`) filter nothing: a program that imports boundpass keeps its own warning
 policy. Each entry matches one exact message (a regex anchored at its start, as `warnings.filterwarnings` does)
 and one category, never a whole module or category, so a new upstream warning still shows.
