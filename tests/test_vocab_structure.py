@@ -273,9 +273,10 @@ def test_dynamic_shapes(loss_fn):
         assert len(boundpass.explain(compiled).rewritten_of("vocab")) == 1
 
 
-@pytest.mark.parametrize("head,loss_fn", [("hv", lse_where_sum_shifted), ("einsum", nll_mean)],
+@pytest.mark.parametrize("head,loss_fn", [("hv", lse_where_sum_shifted), ("einsum", nll_mean), ("linear", "z_loss")],
                          ids=lambda x: getattr(x, "__name__", x))
 def test_inductor(head, loss_fn):
+    loss_fn = z_loss_first if loss_fn == "z_loss" else loss_fn
     model = LM(head)
     got, want, reference, report = _run(model, loss_fn, inner="inductor")
     got.backward()
