@@ -102,6 +102,7 @@ class ModelShape:
     # ...) of one block of each kind, traced forward + backward on one rank; () = the hand-written block terms
     traced: tuple = ()
     traced_b: int = 0  # bytes per element of the weights / activations the blocks were traced at
+    buffer_bytes: int = 0  # the model's buffers as built (RoPE tables, router statistics): persistent, not sharded
 
     @property
     def dense_layers(self) -> int:
@@ -315,7 +316,17 @@ def _terms(shape: ModelShape, launch: Launch) -> tuple:
                            shape.tied_embeddings, launch.grad_accumulation > 1, _first_dense_only(shape))
     if uses_trace(shape, launch):
         terms = tuple(t for t in terms if t[2] not in _TRACED_KINDS) + _traced_terms(shape.traced)
+    if shape.buffer_bytes:
+        terms += _buffer_term(shape.buffer_bytes)
     return terms
+
+
+@functools.lru_cache(maxsize=None)
+def _buffer_term(nbytes: int) -> tuple:
+    value = sympy.Integer(nbytes)
+    return (("buffers as the model builds them (RoPE tables at max_seq_len, router statistics; not sharded)",
+             value, "persistent", "a shorter max_seq_len (torchtitan keeps a RoPE table per block)",
+             _lambdify(value)),)
 
 
 # the hand-written terms of a block's activations the trace replaces (docs/plan.md: which terms are traced)

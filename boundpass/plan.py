@@ -205,13 +205,18 @@ def _is_routed(name: str) -> bool:
     return "routed_experts" in name
 
 
-def model_shape(model: str, flavor: str) -> ModelShape:
-    """Read the composed budget's ModelShape off torchtitan's real model, built on meta (< 3 s at 671B)."""
+def model_shape(model: str, flavor: str, *, dtype_bytes: int = 4, trace: bool | None = None) -> ModelShape:
+    """Read the composed budget's ModelShape off torchtitan's real model, built on meta (< 3 s at 671B), its
+    floating weights and buffers at ``dtype_bytes`` (4: fp32, 2: bf16): the width its blocks are traced at."""
     cfg = model_config(model, flavor)
     with torch.device("meta"):
         net = cfg.build()
+    if dtype_bytes != 4:
+        dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
+        net = net._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)  # complex RoPE stays complex
     return shape_of_module(net, name=f"{model} {flavor}", heads_config=cfg.layers[-1].attention,
-                           top_k=max((l.moe.router.top_k for l in cfg.layers if getattr(l, "moe", None)), default=0))
+                           top_k=max((l.moe.router.top_k for l in cfg.layers if getattr(l, "moe", None)), default=0),
+                           trace=trace)
 
 
 def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int,
@@ -247,8 +252,9 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
         elif getattr(blk, "feed_forward", None) is not None:
             dense_hidden = max(dense_hidden, blk.feed_forward.w1.weight.shape[0])
     from boundpass import block_trace
+    weight_bytes = next(net.parameters()).element_size()
     if trace is None:  # a parallelized model (DTensor weights) is traced by its one-rank schedule only unsharded
-        trace = name.split()[0] in block_trace.TRACED_FAMILIES and not any(
+        trace = block_trace.untraced_reason(name.split()[0], weight_bytes) is None and not any(
             hasattr(p, "_local_tensor") for p in net.parameters())
     traced = block_trace.trace_torchtitan_blocks(net, heads_config) if trace else ()
     a = heads_config
@@ -263,7 +269,20 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
                       tied_embeddings=net.tok_embeddings.weight is net.lm_head.weight,
                       leading_dense_params=leading_dense, min_dense_block_params=min(dense_sizes, default=0),
                       min_moe_block_params=min(moe_sizes, default=0), traced=traced,
-                      traced_b=next(net.parameters()).element_size() if traced else 0)
+                      traced_b=weight_bytes if traced else 0, buffer_bytes=_buffer_bytes(net))
+
+
+def _buffer_bytes(net: torch.nn.Module) -> int:
+    """Bytes of the model's buffers as built (torchtitan: each block's RoPE table at its max_seq_len, the
+    router's statistics; FSDP2 does not shard buffers), each storage once."""
+    seen, total = set(), 0
+    for b in net.buffers():
+        b = b._local_tensor if hasattr(b, "_local_tensor") else b
+        key = id(b) if b.device.type == "meta" else b.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += b.numel() * b.element_size() if b.device.type == "meta" else b.untyped_storage().nbytes()
+    return total
 
 
 def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2) -> tuple[dict, list[str]]:
@@ -351,10 +370,12 @@ def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None =
                      context=context, global_batch=global_batch, budget=budget, host_budget=host_budget,
                      operators=operators, dtype=dtype, chunk_cap=chunk_cap, vocab_block=vocab_block, bucket=bucket,
                      slots=slots, routing=routing)
-    shape = model_shape(model, flavor)
+    # the blocks are traced in the launch's dtype, and only where the traced terms are used (one rank)
+    shape = model_shape(model, flavor, dtype_bytes=DTYPE_BYTES[dtype], trace=None if inp.ranks == 1 else False)
     launch = launch_of(inp)
     table = composed.compose(shape, launch, budget=inp.budget, host_budget=inp.host_budget)  # checks degrees
     result = PlanResult(inp, shape, table)
+    result.trace_notes.append(block_terms_note(shape, launch, model))
     if do_trace:
         traced, notes = trace(model, flavor, inp.tokens_per_rank, dtype_bytes=DTYPE_BYTES[dtype])
         result.trace_notes += notes
@@ -365,6 +386,21 @@ def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None =
         result.search = search_knobs(inp, shape, search if isinstance(search, CostModel) else None)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def block_terms_note(shape: ModelShape, launch: Launch, family: str) -> str:
+    """Which block terms this launch's budget uses: traced (block_trace) or hand-written, and why."""
+    if composed.uses_trace(shape, launch):
+        return ("block terms: traced (the real blocks' forward + backward graphs at symbolic N through the step "
+                "analysis, boundpass/block_trace.py; rows named 'traced ...')")
+    from boundpass import block_trace
+    reason = block_trace.untraced_reason(family, launch.b)
+    if reason is None and (launch.ranks > 1 or launch.ep > 1):
+        reason = ("W > 1 / E_p > 1: the sequence-to-head exchange and the routed rows a rank receives are not in a "
+                  "one-rank trace")
+    elif reason is None and shape.traced and launch.b != shape.traced_b:
+        reason = f"the blocks were traced at {shape.traced_b}-byte weights, the launch runs {launch.b}-byte ones"
+    return f"block terms: hand-written ({reason or 'not traced'})"
 
 
 def _attach_trace(result: PlanResult, traced: dict) -> None:
