@@ -4,9 +4,9 @@ chunks count too). Used by the tests, the bench and the demo.
 
 Inductor's kernels allocate outside any dispatch mode (its wrapper calls ``empty_strided_cpu`` directly), so an
 Inductor step is measured at torch's allocator instead: ``allocator_step_peak`` reads every CPU allocation and
-free c10's allocator reports to ``torch.profiler`` (``profile_memory=True``; torch's own
-``torch.profiler._memory_profiler.MemoryProfile`` timeline), kernel-internal temporaries included. On an eager
-step it agrees with the tracker to the byte (tests/test_step_peak.py). Process RSS
+free c10's allocator reports to ``torch.profiler`` (``profile_memory=True``: its allocation events, in time
+order), kernel-internal temporaries included. On an eager step it agrees with the tracker to the byte
+(tests/test_step_peak.py). Process RSS
 (``boundpass.memtrack.rss_peak_in_subprocess``) adds what no tensor holds: BLAS packing buffers, the C heap,
 Python objects.
 """
@@ -45,8 +45,8 @@ def allocator_step_peak(step, model, optimizer, batches, *, warmup: int = 1) -> 
     plus the highest the allocations and frees of the step (``torch.profiler`` memory events, in time order)
     take the running sum above it. Arguments as ``measured_step_peak``.
     """
+    from torch._C._profiler import _ExtraFields_Allocation
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
     batches = list(batches)
     model.zero_grad(set_to_none=True)
     for batch in batches[:warmup]:
@@ -58,15 +58,20 @@ def allocator_step_peak(step, model, optimizer, batches, *, warmup: int = 1) -> 
                   *[b for b in batch if isinstance(b, torch.Tensor)]]:
             storage = t.untyped_storage()
             state[storage.data_ptr()] = storage.nbytes()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                     with_stack=True) as prof:
+        # the allocation events only (no with_stack): torch's MemoryProfile needs Python frames, whose tracer grew
+        # without bound on torchtitan's MoE step here in a process that had profiled before
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             _train_step(step, model, optimizer, batch)
+        events = []
+        stack = list(prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            if isinstance(node.extra_fields, _ExtraFields_Allocation) and node.extra_fields.device.type == "cpu":
+                events.append((node.start_time_ns, node.extra_fields.alloc_size))  # < 0: a free
+            stack.extend(node.children)
         live = peak = 0
-        for _, action, _, size in prof._memory_profile().timeline:
-            if action == Action.CREATE:
-                live += size
-            elif action == Action.DESTROY:
-                live -= size
+        for _, size in sorted(events, key=lambda e: e[0]):
+            live += size
             peak = max(peak, live)
         best = max(best, sum(state.values()) + peak)
     return best
