@@ -29,7 +29,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from boundpass.step_peak import WORKSPACE, GraphPeak, Held, ProgramPoint, Storage, as_expr, module_path
+from boundpass.step_peak import WORKSPACE, GraphPeak, Held, Storage, _Walk, as_expr, module_path
 
 
 @dataclass
@@ -197,32 +197,7 @@ def _fake_storage_bytes(node: fx.Node) -> tuple[object, sympy.Expr] | None:
     return storage, as_expr(storage.nbytes())
 
 
-class _Live:
-    """Live storages over the program points of the schedules (same bookkeeping as step_peak's walk)."""
-
-    def __init__(self, result: GraphPeak):
-        self.result, self.live, self.total = result, {}, sympy.Integer(0)
-
-    def add(self, key, storage: Storage) -> None:
-        if key in self.live:
-            return
-        storage.start = len(self.result.points)
-        self.live[key] = storage
-        self.result.storages.append(storage)
-        self.total += storage.nbytes
-
-    def free(self, key) -> None:
-        storage = self.live.pop(key, None)
-        if storage is not None:
-            storage.end = len(self.result.points) - 1
-            self.total -= storage.nbytes
-
-    def point(self, phase: str, step: Step, workspace: sympy.Expr) -> None:
-        self.result.points.append(ProgramPoint(len(self.result.points), phase, step.name, step.target, step.path,
-                                               self.total + workspace, workspace))
-
-
-def _walk(live: _Live, sched: Schedule, phase: str, *, input_keys: dict, input_bytes: dict, keep: set, kind: str,
+def _walk(live: _Walk, sched: Schedule, phase: str, *, input_keys: dict, input_bytes: dict, keep: set, kind: str,
           held: list[Held], ctx: dict, output_kind: str | None = None) -> dict:
     """Run ``sched``'s steps; returns buffer name -> key for the buffers still live (graph outputs)."""
     by_start: dict[int, list[Buffer]] = {}
@@ -263,7 +238,7 @@ def _walk(live: _Live, sched: Schedule, phase: str, *, input_keys: dict, input_b
             io += sum((input_bytes[input_keys[n]] for n in step.reads if n in input_keys), sympy.Integer(0))
             io += sum((b.nbytes for b in by_start.get(i, ())), sympy.Integer(0))
             workspace = sympy.Max(0, WORKSPACE[step.workspace_op](step.workspace_node, ctx) - io)
-        live.point(phase, step, workspace)
+        live.record(phase, step.name, step.target, step.path, workspace)
         for name in by_end.get(i, ()):
             key = keys.get(name) or input_keys.get(name)
             if key is not None and key not in keep:
@@ -283,7 +258,7 @@ def analyze_schedules(fw_sched: Schedule, bw_sched: Schedule | None, fw: fx.Grap
     """
     ctx = ctx or {}
     result = GraphPeak()
-    live = _Live(result)
+    live = _Walk(result, {})
     placeholders = fw.graph.find_nodes(op="placeholder")
     input_keys: dict[str, object] = {}
     input_bytes: dict[object, sympy.Expr] = {}   # every input storage's bytes (parameters too)

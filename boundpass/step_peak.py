@@ -139,7 +139,7 @@ def _describe(node: fx.Node) -> tuple[str, str]:
 
 
 class _Walk:
-    """Live storages while walking one graph; records a ProgramPoint per executed node."""
+    """Live storages while walking one graph (or Inductor schedule); records a ProgramPoint per executed node."""
 
     def __init__(self, result: GraphPeak, live: dict[StorageKey, Storage]):
         self.result, self.live = result, live
@@ -148,8 +148,12 @@ class _Walk:
             self.total += s.nbytes
 
     def point(self, phase: str, node: fx.Node, extra: sympy.Expr = sympy.Integer(0)) -> ProgramPoint:
-        p = ProgramPoint(len(self.result.points), phase, node.name, str(node.target), module_path(node),
-                         self.total + extra, extra)
+        return self.record(phase, node.name, str(node.target), module_path(node), extra)
+
+    def record(self, phase: str, name: str, target: str, path: str, extra: sympy.Expr = sympy.Integer(0)
+               ) -> ProgramPoint:
+        """A program point now: the live total plus ``extra`` (an op's workspace) while ``name`` runs."""
+        p = ProgramPoint(len(self.result.points), phase, name, target, path, self.total + extra, extra)
         self.result.points.append(p)
         return p
 
