@@ -399,3 +399,47 @@ def trace_torchtitan_blocks(net: torch.nn.Module, heads_config) -> tuple:
         out += [(kind, phase, sympy.nsimplify(trace.phases[phase])) for phase in PHASES]
     return tuple(out)
 
+
+class _Head(torch.nn.Module):
+    """torchtitan's loss head as one module: final norm, then the vocab projection + torchtitan's
+    CrossEntropyLoss (full logits), or the Ring-DTP op boundpass's vocab pass rewrites that region into (one
+    rank: no ring; the strip width stays the symbol C in its declared workspace)."""
+
+    def __init__(self, norm: torch.nn.Module, lm_head: torch.nn.Module, ring_dtp: bool):
+        super().__init__()
+        self.norm, self.lm_head, self.ring_dtp = norm, lm_head, ring_dtp
+
+    def forward(self, h):
+        # the labels made here (one token symbol with h; the batch's labels, counted as the head holds them)
+        labels = torch.zeros(h.shape[:-1], dtype=torch.long, device=h.device)
+        x = self.norm(h)
+        tokens = labels.numel()
+        if self.ring_dtp:
+            from boundpass.runtime.ring_dtp import ring_dtp_loss
+            weight = self.lm_head.weight
+            return ring_dtp_loss(x.reshape(-1, x.shape[-1]), weight, labels.reshape(-1),
+                                 vocab_size=weight.shape[0]) / tokens
+        from boundpass.recipes.models import torchtitan_loss
+        loss = torchtitan_loss()(self.lm_head(x), labels, tokens)
+        return loss[0] if isinstance(loss, tuple) else loss
+
+
+HEADS = ("full_logits", "ring_dtp")
+
+
+def trace_torchtitan_head(net: torch.nn.Module) -> tuple:
+    """(("head", "full_logits" / "ring_dtp", sympy bytes in N), ...): the loss head of a torchtitan Decoder
+    (final norm + lm_head + CrossEntropyLoss, and the same region as the Ring-DTP op on one rank) traced forward +
+    backward at symbolic N through the step analysis. Its input (the last block's output, which the norm saves)
+    and the labels are counted, and the head's weight gradients as its backward writes them (the composed budget
+    then leaves its grad_head term out: composed._traced_head)."""
+    import boundpass.passes.vocab_pass  # noqa: F401  (registers Ring-DTP's workspace with the step analysis)
+    weight = net.lm_head.weight
+    h = torch.empty(1, 8, weight.shape[1], dtype=weight.dtype, device="meta", requires_grad=True)
+    out = []
+    for head in HEADS:
+        trace = _trace(_Head(net.norm, net.lm_head, head == "ring_dtp"), (h,), symbolic_tokens=True,
+                       token_dim=1, loss_fn=None, weight_grads=True, count_inputs=True, kwargs={}, tags={},
+                       stand_in={}, ctx={})
+        out.append(("head", head, sympy.nsimplify(trace.peak_expr())))
+    return tuple(out)

@@ -103,6 +103,7 @@ class ModelShape:
     traced: tuple = ()
     traced_b: int = 0  # bytes per element of the weights / activations the blocks were traced at
     buffer_bytes: int = 0  # the model's buffers as built (RoPE tables, router statistics): persistent, not sharded
+    param_tensors: int = 0  # parameter tensors (torch AdamW keeps one fp32 step counter per tensor on the device)
 
     @property
     def dense_layers(self) -> int:
@@ -315,10 +316,26 @@ def _terms(shape: ModelShape, launch: Launch) -> tuple:
                            frozenset(launch.operators), launch.routing, launch.b < launch.b_acc, branch,
                            shape.tied_embeddings, launch.grad_accumulation > 1, _first_dense_only(shape))
     if uses_trace(shape, launch):
-        terms = tuple(t for t in terms if t[2] not in _TRACED_KINDS) + _traced_terms(shape.traced)
+        blocks = tuple(t for t in shape.traced if t[0] != "head")
+        head = _traced_head(shape, launch)
+        # the traced head holds its own weight gradients as its backward writes them: grad_head (only ever in the
+        # head's phase) would count them from the head's start
+        drop = _TRACED_KINDS | ({"head", "grad_head"} if head else set())
+        terms = tuple(t for t in terms if t[2] not in drop) + _traced_terms(blocks) + head
     if shape.buffer_bytes:
         terms += _buffer_term(shape.buffer_bytes)
+    if shape.param_tensors and "offload_adamw" not in launch.operators:
+        terms += _step_counter_term(shape.param_tensors)
     return terms
+
+
+@functools.lru_cache(maxsize=None)
+def _step_counter_term(tensors: int) -> tuple:
+    # torch.optim.AdamW's state['step'] is a float32 scalar tensor per parameter, on the parameter's device when
+    # fused or capturable (found by the traced head: the prediction was 164 B = 41 counters short of measured)
+    value = sympy.Integer(4 * tensors)
+    return (("optimizer step counters on device (torch AdamW: one fp32 scalar per parameter tensor)", value,
+             "persistent", "enable offload_adamw", _lambdify(value)),)
 
 
 @functools.lru_cache(maxsize=None)
@@ -341,6 +358,22 @@ def uses_trace(shape: ModelShape, launch: Launch) -> bool:
     are not in a one-rank trace: the hand-written terms stay (docs/plan.md). A launch in another dtype than the
     blocks were traced at (``traced_b``) uses the hand-written terms too."""
     return bool(shape.traced) and launch.ranks == 1 and launch.ep == 1 and launch.b == shape.traced_b
+
+
+def _traced_head(shape: ModelShape, launch: Launch) -> tuple:
+    """The traced loss head of this launch's schedule (Ring-DTP when it is on, else full logits): one term of
+    kind "head" (the head's phase stays; the head's own gradients are in it), or () when that head was not traced."""
+    which = "ring_dtp" if "ring_dtp" in launch.operators else "full_logits"
+    expr = next((t[2] for t in shape.traced if t[0] == "head" and t[1] == which), None)
+    return () if expr is None else _traced_head_term(which, expr)
+
+
+@functools.lru_cache(maxsize=None)
+def _traced_head_term(which: str, expr) -> tuple:
+    what = "Ring-DTP op, its declared workspace" if which == "ring_dtp" else "full logits, torchtitan's loss"
+    knob = "a smaller strip C (--vocab-block)" if which == "ring_dtp" else "enable ring_dtp (never materializes [N, V])"
+    return ((f"traced head: final norm + vocab projection + loss ({what}), fwd + bwd (block_trace, one rank)",
+             expr, "head", knob, _lambdify(expr)),)
 
 
 @functools.lru_cache(maxsize=None)

@@ -256,7 +256,8 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
     if trace is None:  # a parallelized model (DTensor weights) is traced by its one-rank schedule only unsharded
         trace = block_trace.untraced_reason(name.split()[0], weight_bytes) is None and not any(
             hasattr(p, "_local_tensor") for p in net.parameters())
-    traced = block_trace.trace_torchtitan_blocks(net, heads_config) if trace else ()
+    traced = block_trace.trace_torchtitan_blocks(net, heads_config) + block_trace.trace_torchtitan_head(net) \
+        if trace else ()
     a = heads_config
     heads = a.n_heads
     kv_heads = getattr(a, "n_kv_heads", None) or heads
@@ -269,7 +270,8 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
                       tied_embeddings=net.tok_embeddings.weight is net.lm_head.weight,
                       leading_dense_params=leading_dense, min_dense_block_params=min(dense_sizes, default=0),
                       min_moe_block_params=min(moe_sizes, default=0), traced=traced,
-                      traced_b=weight_bytes if traced else 0, buffer_bytes=_buffer_bytes(net))
+                      traced_b=weight_bytes if traced else 0, buffer_bytes=_buffer_bytes(net),
+                      param_tensors=len(list(net.parameters())))
 
 
 def _buffer_bytes(net: torch.nn.Module) -> int:

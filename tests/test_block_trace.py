@@ -118,3 +118,34 @@ def test_traced_torchtitan_deepseek_block_matches_its_measured_fwd_bwd(layer):
         print(f"deepseek_v3 layer {layer} N={tokens}: traced {traced} B, measured {measured} B, "
               f"ratio {traced / measured:.4f}")
         assert measured <= traced <= 1.10 * measured
+
+
+@pytest.mark.parametrize("head", ["full_logits", "ring_dtp"])
+def test_traced_torchtitan_head_matches_its_measured_fwd_bwd(head):
+    """torchtitan's loss head (final norm + lm_head + CrossEntropyLoss, or the Ring-DTP op on one rank with its
+    declared workspace), traced once at symbolic N on meta weights, against the same head run with real tensors:
+    the head's input, its labels and its weight gradients counted in both."""
+    pytest.importorskip("torchtitan")
+    from boundpass.block_trace import _Head, trace_torchtitan_head
+    from boundpass.plan import model_config
+    cfg = model_config("deepseek_v3", "debugmodel")
+    with torch.device("meta"):
+        meta_net = cfg.build()
+    traced = {which: expr for _, which, expr in trace_torchtitan_head(meta_net)}
+    torch.manual_seed(0)
+    norm, lm_head = cfg.norm.build(), cfg.lm_head.build()
+    for m in (norm, lm_head):
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+    module = _Head(norm, lm_head, head == "ring_dtp")
+    for tokens in (256, 1024):
+        module.zero_grad(set_to_none=True)
+        with LiveStorageTracker() as tracker:
+            h = torch.randn(1, tokens, cfg.dim, requires_grad=True)
+            module(h).backward()
+        # the strip width C of the op's declared workspace at the op's default (0: the whole vocabulary)
+        value = traced[head].subs({sym.N: tokens, sym.C: lm_head.weight.shape[0]})
+        traced_bytes, measured = int(sympy.ceiling(value)), tracker.peak_bytes()
+        print(f"head {head} N={tokens}: traced {traced_bytes} B, measured {measured} B, "
+              f"ratio {traced_bytes / measured:.4f}")
+        assert measured <= traced_bytes <= 1.10 * measured

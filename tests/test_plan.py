@@ -71,11 +71,15 @@ def _shape(model, name="deepseek_v3 debug (3 blocks)", package="deepseek_v3", fl
 
 
 def _uses_traced_blocks(table, kinds=("moe",)):
-    """The budget's block terms are the traced ones (named 'traced ...'), none of the hand-written ones."""
+    """The budget's block and head terms are the traced ones (named 'traced ...'), none of the hand-written ones
+    (the head's gradient is in its trace too)."""
     names = [t.name for t in table.terms]
     for kind in kinds:
         assert any(t.kind == f"traced_{kind}_forward" and t.name.startswith("traced") for t in table.terms), names
-    assert not any(t.kind in ("layer", "attention", "attention_saved", "dense", "moe") for t in table.terms), names
+    assert not any(t.kind in ("layer", "attention", "attention_saved", "dense", "moe", "grad_head")
+                   for t in table.terms), names
+    heads = [t for t in table.terms if t.kind == "head"]
+    assert len(heads) == 1 and heads[0].name.startswith("traced head"), names
 
 
 def _measured_step_peak(model, batch: int, seq: int, vocab: int, loss: str) -> int:
@@ -135,11 +139,11 @@ def test_predicted_peak_is_within_10_percent_of_measured_and_never_below(debug_m
           f"ratio {predicted / measured:.4f}")
     assert measured <= predicted <= 1.10 * measured
     _uses_traced_blocks(table, ("dense", "moe"))
-    # the state terms are exact: 12 bytes per fp32 parameter (weights, two AdamW moments) and the buffers persist,
-    # 4 more per parameter (gradients) by the optimizer step
+    # the state terms are exact: 12 bytes per fp32 parameter (weights, two AdamW moments), AdamW's fp32 step
+    # counter per parameter tensor and the buffers persist, 4 more per parameter (gradients) by the optimizer step
     params = sum(p.numel() for p in model.parameters())
     buffers = sum(b.untyped_storage().nbytes() for b in model.buffers())
-    assert table.sum("persistent") == 12 * params + buffers
+    assert table.sum("persistent") == 12 * params + 4 * len(list(model.parameters())) + buffers
     assert table.sum("grad") + table.sum("grad_embedding") == 4 * params
 
 
@@ -274,7 +278,9 @@ def test_cli_json_parses_and_exit_code_says_fit():
     data = json.loads(out.stdout)
     assert data["fits"] is True and data["device_peak_bytes"] <= data["budget_bytes"]
     names = [t["term"] for t in data["terms"]]
-    assert any(n.startswith("vocab projection + loss (full logits)") for n in names)
+    assert any(n.startswith("traced head: final norm + vocab projection + loss (full logits") for n in names)
+    assert not any(n.startswith("vocab projection + loss") for n in names)  # the hand-written head is replaced
+    assert any(n.startswith("block terms: traced") for n in data["trace_notes"])
     traced = {t["term"]: t["traced_bytes"] for t in data["terms"]}
     boundary = next(n for n in names if n.startswith("checkpoint boundaries (device)"))
     assert traced[boundary] == 6 * 256 * 256 * 4  # 6 blocks keep their [256, 256] fp32 input
