@@ -226,7 +226,7 @@ class BoundedModule(nn.Module):
         rewritten = [r for r in regions if r.rewritten]
         if not rewritten:
             return []
-        hi = 0
+        hi, shapes = 0, []
         for region in rewritten:
             tokens_here = _concrete(_as_expr(region.tokens), _shape_env(region.op_node))
             # the branch must agree over the ring: chosen from the ring's largest N (one all-reduce), not this rank's;
@@ -243,9 +243,22 @@ class BoundedModule(nn.Module):
             region.branch = ring_dtp.choose_branch(max_tokens, region.vocab, ring_size)
             set_op_arg(region.op_node, "branch", region.branch)
             hi = max(hi, -(-region.vocab // ring_size))
-        return [Knob("vocab_block", sym.C, lo=min(MIN_VOCAB_BLOCK, hi), hi=hi, arg="block",
+            shapes.append((tokens_here if region.branch == "weights" else max_tokens, region))
+        lo = min(MIN_VOCAB_BLOCK, hi)
+        # the knee of the op's modelled time over C (boundpass/cost_model.py): the planner goes no wider
+        from boundpass import cost_model
+
+        def knee_of(tokens: int, region) -> int:
+            val = region.op_node.args[0].meta.get("val") if region.op_node is not None and region.op_node.args else None
+            b = (region.dtype or torch.float32).itemsize
+            return cost_model.ring_dtp_knee(lo=lo, hi=hi, N=max(1, int(tokens)), H=region.hidden, V=region.vocab,
+                                            P=ring_size, b=b, b_acc=max(b, 4),
+                                            costs=cost_model.costs_for(getattr(getattr(val, "device", None), "type",
+                                                                               "cpu")))
+        knee = max(knee_of(n, region) for n, region in shapes)
+        return [Knob("vocab_block", sym.C, lo=lo, hi=hi, arg="block",
                      ops=(torch.ops.boundpass.ring_dtp_fwd.default, torch.ops.boundpass.ring_dtp_bwd.default),
-                     user=self.vocab_block, regions=rewritten)]
+                     user=self.vocab_block, regions=rewritten, knee=knee)]
 
     def _dispatch_knobs(self, regions) -> list[Knob]:
         """Open the chunk cap c of every PipelinedLLEP op for the planner (one cap: layers run one at a time)."""

@@ -80,10 +80,11 @@ class ExplainReport:
         knobs = cert.planner.knobs if cert is not None and cert.planner is not None else []
         if not knobs:
             return []
-        lines = ["", "knobs (boundpass/planner.py):"]
+        lines = ["", "knobs (boundpass/planner.py; rule: docs/knobs.md):"]
         for k in knobs:
             allowed = "nothing fits" if k.widest_fitting is None else f"the budget alone allows {k.widest_fitting}"
-            lines.append(f"  {k.name} = {k.value} ({k.why}; range {k.lo}..{k.hi}; {allowed})")
+            knee = "no time model" if getattr(k, "knee", None) is None else f"knee {k.knee} (boundpass/cost_model.py)"
+            lines.append(f"  {k.name} = {k.value} ({k.why}; {knee}; {allowed}; range {k.lo}..{k.hi})")
         return lines
 
     # ---- the step's predicted memory over time --------------------------------------------------------------

@@ -8,8 +8,9 @@ backward graphs, with each custom op's workspace in its knob's symbol. The devic
 with persistent state = parameters, buffers and optimizer state on this rank. The planner evaluates that
 expression, never a sum written elsewhere: SCO offloads the fewest checkpoint boundaries that make the step fit
 (sco="auto"; every boundary the host pool holds for sco=True), then each knob takes the widest value that still
-fits (the user's value when given). The knobs of different ops sit at different program points, so each is
-chosen with the others at their narrowest. The planner writes the chosen values into the graphs' op nodes by
+fits, but never past the knob's knee (the smallest value within a few percent of its best modelled time,
+``boundpass/cost_model.py``; docs/knobs.md), the user's value when given. The knobs of different ops sit at
+different program points, so each is chosen with the others at their narrowest. The planner writes the chosen values into the graphs' op nodes by
 argument name and raises InfeasibleBudgetError, before any real compute, when even the narrowest setting of
 every knob does not fit.
 """
@@ -37,8 +38,9 @@ class Knob:
     ops: tuple                   # op overloads whose nodes carry it
     user: int | None = None
     value: int = 0
-    why: str = ""                # "budget" / "user" / "widest"
+    why: str = ""                # "knee" / "budget" / "user" ("widest": no time model, the budget allows hi)
     widest_fitting: int | None = None  # what the budget alone allows (None: not even the narrowest)
+    knee: int | None = None      # the time model's knee (boundpass/cost_model.py); None: no model, the widest
     regions: list = field(default_factory=list)   # pass region records, updated with the value
 
     @property
@@ -115,7 +117,13 @@ class StepPlanner:
 
     # ----------------------------------------------------------------------------------------- choosing
     def choose(self, peak: GraphPeak) -> dict:
-        """Knob values: the user's, else the widest that fits with the other knobs at their narrowest."""
+        """Knob values: the user's, else min(the widest that fits with the other knobs at their narrowest, knee).
+
+        A knob never grows past its knee because the budget allows it: wider strips / chunks than the knee cost
+        memory and buy (by the time model) less than KNEE_TOLERANCE of step time. ``why`` says which bound it:
+        "user", "knee" (the budget allows more), "budget" (the budget allows less than the knee), or "widest"
+        for a knob without a time model whose range fits whole.
+        """
         chosen = {}
         for knob in self.knobs:
             if knob.user is not None:
@@ -129,8 +137,13 @@ class StepPlanner:
             knob.widest_fitting = best = largest_fitting(knob.lo, knob.hi, fits)
             if knob.name in chosen:
                 continue
-            chosen[knob.name] = knob.lo if best is None else best
-            knob.why = "widest" if best == knob.hi else "budget"
+            if best is None:
+                chosen[knob.name], knob.why = knob.lo, "budget"
+            elif knob.knee is not None and knob.knee <= best:
+                chosen[knob.name], knob.why = max(knob.lo, knob.knee), "knee"
+            else:
+                chosen[knob.name] = best
+                knob.why = "widest" if knob.knee is None and best == knob.hi else "budget"
         for knob in self.knobs:
             knob.value = chosen[knob.name]
         return self.values(**chosen)

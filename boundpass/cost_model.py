@@ -1,0 +1,163 @@
+"""Time models of the rewritten ops against their knobs, and the knee the planner stops at.
+
+The planner (``boundpass/planner.py``) gives a knob the *knee* of its time curve, the smallest value whose
+modelled time is within ``KNEE_TOLERANCE`` of the best, and goes narrower only when the budget requires it;
+it never grows a knob past the knee because the budget happens to allow it (issue 18, docs/knobs.md).
+
+Ring-DTP strip width C. One forward + backward of the op folds ``P * ceil(V_max / C)`` strips of ``n`` tokens
+(``n = N`` in the weights branch, ``N_max`` in the activations branch; ``V_max = ceil(V / P)``). Per strip of
+width ``w = min(C, V_max)``:
+
+  time = 8 n w H / flops                         four matmuls: forward fold, backward recompute, dh, dW
+       + STRIP_PASSES n w b_acc / bw(n w b_acc)   elementwise passes over the [n, w] strip (max, exp, sum, ...)
+       + TOKEN_BYTES(n, H) / bw(n H b_acc)       h re-read by the three h-matmuls, dh read + written, per-token
+                                                  vectors (max, sum, target, index, mask)
+       + LAUNCHES_PER_STRIP * launch_s            ops issued per strip (forward ~14, backward ~14)
+
+with ``bw(s) = cache_bandwidth`` while a strip of ``s`` bytes fits ``cache_bytes``, else ``bandwidth``. The
+FLOPs and the strip's passes do not depend on C (they add up to the same [N, V] work); what does is the
+per-strip cost (launches, the token-side bytes), which favours wide strips, and the cache, which favours
+strips that fit it. The ring transfers do not depend on C and are left out.
+
+Constants: ``DEVICE_COSTS`` holds one ``DeviceCosts`` per device type, in one place. The CPU figures were
+fitted to ``bench/vocab.py``'s measured curve on the 2-core development machine (docs/results/vocab.md,
+"strip width C"); the CUDA figures are an H200's datasheet figures with an eager-PyTorch launch cost, not yet
+measured. A GPU run recalibrates them: time the op at a few C (``bench/vocab.py`` does so on whatever device
+it runs on), call ``calibrate(points, ...)`` to fit ``launch_s`` and ``bandwidth`` to the measured curve, and
+write the result to a JSON file named by ``BOUNDPASS_COSTS`` (``{"cuda": {"launch_s": ..., ...}}``), which
+``costs_for`` reads over the defaults.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, replace
+
+KNEE_TOLERANCE = 0.05      # the knee: the smallest value whose modelled time is within 5% of the best
+STRIP_PASSES = 16          # elementwise passes over a strip in forward + backward (reads and writes)
+LAUNCHES_PER_STRIP = 28    # ops issued per strip, forward + backward (runtime/ring_dtp.py's _fold/_grad_strip)
+TOKEN_VECTORS = 20         # per-token accumulator-dtype words touched per strip (max, sum, target, idx, mask...)
+
+
+@dataclass(frozen=True)
+class DeviceCosts:
+    """What one device does per second, and what one op launch costs."""
+    name: str
+    flops: float             # sustained matmul FLOP/s in the accumulation dtype
+    bandwidth: float         # bytes/s from main memory (DRAM, HBM)
+    cache_bandwidth: float   # bytes/s for a working set that fits ``cache_bytes``
+    cache_bytes: int         # the cache a strip should fit (L2 per core on CPU, L2 on a GPU)
+    launch_s: float          # seconds per op issued (Python dispatch + kernel launch)
+
+
+DEVICE_COSTS = {
+    # fitted to the measured curve of bench/vocab.py on this 2-core Xeon (1 thread; docs/results/vocab.md)
+    # (one thread, N = 4,096, H = 128, V = 65,536 fp32: 2.7 s at C <= 1,024, 4.4-5.3 s at C >= 2,048). The
+    # "cache" here is where strips stop being recycled: a strip of 32 MiB or more is a fresh mmap each time
+    # (glibc's mmap threshold tops out at 32 MiB) and page-faults through every pass, so cache_bytes = 16 MiB.
+    "cpu": DeviceCosts("cpu", flops=120e9, bandwidth=6.5e9, cache_bandwidth=43e9, cache_bytes=16 * 2 ** 20,
+                       launch_s=15e-6),
+    # H200 datasheet (fp32 without TF32, HBM3e, 50 MiB L2), eager launch ~8 us: not measured (no GPU run yet)
+    "cuda": DeviceCosts("cuda", flops=60e12, bandwidth=4.0e12, cache_bandwidth=10e12, cache_bytes=50 * 2 ** 20,
+                        launch_s=8e-6),
+}
+
+
+def costs_for(device_type: str = "cpu") -> DeviceCosts:
+    """The constants for a device type, with any recalibrated figures from ``$BOUNDPASS_COSTS`` (JSON) applied."""
+    base = DEVICE_COSTS.get(device_type, DEVICE_COSTS["cpu"])
+    path = os.environ.get("BOUNDPASS_COSTS")
+    if path and os.path.exists(path):
+        with open(path) as f:
+            override = json.load(f).get(device_type, {})
+        base = replace(base, **{k: v for k, v in override.items() if k in asdict(base) and k != "name"})
+    return base
+
+
+# ------------------------------------------------------------------------------------------- Ring-DTP
+def ring_dtp_strips(C: int, *, V: int, P: int = 1) -> int:
+    """Strips folded in one forward (and again in one backward) of the op at strip width C."""
+    v_max = -(-V // P)
+    return P * -(-v_max // max(1, min(C, v_max)))
+
+
+def ring_dtp_seconds(C: int, *, N: int, H: int, V: int, P: int = 1, b: int = 4, b_acc: int = 4,
+                     costs: DeviceCosts | None = None) -> float:
+    """Modelled seconds of one Ring-DTP forward + backward at strip width C (see the module docstring)."""
+    costs = costs or DEVICE_COSTS["cpu"]
+    v_max = -(-V // P)
+    w = max(1, min(C, v_max))
+    strips = ring_dtp_strips(C, V=V, P=P)
+    strip_bytes = N * w * b_acc
+    bw = costs.cache_bandwidth if strip_bytes <= costs.cache_bytes else costs.bandwidth
+    # the last strip of a shard may be narrower; the work is the shard's, the per-strip costs the strips'
+    work = P * v_max * N
+    seconds = 8 * work * H / costs.flops + STRIP_PASSES * work * b_acc / bw
+    token_bytes = 3 * N * H * b + 2 * N * H * b_acc + TOKEN_VECTORS * N * b_acc
+    token_bw = costs.cache_bandwidth if N * H * b_acc <= costs.cache_bytes else costs.bandwidth   # h, dh resident
+    return seconds + strips * (token_bytes / token_bw + LAUNCHES_PER_STRIP * costs.launch_s)
+
+
+def candidates(lo: int, hi: int) -> list[int]:
+    """Values the knee is looked for among: powers of two from lo to hi, and hi itself (the whole shard)."""
+    out, v = [], 1 << max(0, (lo - 1).bit_length())
+    out.append(lo)
+    while v < hi:
+        if v > lo:
+            out.append(v)
+        v *= 2
+    out.append(hi)
+    return sorted(set(out))
+
+
+def knee(times: dict[int, float], tolerance: float = KNEE_TOLERANCE) -> int:
+    """The smallest value whose time is within ``tolerance`` of the best time in ``times`` {value: seconds}."""
+    best = min(times.values())
+    return min(v for v, t in times.items() if t <= (1 + tolerance) * best)
+
+
+def ring_dtp_knee(*, lo: int, hi: int, N: int, H: int, V: int, P: int = 1, b: int = 4, b_acc: int = 4,
+                  costs: DeviceCosts | None = None, tolerance: float = KNEE_TOLERANCE) -> int:
+    """The knee of the modelled Ring-DTP time over strip widths lo..hi."""
+    times = {C: ring_dtp_seconds(C, N=N, H=H, V=V, P=P, b=b, b_acc=b_acc, costs=costs) for C in candidates(lo, hi)}
+    return knee(times, tolerance)
+
+
+def calibrate(points: dict[int, float], *, N: int, H: int, V: int, P: int = 1, b: int = 4, b_acc: int = 4,
+              base: DeviceCosts | None = None) -> DeviceCosts:
+    """Fit ``launch_s`` and the streaming rate to measured {C: seconds} of one forward + backward.
+
+    The measured time is read as ``t(C) = t0 + strips(C) * k``, a least-squares line: k, the per-strip cost
+    less its token-side bytes, sets ``launch_s``; t0, the strip-independent time less the FLOPs (the matmul
+    work does not depend on C, so the curve cannot separate it from streaming: ``flops`` is kept), sets the
+    streaming rate of the regime the points' strips are in (``bandwidth`` when they miss ``cache_bytes``,
+    ``cache_bandwidth`` when they fit). Give points of one regime; fit each regime separately.
+    """
+    base = base or DEVICE_COSTS["cpu"]
+    xs = [ring_dtp_strips(C, V=V, P=P) for C in points]
+    ys = list(points.values())
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    k = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0, 0.0)
+    t0 = my - k * mx
+    token_bytes = 3 * N * H * b + 2 * N * H * b_acc + TOKEN_VECTORS * N * b_acc
+    token_bw = base.cache_bandwidth if N * H * b_acc <= base.cache_bytes else base.bandwidth
+    launch_s = max(k - token_bytes / token_bw, 0.0) / LAUNCHES_PER_STRIP
+    work = P * -(-V // P) * N
+    stream = t0 - 8 * work * H / base.flops
+    v_max = -(-V // P)
+    in_cache = all(N * min(C, v_max) * b_acc <= base.cache_bytes for C in points)
+    out = replace(base, launch_s=launch_s)
+    if stream > 0:
+        rate = STRIP_PASSES * work * b_acc / stream
+        out = replace(out, **({"cache_bandwidth": rate} if in_cache else {"bandwidth": rate}))
+    return out
+
+
+def describe(costs: DeviceCosts) -> str:
+    """One line of the constants (for explain and the bench)."""
+    return (f"{costs.name}: {costs.flops / 1e9:.0f} GFLOP/s, {costs.bandwidth / 1e9:.0f} GB/s memory, "
+            f"{costs.cache_bandwidth / 1e9:.0f} GB/s under {costs.cache_bytes / 2 ** 20:.0f} MiB cache, "
+            f"{costs.launch_s * 1e6:.1f} us per launch; knee tolerance {KNEE_TOLERANCE:.0%}")
+
