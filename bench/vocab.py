@@ -11,7 +11,13 @@ returns (loss sum, dh, dW)):
 Sections: P = 1 and P = 2 gloo ranks on real CPU tensors (measured), and P = 8 at the paper's shapes on
 fake tensors (simulated). Writes docs/results/vocab.json and vocab.md.
 
-    python bench/vocab.py [--quick]
+Knee section (issue 18; docs/knobs.md): the Ring-DTP step's time against its strip width C at N = 4,096,
+H = 128, V = 65,536 (measured beside boundpass/cost_model.py's curve and knee), and a small LM (loss outside the
+model via ``loss_fn=``) through ``boundpass.compile`` at a loose and a tight budget against Inductor + its
+auto-chunker and eager: peak RSS of one step in a fresh process, median step time. Writes
+docs/results/vocab_knee.json and vocab_knee.md.
+
+    python bench/vocab.py [--quick] [--knee-only | --no-knee]
 """
 from __future__ import annotations
 
@@ -365,6 +371,218 @@ def run_simulated(P: int, H: int, V: int, Ns: tuple, C_narrow: int) -> dict:
     return {"sizes": dict(P=P, H=H, V=V, Ns=list(Ns), dtype="float32"), "rows": rows, "paper_accounting": paper}
 
 
+# ------------------------------------------------------------------- knee (issue 18): C curve, budgets
+KNEE = {"shape": dict(N=4096, H=128, V=65536), "Cs": (128, 256, 512, 1024, 2048, 8192, 65536), "repeats": 3,
+        "batch": (8, 512), "budgets": ("16GiB", "400MiB")}
+KNEE_QUICK = {"shape": dict(N=1024, H=64, V=16384), "Cs": (128, 512, 2048, 16384), "repeats": 2,
+              "batch": (2, 512), "budgets": ("16GiB", "30MiB")}
+KNEE_SCHEDULES = ("eager", "inductor_chunker", "boundpass_loose", "boundpass_tight")
+KNEE_LABELS = {"eager": "eager (uncompiled)", "inductor_chunker": "torch.compile (Inductor + auto-chunker)",
+               "boundpass_loose": "boundpass", "boundpass_tight": "boundpass"}
+
+
+class KneeLM(torch.nn.Module):
+    """The issue's small LM: embedding, one tanh layer, an untied bias-free head; the loss is outside."""
+
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, hidden)
+        self.mix = torch.nn.Linear(hidden, hidden)
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens):
+        return self.lm_head(torch.tanh(self.mix(self.emb(tokens))))
+
+
+def knee_loss(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def knee_model_step(schedule: str, cfg: dict):
+    """(model, zero-argument training step returning the loss) of one knee schedule; the step compiles on its
+    first call. The gradients are set to None before every step, so each step allocates them afresh."""
+    V, H = cfg["shape"]["V"], cfg["shape"]["H"]
+    torch.manual_seed(0)
+    model = KneeLM(V, H)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, V, cfg["batch"], generator=gen)
+    labels = torch.randint(0, V, cfg["batch"], generator=gen)
+    if schedule == "eager":
+        run = lambda: knee_loss(model(tokens), labels)
+    elif schedule == "inductor_chunker":
+        compiled = torch.compile(_own_code(lambda m, x, y: knee_loss(m(x), y)))
+        run = lambda: compiled(model, tokens, labels)
+    else:
+        import boundpass
+        budget = cfg["budgets"][0 if schedule == "boundpass_loose" else 1]
+        compiled = boundpass.compile(model, budget=budget, loss_fn=knee_loss)
+        run = lambda: compiled(tokens, labels)
+
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        loss = run()
+        loss.backward()
+        return loss.detach()
+    return model, step, (compiled if schedule.startswith("boundpass") else None)
+
+
+_KNEE_CHILD = """
+from bench.vocab import knee_child_setup
+def setup():
+    return knee_child_setup({config!r})
+def measured(step):
+    step()
+"""
+
+
+def knee_child_setup(config: dict):
+    """(In the RSS subprocess) build, compile and warm up one knee schedule; save its loss; return its step."""
+    from torch._inductor import config as inductor_config, metrics
+    model, step, _ = knee_model_step(config["schedule"], config["cfg"])
+    with inductor_config.patch({"auto_chunker.enable": config["schedule"] == "inductor_chunker"}):
+        loss = step()
+    for p in model.parameters():  # the measured step allocates its gradients: they count in its growth
+        p.grad = None
+    torch.save({"loss": loss, "auto_chunked_graphs": metrics.num_auto_chunking}, config["out"])
+    return step
+
+
+def run_knee(cfg: dict, scratch: Path) -> dict:
+    """The C curve (measured and modelled), and the small LM at a loose and a tight budget vs the auto-chunker."""
+    import boundpass
+    from boundpass import cost_model
+    from torch._inductor import config as inductor_config, metrics
+
+    shape = cfg["shape"]
+    N, H, V = shape["N"], shape["H"], shape["V"]
+    h, w, labels = make_inputs(N, H, V)
+    ref = make_step("standard", h, w, labels, vocab_size=V)()
+    steps = {C: make_step("ring_dtp", h, w, labels, vocab_size=V, block=C) for C in cfg["Cs"]}
+    for C, step in steps.items():  # also the warm-up
+        assert_same(f"ring_dtp C={C}", step(), ref)
+    del ref
+    measured = interleaved_medians(steps, repeats=cfg["repeats"], warmup=0)
+    costs = cost_model.costs_for("cpu")
+    modelled = {C: cost_model.ring_dtp_seconds(C, N=N, H=H, V=V, costs=costs) for C in cfg["Cs"]}
+    lo = min(128, V)
+    model_knee = cost_model.ring_dtp_knee(lo=lo, hi=V, N=N, H=H, V=V, costs=costs)
+    curve = [{"C": C, "seconds": measured[C], "model_seconds": modelled[C],
+              "strip_bytes": N * C * 4} for C in cfg["Cs"]]
+    for row in curve:
+        print(f"  knee C={row['C']:6d} measured {fmt_seconds(row['seconds'])}  model "
+              f"{fmt_seconds(row['model_seconds'])}", flush=True)
+    del h, w, labels, steps
+
+    # the small LM: time here (default allocator), peak RSS in a fresh process each
+    lm_steps, chunked, reports = {}, {}, {}
+    for schedule in KNEE_SCHEDULES:
+        _, step, compiled = knee_model_step(schedule, cfg)
+        before = metrics.num_auto_chunking
+        with inductor_config.patch({"auto_chunker.enable": schedule == "inductor_chunker"}):
+            step()  # compiles
+        chunked[schedule] = metrics.num_auto_chunking - before
+        lm_steps[schedule] = step
+        if compiled is not None:
+            report = boundpass.explain(compiled)
+            (knob,) = [k for k in report.certificate.planner.knobs if k.name == "vocab_block"]
+            reports[schedule] = {"budget": cfg["budgets"][0 if schedule == "boundpass_loose" else 1],
+                                 "C": knob.value, "why": knob.why, "knee": knob.knee,
+                                 "widest_fitting": knob.widest_fitting, "certified_bytes": report.table.total,
+                                 "certified_at_widest_bytes": report.certificate.total_at(
+                                     vocab_block=knob.widest_fitting) if knob.widest_fitting else None}
+    lm_seconds = interleaved_medians(lm_steps, repeats=cfg["repeats"], warmup=0)
+    del lm_steps
+
+    def rss_of(schedule: str) -> int:
+        env = {"PYTHONPATH": str(REPO_ROOT), "TORCHINDUCTOR_CACHE_DIR": str(scratch / f"knee_inductor_{schedule}"),
+               "TORCHINDUCTOR_AUTO_CHUNKER": "1" if schedule == "inductor_chunker" else "0"}
+        config = {"schedule": schedule, "cfg": cfg, "out": str(scratch / f"knee_{schedule}.pt")}
+        return rss_peak_in_subprocess(_KNEE_CHILD.format(config=config), env=env, timeout=900)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        rss = dict(zip(KNEE_SCHEDULES, pool.map(rss_of, KNEE_SCHEDULES)))
+    rows, ref_loss = {}, None
+    for schedule in KNEE_SCHEDULES:
+        res = torch.load(scratch / f"knee_{schedule}.pt", weights_only=True)
+        ref_loss = res["loss"] if ref_loss is None else ref_loss
+        if not torch.allclose(res["loss"], ref_loss, rtol=1e-5, atol=1e-5):
+            raise AssertionError(f"{schedule}: loss {res['loss'].item()} != eager {ref_loss.item()}")
+        rows[schedule] = dict({"rss_peak_bytes": rss[schedule], "seconds": lm_seconds[schedule],
+                               "loss": res["loss"].item(), "auto_chunked_graphs": chunked[schedule]},
+                              **reports.get(schedule, {}))
+        print(f"  knee {schedule:17s} rss {fmt_bytes(rss[schedule]):>10s}  {fmt_seconds(lm_seconds[schedule])}"
+              + (f"  C={reports[schedule]['C']} ({reports[schedule]['why']})" if schedule in reports else ""),
+              flush=True)
+    return {"shape": shape, "batch": list(cfg["batch"]), "repeats": cfg["repeats"], "costs": costs.__dict__,
+            "costs_line": cost_model.describe(costs), "tolerance": cost_model.KNEE_TOLERANCE, "curve": curve,
+            "measured_knee": cost_model.knee(measured), "model_knee": model_knee,
+            "model_knee_on_measured_Cs": cost_model.knee(modelled), "lm": rows}
+
+
+def knee_targets(k: dict) -> list[dict]:
+    """Issue 18's vocab targets: <= 1.0x the auto-chunker's peak RSS at <= 1.0x its step time, every budget."""
+    lm = k["lm"]
+    base = lm["inductor_chunker"]
+    out = []
+    for schedule in ("boundpass_loose", "boundpass_tight"):
+        r = lm[schedule]
+        rss, t = r["rss_peak_bytes"] / base["rss_peak_bytes"], r["seconds"] / base["seconds"]
+        out.append({"target": f"budget {r['budget']}: boundpass <= 1.0x the auto-chunker's peak RSS at <= 1.0x "
+                              "its step time",
+                    "figures": f"RSS {rss:.2f}x, time {t:.2f}x (C={r['C']}, {r['why']})",
+                    "met": rss <= 1.0 and t <= 1.0})
+    near = abs(k["measured_knee"].bit_length() - k["model_knee_on_measured_Cs"].bit_length()) <= 1
+    out.append({"target": "the model's knee within a factor 2 of the measured knee (same candidate C)",
+                "figures": f"measured {k['measured_knee']}, model {k['model_knee_on_measured_Cs']}", "met": near})
+    return out
+
+
+def render_knee(data: dict) -> str:
+    k = data["knee"]
+    meta, z = data["meta"], k["shape"]
+    md = ["# Knobs at the knee: Ring-DTP's strip width C (issue 18)", "",
+          f"`python bench/vocab.py{' --quick' if data['quick'] else ''}` (knee section) on torch {meta['torch']}, "
+          f"{meta['nproc']} cores ({meta['processor']}), {meta['date_utc']}; wall time {data['wall_seconds']:.0f} s. "
+          f"fp32. Medians of {k['repeats']} steps after a warm-up, timed round-robin on a shared machine. "
+          "The rule and its constants: docs/knobs.md.", "",
+          f"## Ring-DTP step (forward + backward) against C: N={z['N']}, H={z['H']}, V={z['V']}", "",
+          f"The op alone, P = 1, one thread per process as torch sets it; loss, dh and dW equal the standard "
+          f"schedule's at every C (asserted). Model: `boundpass/cost_model.py` ({k['costs_line']}).", ""]
+    best = min(r["seconds"] for r in k["curve"])
+    mbest = min(r["model_seconds"] for r in k["curve"])
+    rows = [[str(r["C"]), fmt_bytes(r["strip_bytes"]), fmt_seconds(r["seconds"]), f"{r['seconds'] / best:.2f}",
+             fmt_seconds(r["model_seconds"]), f"{r['model_seconds'] / mbest:.2f}"] for r in k["curve"]]
+    md += [markdown_table(["C", "strip [N, C] fp32", "measured", "measured / best", "model", "model / best"], rows),
+           "",
+           f"Knee (smallest C within {k['tolerance']:.0%} of the best): measured **{k['measured_knee']}**, model "
+           f"**{k['model_knee_on_measured_Cs']}** on these C (**{k['model_knee']}** over the planner's candidates, "
+           "powers of two from 128 to V: what `boundpass.compile` picks here).", ""]
+    b = data["knee"]["batch"]
+    lm = k["lm"]
+    base = lm["inductor_chunker"]
+    md += [f"## A small LM, one training step: {b[0]}x{b[1]} tokens, H={z['H']}, V={z['V']}, loss outside the "
+           "model (`loss_fn=`)", "",
+           "Embedding, one tanh layer, bias-free head; mean cross-entropy. Peak RSS growth of one steady-state "
+           "step (forward + backward, gradients allocated afresh) in a fresh process per row "
+           "(`rss_peak_in_subprocess`); time in the bench process. Loss equal to eager's in every row (asserted).",
+           ""]
+    rows = []
+    for s, r in lm.items():
+        name = KNEE_LABELS[s] + (f" at budget {r['budget']}" if "budget" in r else "")
+        knob = (f"{r['C']} ({r['why']}; budget alone: {r['widest_fitting']}; knee {r['knee']})" if "C" in r else "")
+        rows.append([name, knob, fmt_bytes(r["rss_peak_bytes"]), f"{r['rss_peak_bytes'] / base['rss_peak_bytes']:.2f}",
+                     fmt_seconds(r["seconds"]), f"{r['seconds'] / base['seconds']:.2f}",
+                     fmt_bytes(r.get("certified_bytes")) if "certified_bytes" in r else "",
+                     fmt_bytes(r.get("certified_at_widest_bytes")) if r.get("certified_at_widest_bytes") else ""])
+    md += [markdown_table(["schedule", "C chosen", "peak RSS growth", "RSS / auto-chunker", "median time",
+                           "time / auto-chunker", "certified peak", "certified at the budget's widest C"], rows), "",
+           f"Auto-chunker: `torch._inductor.metrics.num_auto_chunking` = {base['auto_chunked_graphs']} after "
+           "compiling.", ""]
+    md += targets_section(data["targets"])
+    return "\n".join(md)
+
+
 # ---------------------------------------------------------------------------------------------- report
 def check_targets(p1: dict, p2: list[dict], sim: dict) -> list[dict]:
     """The issue's targets, each with the figures it was judged on and met True/False."""
@@ -492,21 +710,37 @@ def render(data: dict) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller real-tensor sizes, 3 repeats (< 2 min)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--knee-only", action="store_true", help="only the knee section (vocab_knee.*)")
+    which.add_argument("--no-knee", action="store_true", help="skip the knee section")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="bench_vocab_") as scratch:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(scratch) / "inductor_timing")  # read at first compile
-        print("P = 1 (real tensors)", flush=True)
-        p1 = run_p1(sizes["p1"], sizes["repeats"], Path(scratch))
-    print("P = 2 gloo ranks (real tensors)", flush=True)
-    p2 = run_p2(sizes["p2"], sizes["repeats"])
-    print("P = 8 simulated (fake tensors)", flush=True)
-    sim = run_simulated(**PAPER)
-    data = {"meta": run_metadata(), "quick": args.quick, "repeats": sizes["repeats"], "p1": p1, "p2": p2,
-            "simulated": sim}
-    data["targets"] = check_targets(p1, p2, sim)
-    return publish("vocab", data, render, start)
+    data = {}
+    if not args.knee_only:
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="bench_vocab_") as scratch:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(scratch) / "inductor_timing")  # read at first compile
+            print("P = 1 (real tensors)", flush=True)
+            p1 = run_p1(sizes["p1"], sizes["repeats"], Path(scratch))
+        print("P = 2 gloo ranks (real tensors)", flush=True)
+        p2 = run_p2(sizes["p2"], sizes["repeats"])
+        print("P = 8 simulated (fake tensors)", flush=True)
+        sim = run_simulated(**PAPER)
+        data = {"meta": run_metadata(), "quick": args.quick, "repeats": sizes["repeats"], "p1": p1, "p2": p2,
+                "simulated": sim}
+        data["targets"] = check_targets(p1, p2, sim)
+        data = publish("vocab", data, render, start)
+    if not args.no_knee:
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="bench_vocab_knee_") as scratch:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(scratch) / "inductor_timing")
+            print("knee: Ring-DTP against C, and the small LM at a loose and a tight budget", flush=True)
+            knee = run_knee(KNEE_QUICK if args.quick else KNEE, Path(scratch))
+        kdata = {"meta": run_metadata(), "quick": args.quick, "knee": knee}
+        kdata["targets"] = knee_targets(knee)
+        publish("vocab_knee", kdata, render_knee, start)
+        data["knee"] = kdata
+    return data
 
 
 if __name__ == "__main__":
