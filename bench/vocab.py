@@ -376,9 +376,10 @@ KNEE = {"shape": dict(N=4096, H=128, V=65536), "Cs": (128, 256, 512, 1024, 2048,
         "batch": (8, 512), "budgets": ("16GiB", "400MiB")}
 KNEE_QUICK = {"shape": dict(N=1024, H=64, V=16384), "Cs": (128, 512, 2048, 16384), "repeats": 2,
               "batch": (2, 512), "budgets": ("16GiB", "30MiB")}
-KNEE_SCHEDULES = ("eager", "inductor_chunker", "boundpass_loose", "boundpass_tight")
+KNEE_SCHEDULES = ("eager", "inductor_chunker", "boundpass_loose", "boundpass_tight", "boundpass_binding")
+BUDGET_INDEX = {"boundpass_loose": 0, "boundpass_tight": 1, "boundpass_binding": 2}
 KNEE_LABELS = {"eager": "eager (uncompiled)", "inductor_chunker": "torch.compile (Inductor + auto-chunker)",
-               "boundpass_loose": "boundpass", "boundpass_tight": "boundpass"}
+               "boundpass_loose": "boundpass", "boundpass_tight": "boundpass", "boundpass_binding": "boundpass"}
 
 
 class KneeLM(torch.nn.Module):
@@ -414,7 +415,7 @@ def knee_model_step(schedule: str, cfg: dict):
         run = lambda: compiled(model, tokens, labels)
     else:
         import boundpass
-        budget = cfg["budgets"][0 if schedule == "boundpass_loose" else 1]
+        budget = cfg["budgets"][BUDGET_INDEX[schedule]]
         compiled = boundpass.compile(model, budget=budget, loss_fn=knee_loss)
         run = lambda: compiled(tokens, labels)
 
@@ -476,6 +477,7 @@ def run_knee(cfg: dict, scratch: Path) -> dict:
 
     # the small LM: time here (default allocator), peak RSS in a fresh process each
     lm_steps, chunked, reports = {}, {}, {}
+    cfg = dict(cfg, budgets=tuple(cfg["budgets"][:2]))
     for schedule in KNEE_SCHEDULES:
         _, step, compiled = knee_model_step(schedule, cfg)
         before = metrics.num_auto_chunking
@@ -483,10 +485,12 @@ def run_knee(cfg: dict, scratch: Path) -> dict:
             step()  # compiles
         chunked[schedule] = metrics.num_auto_chunking - before
         lm_steps[schedule] = step
+        if schedule == "boundpass_loose":  # the least budget compile accepts: the certified peak at C = 128
+            cfg["budgets"] += (boundpass.explain(compiled).certificate.total_at(vocab_block=lo),)
         if compiled is not None:
             report = boundpass.explain(compiled)
             (knob,) = [k for k in report.certificate.planner.knobs if k.name == "vocab_block"]
-            reports[schedule] = {"budget": cfg["budgets"][0 if schedule == "boundpass_loose" else 1],
+            reports[schedule] = {"budget": _budget_name(cfg["budgets"][BUDGET_INDEX[schedule]]),
                                  "C": knob.value, "why": knob.why, "knee": knob.knee,
                                  "widest_fitting": knob.widest_fitting, "certified_bytes": report.table.total,
                                  "certified_at_widest_bytes": report.certificate.total_at(
@@ -514,10 +518,16 @@ def run_knee(cfg: dict, scratch: Path) -> dict:
         print(f"  knee {schedule:17s} rss {fmt_bytes(rss[schedule]):>10s}  {fmt_seconds(lm_seconds[schedule])}"
               + (f"  C={reports[schedule]['C']} ({reports[schedule]['why']})" if schedule in reports else ""),
               flush=True)
-    return {"shape": shape, "batch": list(cfg["batch"]), "repeats": cfg["repeats"], "costs": costs.__dict__,
+    return {"shape": shape, "batch": list(cfg["batch"]), "repeats": cfg["repeats"], "threads": torch.get_num_threads(),
+            "costs": costs.__dict__,
             "costs_line": cost_model.describe(costs), "tolerance": cost_model.KNEE_TOLERANCE, "curve": curve,
             "measured_knee": cost_model.knee(measured), "model_knee": model_knee,
             "model_knee_on_measured_Cs": cost_model.knee(modelled), "lm": rows}
+
+
+def _budget_name(budget) -> str:
+    return budget if isinstance(budget, str) else (f"{budget} B ({fmt_bytes(budget)}, the least compile accepts: "
+                                                   "the certified peak at C = 128)")
 
 
 def knee_targets(k: dict) -> list[dict]:
@@ -525,7 +535,7 @@ def knee_targets(k: dict) -> list[dict]:
     lm = k["lm"]
     base = lm["inductor_chunker"]
     out = []
-    for schedule in ("boundpass_loose", "boundpass_tight"):
+    for schedule in ("boundpass_loose", "boundpass_tight", "boundpass_binding"):
         r = lm[schedule]
         rss, t = r["rss_peak_bytes"] / base["rss_peak_bytes"], r["seconds"] / base["seconds"]
         out.append({"target": f"budget {r['budget']}: boundpass <= 1.0x the auto-chunker's peak RSS at <= 1.0x "
@@ -547,7 +557,7 @@ def render_knee(data: dict) -> str:
           f"fp32. Medians of {k['repeats']} steps after a warm-up, timed round-robin on a shared machine. "
           "The rule and its constants: docs/knobs.md.", "",
           f"## Ring-DTP step (forward + backward) against C: N={z['N']}, H={z['H']}, V={z['V']}", "",
-          f"The op alone, P = 1, one thread per process as torch sets it; loss, dh and dW equal the standard "
+          f"The op alone, P = 1, {k.get('threads', '?')} thread(s) (`torch.get_num_threads()`); loss, dh and dW equal the standard "
           f"schedule's at every C (asserted). Model: `boundpass/cost_model.py` ({k['costs_line']}).", ""]
     best = min(r["seconds"] for r in k["curve"])
     mbest = min(r["model_seconds"] for r in k["curve"])
