@@ -22,10 +22,10 @@ strips that fit it. The ring transfers do not depend on C and are left out.
 Constants: ``DEVICE_COSTS`` holds one ``DeviceCosts`` per device type, in one place. The CPU figures were
 fitted to ``bench/vocab.py``'s measured curve on the 2-core development machine (docs/results/vocab.md,
 "strip width C"); the CUDA figures are an H200's datasheet figures with an eager-PyTorch launch cost, not yet
-measured. A GPU run recalibrates them: time the op at a few C (``bench/vocab.py`` does so on whatever device
-it runs on), call ``calibrate(points, ...)`` to fit ``launch_s`` and ``bandwidth`` to the measured curve, and
-write the result to a JSON file named by ``BOUNDPASS_COSTS`` (``{"cuda": {"launch_s": ..., ...}}``), which
-``costs_for`` reads over the defaults.
+measured. A GPU run recalibrates them: ``bench/calibrate_costs.py`` (run by ``bench/gpu_check.sh``) times the
+op at several C on the device, fits ``launch_s`` and the streaming rates with ``calibrate(points, ...)`` and
+writes ``{"cuda": {"launch_s": ..., ...}}`` to ``$OUT/costs.json``; ``BOUNDPASS_COSTS=<that file>`` makes
+``costs_for`` read it over the defaults.
 """
 from __future__ import annotations
 
