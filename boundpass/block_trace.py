@@ -234,6 +234,7 @@ def _trace(module, example_inputs, *, symbolic_tokens, token_dim, loss_fn, weigh
     trace = BlockTrace(peak, sym.N if token is not None else None)
     if split:
         trace.phases = _split(peak, bw)
+        trace.phases.update(_split_forward(peak, fw))
     trace.seconds = time.perf_counter() - start
     return trace
 
@@ -332,6 +333,18 @@ def _split(peak: GraphPeak, bw: torch.fx.GraphModule) -> dict:
     return {name: _max(p.live for p in pts) for name, pts in groups.items()}
 
 
+FORWARD_PARTS = ("forward_attention", "forward_ffn")
+
+
+def _split_forward(peak: GraphPeak, fw: torch.fx.GraphModule) -> dict:
+    """Max live bytes of the forward before the FFN's first node (the attention's part) and from it on."""
+    part = {n.name: (n.meta.get("custom") or {}).get("boundpass_part") for n in fw.graph.nodes}
+    points = [p for p in peak.points if p.phase == "forward"]
+    first = next((i for i, p in enumerate(points) if part.get(p.node) == "ffn"), len(points))
+    return {"forward_attention": _max(p.live for p in points[:first]),
+            "forward_ffn": _max(p.live for p in points[first:])}
+
+
 def _max(values) -> sympy.Expr:
     """Max of sympy expressions, dominated ones (same N-dependent part, smaller constant) pruned."""
     best: dict = {}
@@ -371,7 +384,8 @@ def _one_rank_attention(block: torch.nn.Module, attention_config) -> dict:
     from boundpass.runtime.seq_to_head import SeqToHeadAttention
     inner = block.attention.inner_attention
     if isinstance(inner, SeqToHeadAttention):
-        return {} if inner.group is None else {"attention.inner_attention": SeqToHeadAttention(inner.inner, None)}
+        # a fresh one for each trace: the op caches the shapes it checked (symbols of another trace's ShapeEnv)
+        return {"attention.inner_attention": SeqToHeadAttention(inner.inner, None)}
     qk = getattr(attention_config, "qk_nope_head_dim", None)
     v = getattr(attention_config, "v_head_dim", None)
     if qk is None or v is None or qk + attention_config.qk_rope_head_dim == v:
@@ -379,11 +393,23 @@ def _one_rank_attention(block: torch.nn.Module, attention_config) -> dict:
     return {"attention.inner_attention": SeqToHeadAttention(inner, None)}
 
 
-def trace_torchtitan_blocks(net: torch.nn.Module, heads_config) -> tuple:
+def trace_torchtitan_blocks(net: torch.nn.Module, heads_config, *, wide: bool = True) -> tuple:
     """((kind, sub-phase, sympy bytes in N), ...) for the first dense and the first MoE block of a torchtitan
     Decoder (meta or real weights: nothing is read or allocated), traced on one rank at symbolic N with the
     weights' dtype; the block's input left out (the boundary term); its weights' gradients in, as backward
-    produces them (the composed budget's gradient term then leaves that block's own out)."""
+    produces them (the composed budget's gradient term then leaves that block's own out).
+
+    wide: also kinds "dense_wide" / "moe_wide", the terms for W > 1 (the MoP layout): the same blocks traced
+    without their weights' gradients (under ZeRO-3 the block's unsharded gradients are FSDP2's, hand-written
+    by phase in the composed budget) and, in a MoE block, with the routed experts stood in (``stand_in``: the rows
+    a rank receives under EP depend on the routing; their routing-independent bound stays hand-written)."""
+    out = _trace_blocks(net, heads_config, weight_grads=True, suffix="", routed=False)
+    if wide:
+        out += _trace_blocks(net, heads_config, weight_grads=False, suffix="_wide", routed=True)
+    return out
+
+
+def _trace_blocks(net, heads_config, *, weight_grads: bool, suffix: str, routed: bool) -> tuple:
     out, seen = [], set()
     for block in net.layers.values():
         block = _unwrapped(block)
@@ -394,9 +420,12 @@ def trace_torchtitan_blocks(net: torch.nn.Module, heads_config) -> tuple:
         weight = next(block.parameters())
         x = torch.empty(1, 8, net.tok_embeddings.weight.shape[1], dtype=weight.dtype, device="meta",
                         requires_grad=True)
-        trace = block_phases(block, (x, None, None), stand_in=_one_rank_attention(block, heads_config),
-                             weight_grads=True)
-        out += [(kind, phase, sympy.nsimplify(trace.phases[phase])) for phase in PHASES]
+        stand_in = _one_rank_attention(block, heads_config)
+        if routed and kind == "moe":
+            stand_in["moe.routed_experts"] = _StandIn()
+        trace = block_phases(block, (x, None, None), stand_in=stand_in, weight_grads=weight_grads)
+        out += [(kind + suffix, phase, sympy.nsimplify(trace.phases[phase]))
+                for phase in PHASES + (FORWARD_PARTS if suffix else ())]
     return tuple(out)
 
 

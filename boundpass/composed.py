@@ -234,14 +234,20 @@ def _phase_alternatives(s, kinds: set) -> dict:
         if f"traced_{ffn}_forward" in kinds:
             # the block's activations per sub-phase from its trace; the forward also as FullAC's recompute, which
             # runs in backward with the gradients produced by then
+            # (W > 1: + the exchange's extra over one rank, and the routed experts' own bound while the FFN runs)
             t = lambda phase: f"traced_{ffn}_{phase}"  # noqa: E731
             base = ("transient", "gather_current")
             g = (grads, t("own_grads"))
+            ex, ex_saved, disp = "attention_exchange", "attention_exchange_saved", "dispatch" if ffn == "moe" else ""
+            if t("forward_ffn") in kinds:  # W > 1: the forward's attention part and its FFN part apart
+                forward = [(t("forward_attention"), ex), (t("forward_ffn"), ex_saved, disp)]
+            else:
+                forward = [(t("forward"), ex, disp)]
             out[ffn] = [
-                alt(*base, "gather_prefetch", t("forward")),
-                alt(*base, prefetch_bwd, *g, t("forward")),
-                alt(*base, prefetch_bwd, *g, t("ffn_backward"), f"grads_ffn_{ffn}"),
-                alt(*base, prefetch_bwd, *g, t("attention_backward"), f"grads_attention_{ffn}"),
+                *(alt(*base, "gather_prefetch", *f) for f in forward),
+                *(alt(*base, prefetch_bwd, *g, *f) for f in forward),
+                alt(*base, prefetch_bwd, *g, t("ffn_backward"), f"grads_ffn_{ffn}", ex_saved, disp),
+                alt(*base, prefetch_bwd, *g, t("attention_backward"), f"grads_attention_{ffn}", ex),
                 alt(*base, prefetch_bwd, *g, t("tail_backward"), f"grads_tail_{ffn}"),
             ]
             continue
@@ -315,8 +321,10 @@ def _terms(shape: ModelShape, launch: Launch) -> tuple:
     terms = _term_formulas(shape.dense_layers > 0, shape.moe_layers > 0, shape.shared_hidden > 0,
                            frozenset(launch.operators), launch.routing, launch.b < launch.b_acc, branch,
                            shape.tied_embeddings, launch.grad_accumulation > 1, _first_dense_only(shape))
-    if uses_trace(shape, launch):
-        blocks = tuple(t for t in shape.traced if t[0] != "head")
+    if uses_wide_trace(shape, launch):
+        terms = _wide_traced(terms, shape)
+    elif uses_trace(shape, launch):
+        blocks = tuple(t for t in shape.traced if t[0] in ("dense", "moe"))
         head = _traced_head(shape, launch)
         # the traced head holds its own weight gradients as its backward writes them: grad_head (only ever in the
         # head's phase) would count them from the head's start
@@ -360,6 +368,56 @@ def uses_trace(shape: ModelShape, launch: Launch) -> bool:
     return bool(shape.traced) and launch.ranks == 1 and launch.ep == 1 and launch.b == shape.traced_b
 
 
+def uses_wide_trace(shape: ModelShape, launch: Launch) -> bool:
+    """Under W > 1 the traced blocks without their routed experts and weight gradients (kinds "*_wide") stand
+    for the hand-written glue, attention, dense FFN, shared experts and router terms; the routed experts (EP's
+    routing-set rows, or PipelinedLLEP's bound), the sequence-to-head exchange, ZeRO-3's units and unsharded
+    gradients stay hand-written (docs/plan.md)."""
+    return launch.ranks > 1 and launch.b == shape.traced_b and any(t[0].endswith("_wide") for t in shape.traced)
+
+
+def _wide_traced(terms: tuple, shape: ModelShape) -> tuple:
+    blocks = tuple((t[0][:-len("_wide")], t[1], t[2]) for t in shape.traced if t[0].endswith("_wide"))
+    kept = []
+    for t in terms:
+        if t[2] == "moe" and t[0].startswith("expert dispatch"):
+            kept.append((t[0], t[1], "dispatch", t[3], t[4]))  # the routed experts: their own bound, by hand
+        elif t[2] not in _TRACED_KINDS:
+            kept.append(t)
+    kinds = {t[0] for t in blocks}
+    return tuple(kept) + _traced_terms(blocks, own_grads=False) + _exchange_terms() + _tail_in_trace(
+        "dense" in kinds, "moe" in kinds)
+
+
+@functools.lru_cache(maxsize=None)
+def _tail_in_trace(dense: bool, moe: bool) -> tuple:
+    """The hand-written tail term's allowance for the input projections' activations (2·q_io + 3·N·H·b) is in
+    the traced tail: taken back out (the unsharded gradients of that term stay)."""
+    N, H, b = sym.N, sym.H, sym.b
+    q_io = N * sym.A_q * sym.D_h * b + 2 * N * sym.A_kv * sym.D_h * b
+    less = -sympy.Min(1, sym.W - 1) * (2 * q_io + 3 * N * H * b)
+    return tuple((f"a {ffn} block's last backward: its activations are in the trace (less the allowance)", less,
+                  f"grads_tail_{ffn}", "", _lambdify(less)) for ffn, on in (("dense", dense), ("moe", moe)) if on)
+
+
+@functools.lru_cache(maxsize=None)
+def _exchange_terms() -> tuple:
+    """What sequence-to-head attention holds on W > 1 ranks beyond its one-rank schedule (the traced one): its
+    bound at W less its bound at W = 1 (exchange buffers, gathered copies, k/v replication), for its own peak
+    and for what it keeps while the FFN runs."""
+    out = []
+    for part, kind, what in (("peak", "attention_exchange", "fwd + bwd"),
+                             ("saved", "attention_exchange_saved", "held while the FFN runs")):
+        full = attention_bound(part)
+        extra = sympy.Max(0, full - full.subs(sym.W, 1))
+        if part == "peak":
+            saved = attention_bound("saved")
+            extra = sympy.Max(extra, saved - saved.subs(sym.W, 1))
+        out.append((f"attention exchange beyond one rank (sequence-to-head at W > 1, {what}): bound(W) - bound(1)",
+                    extra, kind, "a shorter context or more ranks W", _lambdify(extra)))
+    return tuple(out)
+
+
 def _traced_head(shape: ModelShape, launch: Launch) -> tuple:
     """The traced loss head of this launch's schedule (Ring-DTP when it is on, else full logits): one term of
     kind "head" (the head's phase stays; the head's own gradients are in it), or () when that head was not traced."""
@@ -377,13 +435,15 @@ def _traced_head_term(which: str, expr) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def _traced_terms(traced: tuple) -> tuple:
+def _traced_terms(traced: tuple, own_grads: bool = True) -> tuple:
     out = []
     for block, phase, expr in traced:
         name = (f"traced {block} block, {phase.replace('_', ' ')}: activations + its own gradients as backward "
-                "produces them (block_trace, one rank)")
+                "produces them (block_trace, one rank)") if own_grads else (
+                f"traced {block} block, {phase.replace('_', ' ')}: activations without the routed experts "
+                "(block_trace, one rank; W > 1 adds the hand-written dispatch and exchange)")
         out.append((name, expr, f"traced_{block}_{phase}", "a shorter context", _lambdify(expr)))
-    for block in sorted({t[0] for t in traced}):
+    for block in sorted({t[0] for t in traced}) if own_grads else ():
         # the gradient terms count every block's gradient; the running block's own are in its trace (as backward
         # writes them), so one block's (the smallest of its kind) leaves the gradient term there
         own = -(G_dense_min if block == "dense" else G_moe_min) * sym.b

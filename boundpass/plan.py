@@ -372,8 +372,8 @@ def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None =
                      context=context, global_batch=global_batch, budget=budget, host_budget=host_budget,
                      operators=operators, dtype=dtype, chunk_cap=chunk_cap, vocab_block=vocab_block, bucket=bucket,
                      slots=slots, routing=routing)
-    # the blocks are traced in the launch's dtype, and only where the traced terms are used (one rank)
-    shape = model_shape(model, flavor, dtype_bytes=DTYPE_BYTES[dtype], trace=None if inp.ranks == 1 else False)
+    # the blocks are traced in the launch's dtype
+    shape = model_shape(model, flavor, dtype_bytes=DTYPE_BYTES[dtype])
     launch = launch_of(inp)
     table = composed.compose(shape, launch, budget=inp.budget, host_budget=inp.host_budget)  # checks degrees
     result = PlanResult(inp, shape, table)
@@ -395,6 +395,11 @@ def block_terms_note(shape: ModelShape, launch: Launch, family: str) -> str:
     if composed.uses_trace(shape, launch):
         return ("block terms: traced (the real blocks' forward + backward graphs at symbolic N through the step "
                 "analysis, boundpass/block_trace.py; rows named 'traced ...')")
+    if composed.uses_wide_trace(shape, launch):
+        return ("block terms: traced on one rank without the routed experts and weight gradients (rows named "
+                "'traced ...'), plus hand-written for W > 1: the routed experts' dispatch bound, the "
+                "sequence-to-head exchange beyond one rank, ZeRO-3's gathered units and unsharded gradients; "
+                "the loss head: hand-written")
     from boundpass import block_trace
     reason = block_trace.untraced_reason(family, launch.b)
     if reason is None and (launch.ranks > 1 or launch.ep > 1):

@@ -83,12 +83,18 @@ def test_concrete_tokens_and_weight_gradients_left_out():
 def test_phases_split_backward_at_the_attention_and_cover_the_peak():
     block = PlainBlock()
     x = torch.empty(1, 128, 64, device="meta", requires_grad=True)
-    tags = {"attention": "attention", "attention.wo": "wo", "feed_forward": "ffn"}
+    # PlainBlock calls its FFN's linears, not the ModuleDict: tag its norm and linears
+    tags = {"attention": "attention", "attention.wo": "wo", "ffn_norm": "ffn", "feed_forward.w1": "ffn",
+            "feed_forward.w3": "ffn", "feed_forward.w2": "ffn"}
     trace = block_phases(block, (x,), tags=tags)
     # no tagged kernel module here: the attention's backward is everything from its output projection on
     values = {name: int(sympy.ceiling(e.subs(sym.N, 128))) for name, e in trace.phases.items()}
-    assert set(values) == {"forward", "ffn_backward", "attention_backward", "tail_backward"}
+    assert set(values) == {"forward", "ffn_backward", "attention_backward", "tail_backward", "forward_attention",
+                           "forward_ffn"}
     assert max(values.values()) == int(sympy.ceiling(trace.peak_expr().subs(sym.N, 128)))
+    # the forward split at the FFN's first node (the composed budget's W > 1 terms): its parts make the forward
+    assert max(values["forward_attention"], values["forward_ffn"]) == values["forward"]
+    assert values["forward_attention"] > 0 and values["forward_ffn"] > 0
     assert values["ffn_backward"] > 0 and values["attention_backward"] > 0
 
 
