@@ -30,7 +30,7 @@ from boundpass.passes.vocab_pass import VocabRewriteConfig, rewrite_vocab_region
 from boundpass.planner import Knob, StepPlanner, infeasible, set_op_arg
 from boundpass.runtime import ring_dtp
 from boundpass.runtime.agreement import agree, global_max_tokens
-from boundpass.step_peak import analyze_graphs
+from boundpass.step_peak import analyze_graphs, module_path
 from boundpass.units import format_bytes, parse_bytes
 
 INNER_COMPILERS = ("aot_eager", "inductor")
@@ -211,8 +211,12 @@ class BoundedModule(nn.Module):
                 from torch._inductor.compile_fx import compile_fx
                 plan_fn = _InductorPartitioner(partitioner)
                 # the budget is checked on the kernels Inductor emits (after fusion), once both graphs are lowered
+                # fx_graph_cache off: its key pickles the graphs, whose boundpass op arguments hold cyclic runtime
+                # objects; it never hit ("Failed to pickle cache key"), and on a deep checkpointed graph with SCO the
+                # pickler's RecursionError was fatal. Inductor's kernel cache (compiled C++) is unaffected.
+                patches = {"custom_partitioner_fn": plan_fn, "fx_graph_cache": False}
                 with inductor_peak.recording() as schedules:
-                    compiled = compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": plan_fn})
+                    compiled = compile_fx(gm, example_inputs, config_patches=patches)
                 partitioner.finish_inductor(schedules)
                 return compiled
 
@@ -324,6 +328,7 @@ class _PlanningPartitioner:
             timing["analysis"] += time.perf_counter() - start
             if shape_env is not None:  # partitioning may add symbols (e.g. a saved RNG state's size)
                 backed.update(shape_env.backed_var_to_val)
+                backed.update(_data_dependent_sizes(shape_env, peak, (fw, bw), backed, self.knobs))
             return fw, bw, peak
 
         held: list = []
@@ -514,6 +519,35 @@ def _graph_shape_env(gm):
     return None
 
 
+def _data_dependent_sizes(shape_env, peak, graphs, known: dict, knobs) -> dict:
+    """Each data-dependent size in the peak (an unbacked symbol: the rows ``torch.where`` / ``nonzero`` / a
+    boolean selection return, e.g. the tokens a hand-written MoE routes to one expert) at its largest value.
+
+    The bound must hold for any routing, so it takes the size's upper bound from the ShapeEnv (torch gives
+    ``nonzero`` the input's numel); a size without one cannot be certified and is refused, naming its node.
+    """
+    knob_symbols = {k.symbol for k in knobs}
+    free = set()
+    for point in peak.points:
+        free |= sympy.sympify(point.live).free_symbols
+    out = {}
+    for symbol in sorted(free - set(known) - knob_symbols, key=str):
+        bound = shape_env.var_to_range.get(symbol)
+        upper = getattr(bound, "upper", None)
+        if upper is not None and getattr(upper, "is_finite", False) and upper.is_number:
+            out[symbol] = int(upper)
+            continue
+        made_by = next((f"{n.name} ({n.target}) in {module_path(n) or 'the model'}" for g in graphs for n in g.graph.nodes
+                        if isinstance(n.meta.get("val"), torch.Tensor)
+                        and symbol in {d for size in n.meta["val"].shape if isinstance(size, torch.SymInt)
+                                       for d in size.node.expr.free_symbols}), "a node of the graph")
+        raise BoundpassInputError(
+            f"boundpass: the step's peak depends on a data-dependent size {symbol} (made by {made_by}) that has no "
+            f"upper bound, so no budget can be certified for every input: bound it where it is made "
+            f"(torch._check({symbol} <= n), or compute it with a size fixed by the launch, e.g. a capacity)")
+    return out
+
+
 def _input_symbols(fw) -> set:
     """The symbols in the forward graph's input sizes (what a new batch shape changes)."""
     out = set()
@@ -645,7 +679,7 @@ def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_bl
 
     budget / host_budget: per-rank device / host bytes ("60GiB", 2**30, ...). ring_group: the process group
     Ring-DTP rotates vocab shards/batches over (None: one device, P = 1). vocab_block: strip width C (None: the
-    widest that fits). max_tokens_per_rank: the largest N any ring / EP rank will hold (None: the group's largest N
+    widest that fits, never past its knee: docs/knobs.md). max_tokens_per_rank: the largest N any ring / EP rank will hold (None: the group's largest N
     at each compile, one all-reduce). Under a ring or EP group every compile runs on every rank at once: each call
     all-gathers the ranks' input signatures first (docs/compile.md, "Ranks holding different N").
     optimizer: a torch AdamW or torchtitan OptimizersContainer; offload_optimizer ("auto", True, False) swaps it

@@ -454,3 +454,30 @@ def test_shifted_tied_matmul_over_a_ring_of_two_ranks():
         assert loss_err < 1e-10 and grad_err < 1e-10
         assert rewritten == ["matmul(h, W.T) -> [..., :-1, :] -> contiguous -> view -> cross_entropy"]
         assert len(skipped) == 1 and "is not a parameter" in skipped[0]
+
+
+def test_rewrite_keeps_mutations_nobody_reads():
+    """Regression: the pass's dead-code sweep deleted in-place methods whose result is unused (a hand-written MoE's
+    out.index_add_, a counter buffer's add_), silently changing the model."""
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64, bias=False)
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+        def forward(self, tokens):
+            self.calls.add_(1)
+            h = self.emb(tokens)
+            out = torch.zeros_like(h)
+            out.index_add_(1, torch.arange(h.shape[1]), h * 2)
+            return self.head(out)
+
+    model = Counting()
+    reference = copy.deepcopy(model)
+    tokens, labels = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    loss_fn = lambda lg, y: torch.nn.functional.cross_entropy(lg.flatten(0, 1), y.flatten())  # noqa: E731
+    step = boundpass.compile(model, budget="1GiB", loss_fn=loss_fn)
+    loss = step(tokens, labels)
+    assert boundpass.explain(step).rewritten_of("vocab")
+    torch.testing.assert_close(loss, loss_fn(reference(tokens), labels))
+    assert int(model.calls) == 1

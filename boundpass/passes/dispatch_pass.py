@@ -184,8 +184,9 @@ def rewrite_dispatch_regions(gm: fx.GraphModule, root: torch.nn.Module) -> list[
     """Rewrite every eligible routed-experts region (cap left at 0; the compiler sets it); return all found."""
     try:
         routed_cls = _routed_experts_classes()
-    except ImportError:  # no torchtitan: no torchtitan MoE regions to find
-        return []
+    except ImportError:  # no torchtitan: no torchtitan MoE regions to find, only the ones we cannot rewrite
+        return _unmatched_routing(gm, None)
+    unmatched = _unmatched_routing(gm, routed_cls)  # before the rewrite replaces torchtitan's regions
     # group by the module itself: one module can appear under several stack paths (wrappers, local_map)
     groups: dict[object, list[tuple[fx.GraphModule, str, object, list[fx.Node]]]] = {}
     for graph_module in list(_graphs(gm)):
@@ -219,7 +220,53 @@ def rewrite_dispatch_regions(gm: fx.GraphModule, root: torch.nn.Module) -> list[
     for graph_module in _graphs(gm):
         graph_module.graph.lint()
         graph_module.recompile()
-    return regions
+    return regions + unmatched
+
+
+# what routed experts do after the top-k, whatever module computes them: group tokens by expert, combine back
+_ROUTING_TARGETS = {torch.where, torch.nonzero, torch.argsort, torch.sort, torch.bincount, torch.histc,
+                    torch.index_add, torch.scatter_add, F.one_hot, torch._grouped_mm}
+_ROUTING_METHODS = {"index_add_", "index_add", "scatter_add_", "scatter_add", "nonzero", "argsort", "sort",
+                    "bincount", "histc"}
+
+
+def _unmatched_routing(gm: fx.GraphModule, routed_cls) -> list[DispatchRegion]:
+    """A SKIPPED region for every top-k whose results route tokens (grouped by expert, then combined) outside
+    torchtitan's RoutedExperts: a MoE block this pass does not rewrite (a Mixtral-style block in plain PyTorch,
+    another library's), so the user is told its dispatch is not bounded by PipelinedLLEP."""
+    out, seen = [], set()
+    for graph_module in _graphs(gm):
+        for node in graph_module.graph.nodes:
+            is_topk = (node.op == "call_function" and node.target is torch.topk) or \
+                      (node.op == "call_method" and node.target == "topk")
+            if not is_topk:
+                continue
+            routes, torchtitan = False, False
+            stack, visited = list(node.users), set()
+            while stack:  # everything computed from the top-k
+                user = stack.pop()
+                if user in visited:
+                    continue
+                visited.add(user)
+                if routed_cls is not None and _region_key(user, routed_cls) is not None:
+                    torchtitan = True  # torchtitan's router feeding its RoutedExperts: reported by the pass above
+                    break
+                routes |= (user.op == "call_function" and user.target in _ROUTING_TARGETS) or \
+                          (user.op == "call_method" and user.target in _ROUTING_METHODS)
+                stack.extend(user.users)
+            if torchtitan or not routes:
+                continue  # not routing (e.g. top-k sampling), or torchtitan's own
+            stack_paths = [p for p, _ in _stack(node)]
+            path = _pretty(stack_paths[-1]) if stack_paths else "(top level)"
+            if path in seen:
+                continue
+            seen.add(path)
+            out.append(DispatchRegion(module_path=path, rewritten=False, reason=(
+                "routed experts (top-k -> tokens grouped by expert -> combine) that are not torchtitan's "
+                "RoutedExperts: the dispatch pass rewrites torchtitan's dispatchers only, so this dispatch is not "
+                "bounded by PipelinedLLEP; the step peak counts its buffers as traced, each data-dependent size "
+                "at its upper bound")))
+    return out
 
 
 def unsupported_reason(module) -> str:

@@ -791,10 +791,27 @@ def rewrite_vocab_regions(gm: fx.GraphModule, config: VocabRewriteConfig) -> lis
             continue
         regions.append(_rewrite(gm, match, proj, chain, config, path, form))
         erased.update([match.anchor, *match.dead])
-    gm.graph.eliminate_dead_code()
+    # drop what the rewrite left unused (the projection, its casts), never a mutation whose result nobody reads: a
+    # Dynamo graph keeps in-place methods (out.index_add_(...) in a hand-written MoE) as nodes without users, and
+    # FX's default purity test does not know them
+    gm.graph.eliminate_dead_code(is_impure_node=_keeps_side_effects)
     gm.graph.lint()
     gm.recompile()
     return regions
+
+
+def _keeps_side_effects(node: fx.Node) -> bool:
+    """FX's impure test, plus in-place methods / functions and mutating op overloads (they act on their inputs)."""
+    if node.is_impure():
+        return True
+    if node.op == "call_method":
+        return str(node.target).endswith("_")
+    if node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None:
+            return schema.is_mutable
+        return getattr(node.target, "__name__", "").endswith("_")
+    return False
 
 
 def _rewrite(gm, match: _Match, proj: _Projection, chain, config, path, form) -> VocabRegion:
