@@ -38,16 +38,19 @@ def _rel_norm(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("name,dtype,loss_rtol,head_tol,model_tol", [
-    ("deepseek_v3", torch.float32, 1e-6, 1e-5, 2e-3),
-    ("gpt_oss", torch.bfloat16, 1e-5, 1e-4, 3e-2),
+@pytest.mark.parametrize("name,dtype,vocab_block,loss_rtol,head_tol,model_tol", [
+    ("deepseek_v3", torch.float32, None, 1e-6, 1e-5, 2e-3),
+    # bf16 with one strip (C = V): the op sums in the reference's order, so the head's bf16 gradients match to 1e-4
+    ("gpt_oss", torch.bfloat16, 16_384, 1e-5, 1e-4, 3e-2),
+    # bf16 at the planner's strip (its knee): fp32 sums in another order, rounded to bf16: one bf16 ulp (2^-7)
+    ("gpt_oss", torch.bfloat16, None, 1e-5, 2 ** -7, 3e-2),
 ])
-def test_debug_moe_model_matches_uncompiled(name, dtype, loss_rtol, head_tol, model_tol):
+def test_debug_moe_model_matches_uncompiled(name, dtype, vocab_block, loss_rtol, head_tol, model_tol):
     vocab, seq = 16_384, 64
     model = build_debug_moe(name, vocab_size=vocab, seq_len=seq, dtype=dtype)
     reference = copy.deepcopy(model)
     loss_fn = torchtitan_loss()
-    compiled = boundpass.compile(model, budget="4GiB", loss_fn=loss_fn)
+    compiled = boundpass.compile(model, budget="4GiB", loss_fn=loss_fn, vocab_block=vocab_block)
     tokens, labels, valid = _batch(vocab, seq)
     loss, _ = compiled(tokens, labels, valid)
     loss.backward()
