@@ -395,8 +395,9 @@ class _PlanningPartitioner:
     def finish_inductor(self, schedules) -> None:
         """Certify the step on Inductor's final schedules of the forward and backward just lowered, and check it.
 
-        The graph walk before fusion chose the knobs (sound: fusion only removes buffers, and a peak the scheduler's
-        reordering raised is caught here); the certificate and the budget check use what the kernels keep live.
+        The graph walk before fusion chose the knobs (usually above the schedule's peak, not always: a peak the
+        scheduler's reordering raised is caught here); the certificate and the budget check use what the kernels keep
+        live.
         """
         p = getattr(self, "pending", None)
         if p is None:
@@ -412,7 +413,7 @@ class _PlanningPartitioner:
                                                    num_user_outputs=p.outputs, held=p.held, ctx=p.ctx)
             analysis = time.perf_counter() - start
             refined = p.planner.certify(peak, p.values, extra_terms=p.extra, sco_count=cert.sco_count)
-        except LookupError as exc:  # the pre-fusion certificate stands (sound, looser); explain says why
+        except LookupError as exc:  # the pre-fusion certificate stands (not proven for Inductor's order); explain says why
             cert.source = f"FX graphs before fusion (Inductor's schedule unreadable: {exc})"
             self._check(cert, cert.peak, p)
             return
