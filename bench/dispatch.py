@@ -127,11 +127,11 @@ def live_peak(schedule, x, ids, s, ws, grad, group, cfg, counts=()) -> int:
         args = (group.group_name if group is not None else "", _cap(schedule, x, cfg), PLAN["alpha"],
                 cfg["min_piece"], PLAN["imbalance_threshold"], e, schedule != "pipelined_consecutive")
         with tracker, torch.no_grad():
-            out, cnt = pipelined_llep_forward(x, ids, s, *ws, *args, tuple(counts))
+            out, cnt, perm = pipelined_llep_forward(x, ids, s, *ws, *args, tuple(counts))
             if counts:  # simulated ranks: the backward takes the counts as ints (a fake tensor has no data)
                 cnt = tuple(counts)
-            grads = pipelined_llep_backward(grad, x, ids, s, *ws, cnt, *args)
-            del out, cnt, grads
+            grads = pipelined_llep_backward(grad, x, ids, s, *ws, cnt, perm, *args)
+            del out, cnt, perm, grads
     else:
         with tracker:
             res = autograd_step(schedule, x, ids, s, ws, grad, group, cfg)

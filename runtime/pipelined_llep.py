@@ -16,6 +16,9 @@ input dtype: torchtitan casts to bf16 inside its grouped mm; we do not, so fp32/
 """
 from __future__ import annotations
 
+import functools
+import time
+
 import sympy
 import torch
 import torch.distributed as dist
@@ -302,125 +305,305 @@ def _pipelined_setup(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap, alph
                   settings=[("schedule", ("llep", "pipelined_llep"), "pipelined_llep"), ("cap c", "int", cap)], cap=cap)
 
 
-def _blocks(runs: list[tuple[int, int, int]], cap: int):
-    """(row slice, weight key) over a chunk's received rows, one expert and at most ``cap`` rows each."""
-    at = 0
-    for _, key, n in runs:
-        for b0 in range(0, n, cap):
-            yield slice(at + b0, at + min(b0 + cap, n)), key
-        at += n
+class _ChunkLayout:
+    """This rank's host-side schedule of one PipelinedLLEP call (pure Python: no tensors, so it can be cached).
+
+    Per chunk j: the send and receive splits, the chunk's span [offsets[j], offsets[j+1]) of the chunk-ordered
+    route permutation, and its expert blocks. A chunk's received rows are laid out source-major (that is what an
+    all-to-all delivers); the blocks regroup them by weight key across sources, at most ``cap`` rows each, so a
+    chunk runs one matmul chain per expert instead of one per (source, expert) run. With strided membership every
+    chunk holds every expert, and the per-run blocks made strided chunks E_p times as many, smaller matmuls
+    as consecutive ones: that, not the gather, was the strided penalty.
+    """
+
+    def __init__(self, routes: ChunkedRoutes, rank: int, cap: int):
+        P = routes.plan.num_ranks
+        self.K = routes.K
+        self.send, self.recv, self.offsets = [], [], [0]
+        self.segments = []   # per chunk: (received row, length, block row) runs in key-major order
+        self.blocks = []     # per chunk: (weight key, lo, hi) over the key-major row order, hi - lo <= cap
+        for j in range(self.K):
+            send, runs = routes.send_splits(rank, j), routes.recv_runs(rank, j)
+            self.send.append(send)
+            self.recv.append(_per_source(runs, P))
+            self.offsets.append(self.offsets[-1] + sum(send))
+            by_key, at = {}, 0
+            for _, key, n in runs:
+                by_key.setdefault(key, []).append((at, n))
+                at += n
+            segs, blocks, row = [], [], 0
+            for key in sorted(by_key):
+                start = row
+                for a, n in by_key[key]:
+                    segs.append((a, n, row))
+                    row += n
+                blocks += [(key, lo, min(lo + cap, row)) for lo in range(start, row, cap)]
+            self.segments.append(segs)
+            self.blocks.append(blocks)
+        self.rows = [sum(r) for r in self.recv]
+        self.n_max = max(b - a for a, b in zip(self.offsets, self.offsets[1:]))
+        self.r_max = max(self.rows)
+
+    def positions(self, j: int, device) -> Tensor:
+        """[R_j] int64: received-row index of each row in key-major order (chunk j's block permutation)."""
+        segs, R = self.segments[j], self.rows[j]
+        if not segs:
+            return torch.zeros(0, dtype=torch.int64, device=device)
+        shift = torch.tensor([a - row for a, _, row in segs], dtype=torch.int64, device=device)
+        lengths = torch.tensor([n for _, n, _ in segs], dtype=torch.int64, device=device)
+        pos = torch.repeat_interleave(shift, lengths, output_size=R)
+        return pos.add_(torch.arange(R, dtype=torch.int64, device=device))
 
 
-def _chunk(routes: ChunkedRoutes, order: Tensor, rank: int, j: int, k: int):
-    """Chunk j on this rank: (route ids, token ids, send splits, receive runs, receive splits)."""
-    start, stop, step = routes.chunk_span(rank, j)
-    idx = order[start:stop:step]
-    runs = routes.recv_runs(rank, j)
-    return idx, idx // k, routes.send_splits(rank, j), runs, _per_source(runs, routes.plan.num_ranks)
+@functools.lru_cache(maxsize=64)
+def _schedule(counts: tuple, k: int, cap: int, strided: bool, plan_args: tuple, rank: int):
+    """(plan, chunk layout) of one call, from the gathered counts: computed once, shared by forward and backward.
+
+    Backward reuses the forward's schedule instead of re-planning (the plan is a pure function of the counts and
+    settings, so the cache can only return what planning again would give). Host memory only."""
+    counts = [list(row) for row in counts]
+    plan = plan_llep(counts, **dict(plan_args))
+    n_max = max(sum(row) for row in counts) // k
+    routes = ChunkedRoutes(counts, plan, num_chunks(n_max, cap), strided)
+    return plan, routes, _ChunkLayout(routes, rank, cap)
+
+
+def _schedule_of(counts_rows, k, cap, strided, alpha, min_piece, imbalance_threshold, max_borrowed, rank):
+    plan_args = (("alpha", alpha), ("min_piece", min_piece), ("imbalance_threshold", imbalance_threshold),
+                 ("max_borrowed", None if max_borrowed < 0 else max_borrowed))
+    return _schedule(tuple(tuple(int(n) for n in row) for row in counts_rows), k, cap, strided, plan_args, rank)
+
+
+def _chunk_order(order: Tensor, routes: ChunkedRoutes) -> Tensor:
+    """The route order permuted so that chunk j's routes are one contiguous span (strided: every K-th route).
+
+    Built once per call; each chunk's send buffer is then one index_select of a contiguous span into a reused
+    buffer, whatever the membership. Kept from forward to backward: N k indices, the plan's own size."""
+    if not routes.strided or routes.K == 1:
+        return order
+    return torch.cat([order[j::routes.K] for j in range(routes.K)])
+
+
+# Timestamps of the pipeline's collectives, for bench/dispatch.py's overlap figures: None (off, the default) or a
+# list that receives (phase, collective, chunk, t_launch, t_wait_start, t_wait_end) in time.perf_counter seconds.
+TIMELINE: list | None = None
+
+
+class _Pipe:
+    """Async uneven all-to-alls (work handles: gloo and NCCL alike) with optional timestamps."""
+
+    def __init__(self, grp: _Group, phase: str):
+        self.grp, self.phase = grp, phase
+
+    def launch(self, what: str, j: int, out: Tensor, inp: Tensor, out_rows: list[int], in_rows: list[int]):
+        t = time.perf_counter() if TIMELINE is not None else 0.0
+        if self.grp.size == 1:
+            out.copy_(inp)
+            work = None
+        else:
+            work = dist.all_to_all_single(out, inp, out_rows, in_rows, group=self.grp.group, async_op=True)
+        return (what, j, t, work)
+
+    def wait(self, handle) -> None:
+        what, j, t, work = handle
+        t0 = time.perf_counter() if TIMELINE is not None else 0.0
+        if work is not None:
+            work.wait()
+        if TIMELINE is not None:
+            TIMELINE.append((self.phase, what, j, t, t0, time.perf_counter()))
+
+
+def _forward_block(rows: Tensor, pos: Tensor, weights, cd: torch.dtype) -> None:
+    """One expert on rows[pos] (at most c), written back into rows[pos]: the chunk is computed in place.
+
+    The rows are gathered first, so overwriting them is safe (each received row belongs to one block)."""
+    a = rows.index_select(0, pos)
+    e1, e2, e3 = (w.to(cd) for w in weights)
+    narrow = cd != rows.dtype
+    a_cd = a.to(cd) if narrow else a
+    h = F.silu(torch.mm(a_cd, e1.t()), inplace=True).mul_(torch.mm(a_cd, e3.t()))
+    if narrow:
+        del a, a_cd
+        rows.index_copy_(0, pos, torch.mm(h, e2.t()).to(rows.dtype))
+    else:
+        rows.index_copy_(0, pos, torch.mm(h, e2.t(), out=a))  # a's rows are spent: its buffer takes the result
 
 
 def pipelined_llep_forward(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
                            group_name: str = "", cap: int = 1024, alpha: float = 1.1, min_piece: int = 1024,
                            imbalance_threshold: float = 1.3, max_borrowed: int = -1, strided: bool = True,
-                           counts: tuple[int, ...] = (), compute_dtype: torch.dtype | None = None
-                           ) -> tuple[Tensor, Tensor]:
-    """Eager forward: (output [T, H] in x's dtype, route counts [E_p, E] int64 for backward).
+                           counts: tuple[int, ...] = (), compute_dtype: torch.dtype | None = None,
+                           overlap: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """Eager forward: (output [T, H] in x's dtype, route counts [E_p, E] int64, chunk-ordered routes [T k] int64).
 
+    The last two are what backward needs to run the same chunks without planning or sorting again.
     compute_dtype: dtype of the expert matmuls (None: x's). torchtitan's GroupedExperts casts rows and weights
     to bf16 for its grouped mm and the result back to x's dtype; the compiler pass passes bf16 to match it.
+    overlap: chunk j+1's dispatch and chunk j-1's combine are in flight while chunk j's experts run (False:
+    each collective is waited for at once; one receive buffer instead of three; same numbers either way).
     """
-    grp, counts, plan, routes, order = _pipelined_setup(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap,
-                                                        alpha, min_piece, imbalance_threshold, max_borrowed,
-                                                        strided, counts)
+    grp, counts, _, routes, order = _pipelined_setup(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap,
+                                                     alpha, min_piece, imbalance_threshold, max_borrowed,
+                                                     strided, counts)
+    perm = _chunk_order(order, routes)
+    del order
     k, acc, cd = topk_ids.shape[1], _acc_dtype(x.dtype), compute_dtype or x.dtype
+    plan, _, lay = _schedule_of(counts, k, cap, strided, alpha, min_piece, imbalance_threshold, max_borrowed,
+                                grp.rank)
     native = (w1, w2, w3)
     slots = _transfer_weights(grp, plan, native)
     scores = topk_scores.reshape(-1)
     out = torch.zeros_like(x)
-    for j in range(routes.K):
-        idx, tok, send, runs, recv = _chunk(routes, order, grp.rank, j, k)
-        rows = grp.all_to_all(x[tok], recv, send)
-        routed = rows.new_empty(rows.shape)
-        for sl, key in _blocks(runs, cap):  # one expert's rows, at most c: intermediates are [<= c, I]
-            a, (e1, e2, e3) = rows[sl].to(cd), (w.to(cd) for w in _weights_of(key, native, slots))
-            h = F.silu(torch.mm(a, e1.t()), inplace=True).mul_(torch.mm(a, e3.t()))
-            if cd == x.dtype:
-                torch.mm(h, e2.t(), out=routed[sl])
-            else:
-                routed[sl] = torch.mm(h, e2.t())
-            del h, a, e1, e2, e3
-        del rows
-        back = grp.all_to_all(routed, send, recv)
-        del routed
+    H, pipe = x.shape[1], _Pipe(grp, "forward")
+    # reused buffers, sized by this call's largest chunk (<= c k sent, <= E_p c k received)
+    send_buf, back_buf = x.new_empty((lay.n_max, H)), x.new_empty((lay.n_max, H))
+    # chunks j-1 (its combine sending), j (computed in place), j+1 (arriving); fewer when there are fewer chunks
+    recv_bufs = [x.new_empty((lay.r_max, H)) for _ in range(min(3 if overlap else 1, lay.K))]
+
+    def dispatch(j):
+        idx = perm[lay.offsets[j]:lay.offsets[j + 1]]
+        tok = idx // k
+        send = torch.index_select(x, 0, tok, out=send_buf[:idx.numel()])
+        rows = recv_bufs[j % len(recv_bufs)][:lay.rows[j]]
+        return pipe.launch("dispatch", j, rows, send, lay.recv[j], lay.send[j]), rows, idx, tok
+
+    def combine_done(handle, idx, tok):
+        pipe.wait(handle)
+        back = back_buf[:idx.numel()]
         out.index_add_(0, tok, (back.to(acc) * scores[idx].to(acc).unsqueeze(1)).to(x.dtype))
-        del back
-    return out, torch.tensor(counts, dtype=torch.int64, device=x.device)
+
+    nxt, combine = dispatch(0), None
+    for j in range(lay.K):
+        handle, rows, idx, tok = nxt
+        pipe.wait(handle)
+        if overlap and j + 1 < lay.K:
+            nxt = dispatch(j + 1)  # in flight while chunk j's experts run
+        pos = lay.positions(j, x.device)
+        for key, lo, hi in lay.blocks[j]:
+            _forward_block(rows, pos[lo:hi], _weights_of(key, native, slots), cd)
+        del pos
+        if combine is not None:
+            combine_done(*combine)  # chunk j-1's combine was in flight during chunk j's experts
+        combine = (pipe.launch("combine", j, back_buf[:idx.numel()], rows, lay.send[j], lay.recv[j]), idx, tok)
+        del rows, idx, tok, handle
+        if not overlap:
+            combine_done(*combine)
+            combine = None
+            if j + 1 < lay.K:
+                nxt = dispatch(j + 1)
+    if combine is not None:
+        combine_done(*combine)
+    return out, torch.tensor(counts, dtype=torch.int64, device=x.device), perm
 
 
 def pipelined_llep_backward(grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor,
-                            w2: Tensor, w3: Tensor, counts: Tensor | tuple[int, ...], group_name: str = "",
-                            cap: int = 1024,
+                            w2: Tensor, w3: Tensor, counts: Tensor | tuple[int, ...], perm: Tensor,
+                            group_name: str = "", cap: int = 1024,
                             alpha: float = 1.1, min_piece: int = 1024, imbalance_threshold: float = 1.3,
                             max_borrowed: int = -1, strided: bool = True,
-                            compute_dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
-    """Eager backward, recomputing every chunk (dispatch included): (dx, dscores, dw1, dw2, dw3).
+                            compute_dtype: torch.dtype | None = None, overlap: bool = True) -> tuple[Tensor, ...]:
+    """Eager backward over the forward's chunks: (dx, dscores, dw1, dw2, dw3).
 
+    Nothing of the dispatch is planned or sorted again: the schedule comes from the forward's counts (cached host
+    plan), the chunk spans from the forward's chunk-ordered routes ``perm``. Per chunk, a route's [x | grad |
+    score] travel to its expert as one packed row (x must travel again: keeping the received rows would be the
+    routing-sized buffer the op exists to bound), the expert forward is recomputed, and [dx | dscore] come back.
     counts: the forward's route-count tensor, or the same counts as ints (simulated ranks: fake tensors hold no data).
     """
     counts = tuple(counts) if isinstance(counts, (tuple, list)) else tuple(counts.reshape(-1).tolist())
-    grp, _, plan, routes, order = _pipelined_setup(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap, alpha,
-                                                   min_piece, imbalance_threshold, max_borrowed, strided, counts)
-    k, acc = topk_ids.shape[1], _acc_dtype(x.dtype)
+    grp = _Group(group_name)
+    E, k = w1.shape[0] * grp.size, topk_ids.shape[1]
+    if len(counts) != grp.size * E or perm.numel() != topk_ids.numel():
+        raise BoundpassInputError(f"PipelinedLLEP backward: {len(counts)} counts and {perm.numel()} routes do not "
+                                  f"match E_p = {grp.size}, E = {E} and {topk_ids.numel()} routes")
+    rows_of = [counts[r * E:(r + 1) * E] for r in range(grp.size)]
+    plan, _, lay = _schedule_of(rows_of, k, cap, strided, alpha, min_piece, imbalance_threshold, max_borrowed,
+                                grp.rank)
+    acc, cd = _acc_dtype(x.dtype), compute_dtype or x.dtype
     native = (w1, w2, w3)
-    slots = _transfer_weights(grp, plan, native)  # borrowed again: nothing routing-sized is kept from forward
+    slots = _transfer_weights(grp, plan, native)  # borrowed again: holding them across the step costs s_b experts
     grads, slot_grads = [torch.zeros_like(w) for w in native], [torch.zeros_like(s) for s in slots]
     scores, grad_out = topk_scores.reshape(-1), grad_out.contiguous()
     dx, dscores = torch.zeros_like(x), torch.zeros_like(scores)
-    H = x.shape[1]
-    # Over ranks, [x | grad | score] of a route travel as one row (one all-to-all out, one back, per chunk,
-    # instead of three and two). With E_p >= 2 a destination's E_p c k rows are >= twice a source's c k, so the
-    # packed send buffers stay within the bound's three received [rows, H] buffers.
-    packed = grp.size > 1 and x.dtype == grad_out.dtype == scores.dtype
-    for j in range(routes.K):
-        idx, tok, send, runs, recv = _chunk(routes, order, grp.rank, j, k)
-        if packed:
-            got = grp.all_to_all(torch.cat((x[tok], grad_out[tok], scores[idx].unsqueeze(1)), dim=1), recv, send)
-            rows, grows, srows = got[:, :H], got[:, H:2 * H], got[:, 2 * H]
-            result = got.new_empty((got.shape[0], H + 1))
-            drows, dsrows = result[:, :H], result[:, H]
+    H, pipe = x.shape[1], _Pipe(grp, "backward")
+    # one packed dtype for [x | grad | score] rows and [dx | dscore] rows (the widest of the three: casts to it and
+    # back are exact)
+    pd = torch.promote_types(torch.promote_types(x.dtype, grad_out.dtype), scores.dtype)
+    send_buf = x.new_empty((lay.n_max, 2 * H + 1), dtype=pd)
+    back_buf = x.new_empty((lay.n_max, H + 1), dtype=pd)
+    depth = min(2 if overlap else 1, lay.K)
+    recv_bufs = [x.new_empty((lay.r_max, 2 * H + 1), dtype=pd) for _ in range(depth)]   # chunks j, j+1
+    result_bufs = [x.new_empty((lay.r_max, H + 1), dtype=pd) for _ in range(depth)]     # chunks j, j-1
+
+    def gather(src, tok, out):
+        if src.dtype == out.dtype:
+            torch.index_select(src, 0, tok, out=out)
         else:
-            rows = grp.all_to_all(x[tok], recv, send)
-            grows = grp.all_to_all(grad_out[tok], recv, send)
-            srows = grp.all_to_all(scores[idx], recv, send)
-            drows, dsrows = torch.empty_like(rows), torch.empty_like(srows)
-        for sl, key in _blocks(runs, cap):
-            _expert_backward(rows[sl], grows[sl], srows[sl], _weights_of(key, native, slots),
-                             _weights_of(key, grads, slot_grads), drows[sl], dsrows[sl], acc,
-                             compute_dtype or x.dtype)
-        del rows, grows, srows
-        if packed:
-            del got, drows, dsrows
-            back = grp.all_to_all(result, send, recv)
-            del result
-            dx.index_add_(0, tok, back[:, :H])
-            dscores.index_copy_(0, idx, back[:, H])
-            del back
-        else:
-            dx.index_add_(0, tok, grp.all_to_all(drows, send, recv))
-            del drows
-            dscores.index_copy_(0, idx, grp.all_to_all(dsrows, send, recv))
+            out.copy_(src.index_select(0, tok))
+
+    def dispatch(j):
+        idx = perm[lay.offsets[j]:lay.offsets[j + 1]]
+        tok, n = idx // k, idx.numel()
+        send = send_buf[:n]
+        gather(x, tok, send[:, :H])
+        gather(grad_out, tok, send[:, H:2 * H])
+        send[:, 2 * H].copy_(scores.index_select(0, idx))
+        rows = recv_bufs[j % depth][:lay.rows[j]]
+        return pipe.launch("dispatch", j, rows, send, lay.recv[j], lay.send[j]), rows, idx, tok
+
+    def combine_done(handle, idx, tok):
+        pipe.wait(handle)
+        back = back_buf[:idx.numel()]
+        dx.index_add_(0, tok, back[:, :H].to(x.dtype))
+        dscores.index_copy_(0, idx, back[:, H].to(scores.dtype))
+
+    nxt, combine = dispatch(0), None
+    for j in range(lay.K):
+        handle, rows, idx, tok = nxt
+        pipe.wait(handle)
+        if overlap and j + 1 < lay.K:
+            nxt = dispatch(j + 1)
+        result = result_bufs[j % depth][:lay.rows[j]]
+        pos = lay.positions(j, x.device)
+        for key, lo, hi in lay.blocks[j]:
+            p = pos[lo:hi]
+            xb, gb, sb = (rows[:, :H].index_select(0, p), rows[:, H:2 * H].index_select(0, p),
+                          rows[:, 2 * H].index_select(0, p))
+            if pd != x.dtype:
+                xb, gb, sb = xb.to(x.dtype), gb.to(grad_out.dtype), sb.to(scores.dtype)
+            dxb, dsb = _expert_backward(xb, gb, sb, _weights_of(key, native, slots),
+                                        _weights_of(key, grads, slot_grads), acc, cd)
+            del xb, gb, sb
+            result[:, :H].index_copy_(0, p, dxb.to(pd))
+            result[:, H].index_copy_(0, p, dsb.to(pd))
+            del dxb, dsb
+        del pos
+        if combine is not None:
+            combine_done(*combine)
+        combine = (pipe.launch("combine", j, back_buf[:idx.numel()], result, lay.send[j], lay.recv[j]), idx, tok)
+        del rows, result, idx, tok, handle
+        if not overlap:
+            combine_done(*combine)
+            combine = None
+            if j + 1 < lay.K:
+                nxt = dispatch(j + 1)
+    if combine is not None:
+        combine_done(*combine)
+    del combine, nxt, send_buf, back_buf, recv_bufs, result_bufs  # before the slot gradients travel home
     _return_weight_grads(grp, plan, grads, slot_grads)
     return dx, dscores.view_as(topk_scores), *grads
 
 
-def _expert_backward(x, g, s, weights, dweights, dx_out, ds_out, acc, cd) -> None:
-    """One expert's rows: recompute, then write dx [n, H] and dscore [n] and add into dw1/dw2/dw3 (in place).
+def _expert_backward(x, g, s, weights, dweights, acc, cd) -> tuple[Tensor, Tensor]:
+    """One expert's rows: recompute, then return dx [n, H] and dscore [n] and add into dw1/dw2/dw3 (in place).
 
-    cd: the matmul dtype. When it is x's, products accumulate in place (addmm_); when narrower (bf16, as
-    torchtitan's GroupedExperts), each product is formed in cd and added in x's dtype, which is what autograd
-    through torchtitan's casts computes.
+    cd: the matmul dtype. When it is x's, products accumulate in place (addmm_), and the score gradient
+    <g, y> = <g, p w2^T> is taken as <g w2, p>: the same g w2 gives dp = score * (g w2), so y itself is never
+    recomputed (one matmul of the three forward ones saved). When cd is narrower (bf16, as torchtitan's
+    GroupedExperts), each product is formed in cd and added in x's dtype and y is recomputed, which is what
+    autograd through torchtitan's casts computes.
     """
-    narrow = cd != x.dtype
+    narrow, x_dtype = cd != x.dtype, x.dtype
     x = x.to(cd)
     w1, w2, w3 = (w.to(cd) for w in weights)
     dw1, dw2, dw3 = dweights
@@ -434,28 +617,38 @@ def _expert_backward(x, g, s, weights, dweights, dx_out, ds_out, acc, cd) -> Non
     h1, h3 = torch.mm(x, w1.t()), torch.mm(x, w3.t())
     act = F.silu(h1)
     p = act * h3
-    y = torch.mm(p, w2.t())
-    ds_out.copy_((g.to(acc) * y.to(acc)).sum(1))  # combine: out += (y * score), score grad = <g, y>
-    del y
-    dy = (g.to(acc) * s.to(acc).unsqueeze(1)).to(cd)
-    add_mm(dw2, dy.t(), p)
-    del p
-    dp = torch.mm(dy, w2)
-    del dy
+    if narrow:
+        y = torch.mm(p, w2.t())
+        ds = (g.to(acc) * y.to(acc)).sum(1)  # combine: out += (y * score), score grad = <g, y>
+        del y
+        dy = (g.to(acc) * s.to(acc).unsqueeze(1)).to(cd)
+        add_mm(dw2, dy.t(), p)
+        del p
+        dp = torch.mm(dy, w2)
+        del dy
+    else:
+        gw = torch.mm(g, w2)
+        ds = (gw.to(acc) * p.to(acc)).sum(1)
+        dy = (g.to(acc) * s.to(acc).unsqueeze(1)).to(cd)
+        add_mm(dw2, dy.t(), p)
+        del p, dy
+        dp = gw.mul_(s.unsqueeze(1))  # dy w2 = score * (g w2)
+        del gw
     dh3 = dp * act
     del act
     add_mm(dw3, dh3.t(), x)
-    if narrow:
-        dx_out.copy_(torch.mm(dh3, w3))
-    else:
-        torch.mm(dh3, w3, out=dx_out)
+    dx = torch.mm(dh3, w3).to(x_dtype)  # narrow: the two dx products are summed in x's dtype, as autograd does
     del dh3
     dact = dp.mul_(h3)
     del h3
     dh1 = torch.ops.aten.silu_backward(dact, h1)  # what autograd runs for silu: one rounding in narrow dtypes
     del dact, h1
     add_mm(dw1, dh1.t(), x)
-    add_mm(dx_out, dh1, w1)
+    if narrow:
+        dx.add_(torch.mm(dh1, w1))
+    else:
+        dx.addmm_(dh1, w1)
+    return dx, ds
 
 
 # ---------------------------------------------------------------------------------------- custom ops
@@ -465,7 +658,7 @@ def _expert_backward(x, g, s, weights, dweights, dx_out, ds_out, acc, cd) -> Non
 def pipelined_llep_fwd(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
                        group_name: str, cap: int, alpha: float, min_piece: int, imbalance_threshold: float,
                        max_borrowed: int, strided: bool, counts: list[int],
-                       compute_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                       compute_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     return pipelined_llep_forward(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap, alpha, min_piece,
                                   imbalance_threshold, max_borrowed, strided, tuple(counts), compute_dtype)
 
@@ -478,38 +671,39 @@ def _(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap, alpha, min_piece, i
         return pipelined_llep_forward(x, topk_ids, topk_scores, w1, w2, w3, group_name, cap, alpha, min_piece,
                                       imbalance_threshold, max_borrowed, strided, tuple(counts), compute_dtype)
     size = _Group(group_name).size
-    return torch.empty_like(x), x.new_empty((size, w1.shape[0] * size), dtype=torch.int64)
+    return (torch.empty_like(x), x.new_empty((size, w1.shape[0] * size), dtype=torch.int64),
+            topk_ids.new_empty((topk_ids.numel(),), dtype=torch.int64))
 
 
 @torch.library.custom_op("boundpass::pipelined_llep_bwd", mutates_args=())
 def pipelined_llep_bwd(grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor,
-                       w3: Tensor, counts: Tensor, group_name: str, cap: int, alpha: float, min_piece: int,
-                       imbalance_threshold: float, max_borrowed: int,
+                       w3: Tensor, counts: Tensor, perm: Tensor, group_name: str, cap: int, alpha: float,
+                       min_piece: int, imbalance_threshold: float, max_borrowed: int,
                        strided: bool, compute_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return pipelined_llep_backward(grad_out, x, topk_ids, topk_scores, w1, w2, w3, counts, group_name, cap, alpha,
-                                   min_piece, imbalance_threshold, max_borrowed, strided, compute_dtype)
+    return pipelined_llep_backward(grad_out, x, topk_ids, topk_scores, w1, w2, w3, counts, perm, group_name, cap,
+                                   alpha, min_piece, imbalance_threshold, max_borrowed, strided, compute_dtype)
 
 
 @pipelined_llep_bwd.register_fake
-def _(grad_out, x, topk_ids, topk_scores, w1, w2, w3, counts, *args):
+def _(grad_out, x, topk_ids, topk_scores, w1, w2, w3, counts, perm, *args):
     if mixed_real_call("PipelinedLLEP backward", {"grad_out": grad_out, "x": x, "topk_ids": topk_ids,
                                                   "topk_scores": topk_scores, "w1": w1, "w2": w2, "w3": w3,
-                                                  "counts": counts}):
-        return pipelined_llep_backward(grad_out, x, topk_ids, topk_scores, w1, w2, w3, counts, *args)
+                                                  "counts": counts, "perm": perm}):
+        return pipelined_llep_backward(grad_out, x, topk_ids, topk_scores, w1, w2, w3, counts, perm, *args)
     return (torch.empty_like(x), torch.empty_like(topk_scores), torch.empty_like(w1), torch.empty_like(w2),
             torch.empty_like(w3))
 
 
 def _setup_context(ctx, inputs, output):
     x, topk_ids, topk_scores, w1, w2, w3, *args = inputs
-    ctx.save_for_backward(x, topk_ids, topk_scores, w1, w2, w3, output[1])
+    ctx.save_for_backward(x, topk_ids, topk_scores, w1, w2, w3, output[1], output[2])
     ctx.args = args[:-2] + args[-1:]  # drop the counts: they come back as the forward's second output
 
 
-def _backward(ctx, grad_out, grad_counts):
-    x, topk_ids, topk_scores, w1, w2, w3, counts = ctx.saved_tensors
+def _backward(ctx, grad_out, grad_counts, grad_perm):
+    x, topk_ids, topk_scores, w1, w2, w3, counts, perm = ctx.saved_tensors
     dx, ds, d1, d2, d3 = torch.ops.boundpass.pipelined_llep_bwd(grad_out, x, topk_ids, topk_scores, w1, w2, w3,
-                                                                 counts, *ctx.args)
+                                                                 counts, perm, *ctx.args)
     return (dx, None, ds, d1, d2, d3) + (None,) * 9
 
 
@@ -532,7 +726,7 @@ def pipelined_llep(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor,
     ``compute_dtype``: dtype of the expert matmuls (None: x's; torchtitan's GroupedExperts uses bf16).
     """
     slots = w1.shape[0] if max_borrowed is None else max_borrowed
-    out, _ = torch.ops.boundpass.pipelined_llep_fwd(x, topk_ids, topk_scores, w1, w2, w3, group_name_of(group),
+    out, _, _ = torch.ops.boundpass.pipelined_llep_fwd(x, topk_ids, topk_scores, w1, w2, w3, group_name_of(group),
                                                     cap, alpha, min_piece, imbalance_threshold, slots, strided,
                                                     list(counts), compute_dtype or x.dtype)
     return out
@@ -544,14 +738,18 @@ def _expert_bytes():
 
 
 def pipelined_llep_bound(*, mixed_precision: bool, narrow_compute: bool = False,
-                         count_own_weights: bool = True) -> sympy.Expr:
+                         count_own_weights: bool = True, overlap: bool = True) -> sympy.Expr:
     """Peak device bytes of one PipelinedLLEP forward + backward on a rank, from launch configuration only.
 
     Symbols: N (token ceiling per rank), H, I, E, E_p, k, c (tokens per source per chunk), s_b (borrowed
     slots per rank), b (input bytes/elem), b_acc (combine bytes/elem), b_idx (index bytes/elem).
-    Counted: x, ids, scores, this rank's experts, output and its gradient, input gradients, and workspace.
-    A chunk moves at most c k routes per source, so a rank receives at most E_p c k rows; experts run on
-    blocks of at most c rows. ``mixed_precision``: inputs narrower than the fp32 combine (bf16/fp16).
+    Counted: x, ids, scores, this rank's experts, output and its gradient, input gradients, what forward keeps
+    for backward (the chunk-ordered routes, N k indices, and the counts), and workspace. A chunk moves at most
+    c k routes per source, so a rank receives at most E_p c k rows; experts run on blocks of at most c rows.
+    ``overlap`` (the op's schedule): chunk j+1's dispatch and chunk j-1's combine are in flight while chunk j
+    runs, so the forward holds three receive buffers (j-1 being combined from, j computed in place, j+1
+    arriving) and the backward two receive and two result buffers; without it, one of each.
+    ``mixed_precision``: inputs narrower than the fp32 combine (bf16/fp16).
     ``narrow_compute``: expert matmuls in a narrower dtype than the input (torchtitan's bf16 grouped mm on an
     fp32 model): one expert's cast weights and a block's cast rows / product are added (at b, an upper bound).
     ``count_own_weights=False``: leave out this rank's own expert weights and their gradients (the compiler's
@@ -561,21 +759,34 @@ def pipelined_llep_bound(*, mixed_precision: bool, narrow_compute: bool = False,
     b, b_acc, b_idx = sym.b, sym.b_acc, sym.b_idx
     cast = 1 if mixed_precision else 0
     narrow = 1 if narrow_compute else 0
-    sent, received = c * k, E_p * c * k  # routes per chunk out of / into this rank, whatever the router does
+    n, R = c * k, E_p * c * k  # routes per chunk out of / into this rank, whatever the router does
+    depth_f, depth_b = (3, 2) if overlap else (1, 1)
     own = E / E_p if count_own_weights else 0
     weights = (own + s_b) * _expert_bytes()  # own experts + borrowed slots
     inputs = N * H * b + N * k * (b_idx + b) + weights
-    plan = N * k * b_idx + 2 * E_p * E * b_idx  # destination-grouped route order, gathered counts
-    setup = 3 * N * k * b_idx  # argsorts building the route order
-    fwd_chunk = sent * b_idx + 2 * received * H * b + 2 * c * I * b  # rows in, rows out, one block's [c, I]
-    fwd_chunk += narrow * (_expert_bytes() + 2 * c * H * b)  # cast weights, cast rows, product before its cast
-    fwd = inputs + plan + N * H * b + sympy.Max(setup, fwd_chunk)
-    # backward block: h1, h3, sigmoid, silu, product, then y and the score-gradient product (or dh3)
-    block_bwd = sympy.Max(5 * c * I * b + c * H * (b + b_acc + 2 * cast * b_acc), 6 * c * I * b)
-    block_bwd += narrow * (_expert_bytes() + I * H * b + 2 * c * H * b)  # casts, one weight-grad product, dx
-    bwd_chunk = sent * b_idx + 3 * received * H * b + 2 * received * b + block_bwd  # x, grad, dx rows; scores
+    plan = N * k * b_idx + 2 * E_p * E * b_idx  # chunk-ordered routes (kept for backward), gathered counts
+    setup = 3 * N * k * b_idx  # argsorts building the route order, then its chunk order
+    tokens = 3 * n * b_idx  # token ids of chunks j-1 (combining), j, j+1 (dispatching)
+    positions = R * b_idx   # chunk j's block permutation (twice that while it is built)
+    # forward: send + combine-receive buffers [c k, H], depth_f receive buffers [E_p c k, H] (computed in place)
+    fwd_pools = 2 * n * H * b + depth_f * R * H * b + tokens
+    block_fwd = c * H * b + 2 * c * I * b + narrow * (_expert_bytes() + c * H * b)  # rows, [c, I] x 2, casts
+    combine_fwd = n * H * b_acc + n * b + cast * (n * H * (b_acc + b) + n * b_acc)  # score products, their casts
+    fwd_loop = fwd_pools + sympy.Max(2 * positions, positions + block_fwd, combine_fwd)
+    fwd = inputs + plan + N * H * b + sympy.Max(setup, fwd_loop)
+    # backward: packed [x | grad | score] rows out (c k) and in (depth_b x E_p c k), [dx | dscore] rows in
+    # depth_b result buffers and one combine-receive buffer
+    bwd_pools = n * (3 * H + 2) * b + depth_b * R * (3 * H + 2) * b + tokens
+    # one block: gathered x, grad, score rows; h1, h3, silu, product, g w2, then the score-gradient product or
+    # dy (and its casts); dscore
+    block_bwd = 2 * c * H * b + c * b + c * b_acc + sympy.Max(
+        5 * c * I * b + c * I * b_acc + 2 * cast * c * I * b_acc,
+        5 * c * I * b + c * H * b_acc + cast * c * H * (b_acc + b))
+    block_bwd += narrow * (_expert_bytes() + I * H * b + 2 * c * H * b)  # casts, one weight-grad product, y
+    combine_bwd = n * H * b + 2 * n * b  # a contiguous copy of the strided dx / dscore columns, the score gather
+    bwd_loop = bwd_pools + sympy.Max(2 * positions, positions + block_bwd, combine_bwd)
     grads = N * H * b + N * k * b + weights  # dx, dscores, dw (own + borrowed slots)
-    bwd = inputs + plan + 2 * N * H * b + grads + sympy.Max(setup, bwd_chunk, _expert_bytes())
+    bwd = inputs + plan + 2 * N * H * b + grads + sympy.Max(bwd_loop, _expert_bytes())
     return sympy.Max(fwd, bwd)
 
 

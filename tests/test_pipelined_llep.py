@@ -167,7 +167,7 @@ def test_bad_input_is_refused():
 BOUND_SHAPE = dict(T=64, H=16, I=8, E=4, k=2, cap=8)
 
 
-def _measure_rank(rank, world, kind, alpha, dtype=torch.float64, compute=None):
+def _measure_rank(rank, world, kind, alpha, dtype=torch.float64, compute=None, overlap=True):
     """Live-storage peak of the eager forward then backward (inputs, output and its gradient counted)."""
     s = BOUND_SHAPE
     g = torch.Generator().manual_seed(rank)
@@ -182,8 +182,8 @@ def _measure_rank(rank, world, kind, alpha, dtype=torch.float64, compute=None):
     args = (dist.group.WORLD.group_name, s["cap"], alpha, 2, 0.0, e, True)
     tracker = LiveStorageTracker().track_existing(x, ids, scores, *ws, grad)
     with tracker, torch.no_grad():
-        out, counts = pipelined_llep_forward(x, ids, scores, *ws, *args, (), compute)
-        grads = pipelined_llep_backward(grad, x, ids, scores, *ws, counts, *args, compute)
+        out, counts, perm = pipelined_llep_forward(x, ids, scores, *ws, *args, (), compute, overlap)
+        grads = pipelined_llep_backward(grad, x, ids, scores, *ws, counts, perm, *args, compute, overlap)
         del grads
     return tracker.peak_bytes()
 
@@ -203,8 +203,23 @@ def test_bound_holds_for_every_routing_and_is_tight_under_adversarial_routing():
     assert bound <= 1.25 * peaks[0][-1], (peaks[0][-1], bound)
 
 
-def _measure_many(rank, world, cases, dtype=torch.float64, compute=None):
-    return [_measure_rank(rank, world, kind, alpha, dtype, compute) for kind, alpha in cases]
+def _measure_many(rank, world, cases, dtype=torch.float64, compute=None, overlap=True):
+    return [_measure_rank(rank, world, kind, alpha, dtype, compute, overlap) for kind, alpha in cases]
+
+
+@pytest.mark.distributed
+def test_bound_without_overlap_holds_and_is_tight():
+    """overlap=False (each collective waited for at once: one receive buffer, one result buffer) has its own bound."""
+    s, world = BOUND_SHAPE, 2
+    bound = sym.evaluate(pipelined_llep_bound(mixed_precision=False, overlap=False),
+                         bound_values(torch.float64, N=s["T"], H=s["H"], I=s["I"], E=s["E"], E_p=world, k=s["k"],
+                                      c=s["cap"]))
+    cases = [("zipf", 1.1), ("adversarial", 1.1), ("adversarial", float(world))]
+    peaks = run_on_ranks(_measure_many, world, cases, torch.float64, None, False, timeout_s=80)
+    for rank_peaks in peaks:
+        for case, measured in zip(cases, rank_peaks):
+            assert measured <= bound, (case, measured, bound)
+    assert bound <= 1.25 * peaks[0][-1], (peaks[0][-1], bound)
 
 
 @pytest.mark.distributed
@@ -269,3 +284,43 @@ def test_standard_ep_and_llep_peaks_stay_under_their_bounds(dtype):
     for rank, results in enumerate(run_on_ranks(_reference_peaks_rank, 2, dtype, timeout_s=60)):
         for name, kind, R, measured, bound in results:
             assert measured <= bound, (dtype, name, kind, rank, R, measured, bound)
+
+
+# ------------------------------------------------------------------- the pipelined schedule, chunk by chunk
+def _sparse_rank(rank, world, strided):
+    """Every source sends one route to the last rank's experts, the rest to rank 0's: the last rank receives
+    nothing in most chunks (the layout says which). Pipelined (overlapped) vs standard EP, and overlap on/off
+    bit-equal."""
+    from boundpass.runtime.pipelined_llep import _schedule_of
+    T, H, I, E, k, cap = 12, 6, 5, 2 * world, 2, 2
+    g = torch.Generator().manual_seed(5)
+    xs, ids, scores, grads, experts = _problem(5, "one_rank", (T,) * world, H, I, E, k)
+    for t in ids:  # token 0 of every source: its second choice moves to the last rank's first expert
+        t[0, 1] = E - 2
+    problem = (xs, ids, scores, grads, experts)
+    ref = _run(standard_ep, rank, world, problem)
+    kw = dict(cap=cap, min_piece=1, imbalance_threshold=100.0, strided=strided)  # no relocation: rank 0 stays hot
+    got = _run(pipelined_llep, rank, world, problem, **kw)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, **TOL)
+    counts = [torch.bincount(i.reshape(-1), minlength=E).tolist() for i in ids]
+    _, _, lay = _schedule_of(counts, k, cap, strided, 1.1, 1, 100.0, E // world, world - 1)
+    empty_chunks = sum(1 for r in lay.rows if r == 0)
+    # the eager pair with and without overlap: the same operations in the same order, so the same bits
+    e = E // world
+    ws = [w[rank * e:(rank + 1) * e].clone() for w in experts]
+    args = (dist.group.WORLD.group_name, cap, 1.1, 1, 100.0, e, strided)
+    outs = []
+    for overlap in (True, False):
+        out, cnt, perm = pipelined_llep_forward(xs[rank], ids[rank], scores[rank], *ws, *args, (), None, overlap)
+        outs.append((out, *pipelined_llep_backward(grads[rank], xs[rank], ids[rank], scores[rank], *ws, cnt, perm,
+                                                   *args, None, overlap)))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    return lay.K, empty_chunks
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strided", [True, False])
+def test_pipelined_rank_receiving_nothing_in_some_chunks(strided):
+    K, empty = run_on_ranks(_sparse_rank, 2, strided, timeout_s=60)[1]
+    assert K > 1 and 0 < empty < K, (K, empty)  # the last rank: some chunks empty, not all

@@ -349,9 +349,9 @@ def pipelined_llep_peak(node: fx.Node, ctx: dict):
     from boundpass.step_peak import as_expr
     forward = node.target is torch.ops.boundpass.pipelined_llep_fwd.default
     x, ids, w1 = (node.args[0], node.args[1], node.args[3]) if forward else (node.args[1], node.args[2], node.args[4])
-    group_name = node.args[6] if forward else node.args[8]
-    slots = node.args[11] if forward else node.args[13]
-    compute_dtype = node.args[14] if forward else node.args[15]
+    group_name = node.args[6] if forward else node.args[9]  # backward: (grad, x, ids, scores, w1-3, counts, perm, ...)
+    slots = node.args[11] if forward else node.args[14]
+    compute_dtype = node.args[14] if forward else node.args[16]
     x_val, ids_val, w1_val = x.meta["val"], ids.meta["val"], w1.meta["val"]
     e, inter, hidden = (int(d) for d in w1_val.shape)
     ep = _Group(group_name).size
