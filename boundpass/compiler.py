@@ -272,9 +272,20 @@ class BoundedModule(nn.Module):
         tokens = max(_concrete(_as_expr(r.tokens), _shape_env(r.op_node)) for r in rewritten)
         # c and the chunk count must agree over the EP group: its range comes from the group's largest N
         tokens = max(self.max_tokens_per_rank or 0, global_max_tokens(tokens, rewritten[0].group_name))
+        # the knee of the op's modelled time over c (boundpass/cost_model.py): the planner goes no wider. It is a
+        # function of launch shapes and the group's largest N only, so every rank of the EP group gets the same c
+        from boundpass import cost_model
+
+        def knee_of(region) -> int:
+            val = region.op_node.args[0].meta.get("val") if region.op_node is not None and region.op_node.args else None
+            device = getattr(getattr(val, "device", None), "type", "cpu")
+            return cost_model.pipelined_llep_knee(lo=1, hi=max(1, int(tokens)), N=max(1, int(tokens)), H=region.hidden,
+                                                  I=region.inter, E=region.experts, E_p=region.ep_size, k=region.top_k,
+                                                  b=(region.dtype or torch.float32).itemsize,
+                                                  costs=cost_model.costs_for(device))
         return [Knob("dispatch_cap", sym.c, lo=1, hi=tokens, arg="cap",
                      ops=(torch.ops.boundpass.pipelined_llep_fwd.default, torch.ops.boundpass.pipelined_llep_bwd.default),
-                     user=self.dispatch_cap, regions=rewritten)]
+                     user=self.dispatch_cap, regions=rewritten, knee=max(knee_of(r) for r in rewritten))]
 
     def _grads_held(self) -> bool:
         return any(p.grad is not None for p in self.model.parameters())

@@ -161,3 +161,59 @@ def describe(costs: DeviceCosts) -> str:
             f"{costs.cache_bandwidth / 1e9:.0f} GB/s under {costs.cache_bytes / 2 ** 20:.0f} MiB cache, "
             f"{costs.launch_s * 1e6:.1f} us per launch; knee tolerance {KNEE_TOLERANCE:.0%}")
 
+
+
+# ------------------------------------------------------------------------------------- PipelinedLLEP
+# The dispatch cap c (tokens per source per chunk). One forward + backward of the op on a rank moves its N k
+# routes in K = ceil(N_max / c) chunks; per chunk: two all-to-alls in forward (dispatch, combine) and two in
+# backward, a fixed set of ops (gathers, splits, the block permutation, index_add / index_copy), and one matmul
+# chain per expert block (a chunk's rows of one expert, across sources, at most c rows: about e ceil(k / e)
+# blocks per chunk when routing is balanced, e = E / E_p local experts). The matmul FLOPs do not depend on c; the
+# per-chunk and per-block costs favour wide chunks, and chunk buffers that outgrow the cache pay memory rate on
+# every pass over the rows.
+DISPATCH_MATMULS = 11             # per route: 3 forward + 8 backward [., H] x [H, I] products (y not recomputed)
+DISPATCH_COLLECTIVES = 4          # all-to-alls per chunk, forward + backward
+DISPATCH_CHUNK_LAUNCHES = 30      # ops per chunk outside the blocks
+DISPATCH_BLOCK_LAUNCHES = 40      # ops per expert block, forward (~8) + backward (~32)
+# passes over a route's [H] row per forward + backward at the rate of the chunk's working set: not a kernel count
+# (about 24 gathers, copies and adds touch a row) but fitted to the measured curve, where chunks whose buffers
+# outgrow the cache cost far more than their extra passes (on this CPU: fresh mmaps that page-fault, as Ring-DTP's
+# strips do, and the 2 cores' shared cache under 2-4 ranks)
+DISPATCH_STREAM_PASSES = 240
+DISPATCH_WORKING_ROWS = 9         # chunk buffers live at once, in [c k, H] rows (3 + 2 forward, 2 x 2 + 2 backward)
+# seconds per all-to-all of a chunk (latency, not bandwidth: the bytes do not depend on c), per device type.
+# CPU: fitted with DISPATCH_STREAM_PASSES to bench/dispatch.py's measured c curves on the 2-core development machine
+# (gloo over loopback, 2 and 4 ranks, 1 thread each; docs/results/dispatch.md; the async pipeline hides most of
+# it, so the fitted figure is below a blocking all-to-all's); CUDA: an NCCL all-to-all's latency inside a node,
+# not measured (bench/gpu_dispatch.py measures the curve on a GPU)
+COLLECTIVE_S = {"cpu": 2e-4, "cuda": 3e-5}
+
+
+def pipelined_llep_chunks(c: int, *, N: int) -> int:
+    return max(1, -(-N // max(1, c)))
+
+
+def pipelined_llep_seconds(c: int, *, N: int, H: int, I: int, E: int, E_p: int, k: int, b: int = 4,
+                           costs: DeviceCosts | None = None, collective_s: float | None = None) -> float:
+    """Modelled seconds of one PipelinedLLEP forward + backward on a rank at chunk cap c (balanced routing)."""
+    costs = costs or DEVICE_COSTS["cpu"]
+    coll = COLLECTIVE_S.get(costs.name, COLLECTIVE_S["cpu"]) if collective_s is None else collective_s
+    c = max(1, min(c, N))
+    K = pipelined_llep_chunks(c, N=N)
+    e = max(1, E // max(1, E_p))
+    routes = N * k
+    seconds = DISPATCH_MATMULS * 2 * routes * H * I / costs.flops
+    working = DISPATCH_WORKING_ROWS * c * k * H * b
+    bw = costs.cache_bandwidth if working <= costs.cache_bytes else costs.bandwidth
+    seconds += DISPATCH_STREAM_PASSES * routes * H * b / bw
+    blocks = K * e * -(-k // e)
+    return (seconds + K * (DISPATCH_COLLECTIVES * coll + DISPATCH_CHUNK_LAUNCHES * costs.launch_s)
+            + blocks * DISPATCH_BLOCK_LAUNCHES * costs.launch_s)
+
+
+def pipelined_llep_knee(*, lo: int, hi: int, N: int, H: int, I: int, E: int, E_p: int, k: int, b: int = 4,
+                        costs: DeviceCosts | None = None, tolerance: float = KNEE_TOLERANCE) -> int:
+    """The knee of the modelled PipelinedLLEP time over chunk caps lo..hi."""
+    times = {c: pipelined_llep_seconds(c, N=N, H=H, I=I, E=E, E_p=E_p, k=k, b=b, costs=costs)
+             for c in candidates(lo, hi)}
+    return knee(times, tolerance)

@@ -132,8 +132,12 @@ def test_cap_is_chosen_from_the_budget_and_infeasible_budgets_fail_fast():
 
     compiled, table = compile_and_run("4GiB")
     (region,) = _dispatch_regions(compiled)
-    assert region.cap == T  # room for everything: one chunk
     cert = boundpass.explain(compiled).certificate
+    (knob,) = [k for k in cert.planner.knobs if k.name == "dispatch_cap"]
+    # room for everything: the budget alone allows one chunk (c = T), the time model's knee (cost_model.py) stops
+    # c where wider chunks stop paying (docs/knobs.md); the knee is a function of launch shapes only
+    assert knob.widest_fitting == T and knob.knee is not None and 1 <= knob.knee <= T
+    assert region.cap == knob.knee and knob.why == "knee", (region.cap, knob.knee, knob.why)
     # the first cap at which the dispatch op's program point becomes the step's peak: a budget that fits c but
     # not c + 1 gets exactly c (the widest cap that fits)
     floor = cert.total_at(dispatch_cap=1)
@@ -144,7 +148,9 @@ def test_cap_is_chosen_from_the_budget_and_infeasible_budgets_fail_fast():
         lo, hi = (mid, hi) if cert.total_at(dispatch_cap=mid) == floor else (lo, mid - 1)
     binding = lo
     compiled, table = compile_and_run(cert.total_at(dispatch_cap=binding))
-    assert _dispatch_regions(compiled)[0].cap == binding and table.total <= cert.total_at(dispatch_cap=binding)
+    # min(the widest that fits, knee): exactly the binding cap when the budget binds below the knee
+    assert _dispatch_regions(compiled)[0].cap == min(binding, knob.knee), (binding, knob.knee)
+    assert table.total <= cert.total_at(dispatch_cap=binding)
     # the user's cap is honoured
     compiled, table = compile_and_run("4GiB", dispatch_cap=5)
     assert _dispatch_regions(compiled)[0].cap == 5
