@@ -1,11 +1,16 @@
-"""`python -m boundpass plan ...`: the composed per-rank budget of a torchtitan MoE model, before launch."""
+"""`python -m boundpass plan ...`: the composed per-rank budget of a torchtitan MoE model, before launch.
+
+Arguments are parsed and validated (boundpass/plan_input.py) before torch or torchtitan is imported, so a bad one
+is refused at once; while the plan runs, a progress line per model build and traced block goes to stderr.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
-from boundpass.composed import OPERATORS
 from boundpass.errors import BoundpassError
+from boundpass.plan_input import OPERATORS, CostModel, make_input
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--link-inter", type=float, default=50e9, help="--search: bytes/s per rank across nodes")
     p.add_argument("--host-link", type=float, default=50e9, help="--search: bytes/s per rank host <-> device")
     p.add_argument("--gpus-per-node", type=int, default=8, help="--search: ranks per node")
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table (formulas included)")
+    p.add_argument("--formulas", action="store_true", help="also each term's sympy formula (under its row)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
     p.add_argument("--verbose", action="store_true",
                    help="also show the upstream warnings boundpass filters (boundpass/quiet.py)")
     return parser
@@ -49,25 +56,38 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if not args.verbose:
-        from boundpass.quiet import filter_upstream_warnings
-        filter_upstream_warnings()
-    from boundpass.plan import CostModel, as_json, plan
     ops = () if args.operators.strip().lower() in ("", "none") else tuple(
         o.strip() for o in args.operators.split(",") if o.strip())
-    try:
+    launch = dict(ranks=args.ranks, ep=args.ep, ring=args.ring, tokens_per_rank=args.tokens_per_rank,
+                  context=args.context, global_batch=args.global_batch, budget=args.budget,
+                  host_budget=args.host_budget, operators=ops, dtype=args.dtype, chunk_cap=args.chunk_cap,
+                  vocab_block=args.vocab_block, bucket=args.bucket, slots=args.slots, routing=args.routing)
+    try:  # everything that needs no model, before torch is imported
+        make_input(args.model, args.flavor, **launch)
         cost = CostModel(flops=args.flops, link_intra=args.link_intra, link_inter=args.link_inter,
                          host_link=args.host_link, gpus_per_node=args.gpus_per_node)  # validated even without --search
-        result = plan(args.model, args.flavor, ranks=args.ranks, ep=args.ep, ring=args.ring,
-                      tokens_per_rank=args.tokens_per_rank, context=args.context, global_batch=args.global_batch,
-                      budget=args.budget, host_budget=args.host_budget, operators=ops, dtype=args.dtype,
-                      chunk_cap=args.chunk_cap, vocab_block=args.vocab_block, bucket=args.bucket, slots=args.slots,
-                      routing=args.routing, do_trace=not args.no_trace, solve=args.solve,
-                      search=cost if args.search else None)
     except BoundpassError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(as_json(result) if args.json else result.render())
+    start = time.perf_counter()
+
+    def progress(message: str) -> None:
+        if not args.quiet:
+            print(f"[{time.perf_counter() - start:5.1f}s] {message}", file=sys.stderr, flush=True)
+
+    progress(f"importing torch and torchtitan ({args.model} {args.flavor})")
+    if not args.verbose:
+        from boundpass.quiet import filter_upstream_warnings
+        filter_upstream_warnings()
+    from boundpass.plan import as_json, plan
+    try:
+        result = plan(args.model, args.flavor, **launch, do_trace=not args.no_trace, solve=args.solve,
+                      search=cost if args.search else None, progress=progress)
+    except BoundpassError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    progress(f"done in {result.seconds:.1f} s")
+    print(as_json(result) if args.json else result.render(formulas=args.formulas))
     return 0 if result.fits else 1
 
 

@@ -170,6 +170,16 @@ TORCHTITAN_TAGS = {"attention": "attention", "attention.wo": "wo", "attention.in
 
 def _trace(module, example_inputs, *, symbolic_tokens, token_dim, loss_fn, weight_grads, count_inputs, kwargs,
            tags, stand_in, ctx, split: bool = False, eager: bool = True) -> BlockTrace:
+    captured = _capture(module, example_inputs, symbolic_tokens=symbolic_tokens, token_dim=token_dim,
+                        loss_fn=loss_fn, kwargs=kwargs, tags=tags, stand_in=stand_in)
+    return _analyze(captured, weight_grads=weight_grads, count_inputs=count_inputs, ctx=ctx, split=split,
+                    eager=eager)
+
+
+def _capture(module, example_inputs, *, symbolic_tokens, token_dim, loss_fn, kwargs, tags, stand_in) -> dict:
+    """The partitioned forward / backward graphs of ``module`` at symbolic tokens (AOTAutograd under fake
+    tensors): the expensive half of a trace, which ``_analyze`` reads as many times as it is asked (a block whose
+    traces differ only in what is counted is captured once)."""
     import time
 
     from torch._functorch.aot_autograd import aot_function
@@ -208,9 +218,22 @@ def _trace(module, example_inputs, *, symbolic_tokens, token_dim, loss_fn, weigh
                                 partition_fn=partition, dynamic=False)
         with _tagged(module, tags), fx_traceback.preserve_node_meta(), mode:
             compiled(*fake_state, *inputs)
+    for gm in (captured["fw"], captured["bw"]):  # what eager autograd never runs (e.g. a recomputed op no node
+        _drop_unread(gm)                          # reads): gone
+    captured.update(n_state=n_state, n_in=n_in, inputs=inputs, symbolic_tokens=symbolic_tokens,
+                    token_dim=token_dim, seconds=time.perf_counter() - start)
+    return captured
+
+
+def _analyze(captured: dict, *, weight_grads, count_inputs, ctx, split: bool = False, eager: bool = True) -> BlockTrace:
+    """The step analysis of captured graphs: their peak and (split) sub-phase peaks in N, less what the caller
+    counts elsewhere (the inputs unless count_inputs; the weights' gradients unless weight_grads)."""
+    import time
+
+    start = time.perf_counter()
     fw, bw = captured["fw"], captured["bw"]
-    for gm in (fw, bw):  # what eager autograd never runs (e.g. a recomputed op no node reads): gone
-        _drop_unread(gm)
+    n_state, n_in, inputs = captured["n_state"], captured["n_in"], captured["inputs"]
+    symbolic_tokens, token_dim = captured["symbolic_tokens"], captured["token_dim"]
     peak = analyze_graphs(fw, bw, static_inputs=set(range(n_state)), num_user_outputs=captured["num_fwd_outputs"],
                           ctx=ctx)
     # what the composed budget counts elsewhere: the inputs (a checkpoint boundary) and the weights' gradients
@@ -235,7 +258,7 @@ def _trace(module, example_inputs, *, symbolic_tokens, token_dim, loss_fn, weigh
     if split:
         trace.phases = _split(peak, bw)
         trace.phases.update(_split_forward(peak, fw))
-    trace.seconds = time.perf_counter() - start
+    trace.seconds = captured["seconds"] + time.perf_counter() - start
     return trace
 
 
@@ -346,13 +369,9 @@ def _split_forward(peak: GraphPeak, fw: torch.fx.GraphModule) -> dict:
 
 
 def _max(values) -> sympy.Expr:
-    """Max of sympy expressions, dominated ones (same N-dependent part, smaller constant) pruned."""
-    best: dict = {}
-    for v in values:
-        const, rest = sympy.sympify(v).as_coeff_Add()
-        if rest not in best or (best[rest] - const).is_negative:
-            best[rest] = const
-    return sympy.Max(*(c + r for r, c in best.items())) if best else sympy.Integer(0)
+    """Max of sympy expressions, dominated ones pruned (step_peak.max_of)."""
+    from boundpass.step_peak import max_of
+    return max_of(values)
 
 
 # ------------------------------------------------------------------------------------------- torchtitan blocks
@@ -393,7 +412,7 @@ def _one_rank_attention(block: torch.nn.Module, attention_config) -> dict:
     return {"attention.inner_attention": SeqToHeadAttention(inner, None)}
 
 
-def trace_torchtitan_blocks(net: torch.nn.Module, heads_config, *, wide: bool = True) -> tuple:
+def trace_torchtitan_blocks(net: torch.nn.Module, heads_config, *, wide: bool = True, progress=None) -> tuple:
     """((kind, sub-phase, sympy bytes in N), ...) for the first dense and the first MoE block of a torchtitan
     Decoder (meta or real weights: nothing is read or allocated), traced on one rank at symbolic N with the
     weights' dtype; the block's input left out (the boundary term); its weights' gradients in, as backward
@@ -402,31 +421,51 @@ def trace_torchtitan_blocks(net: torch.nn.Module, heads_config, *, wide: bool = 
     wide: also kinds "dense_wide" / "moe_wide", the terms for W > 1 (the MoP layout): the same blocks traced
     without their weights' gradients (under ZeRO-3 the block's unsharded gradients are FSDP2's, hand-written
     by phase in the composed budget) and, in a MoE block, with the routed experts stood in (``stand_in``: the rows
-    a rank receives under EP depend on the routing; their routing-independent bound stays hand-written)."""
-    out = _trace_blocks(net, heads_config, weight_grads=True, suffix="", routed=False)
-    if wide:
-        out += _trace_blocks(net, heads_config, weight_grads=False, suffix="_wide", routed=True)
-    return out
+    a rank receives under EP depend on the routing; their routing-independent bound stays hand-written).
+    progress: None, or called with a line before each block is traced."""
+    out, wide_out = [], []
+    for kind, block in _first_blocks(net):
+        x = torch.empty(1, 8, net.tok_embeddings.weight.shape[1], dtype=next(block.parameters()).dtype,
+                        device="meta", requires_grad=True)
+        if progress:
+            progress(f"tracing the first {kind} block at symbolic N")
+        captured = _capture_block(block, x, heads_config, routed_stand_in=False)
+        out += _phases_of(kind, _analyze(captured, weight_grads=True, count_inputs=False, ctx=None, split=True),
+                          PHASES)
+        if not wide:
+            continue
+        if kind == "moe":  # the wide form stands in for the routed experts: another graph
+            if progress:
+                progress("tracing the first moe block at symbolic N again, its routed experts stood in (W > 1)")
+            captured = _capture_block(block, x, heads_config, routed_stand_in=True)
+        # a dense block's wide form is the same graph without its weights' gradients counted: analysed again
+        wide_out += _phases_of(kind + "_wide", _analyze(captured, weight_grads=False, count_inputs=False, ctx=None,
+                                                        split=True), PHASES + FORWARD_PARTS)
+    return tuple(out + wide_out)
 
 
-def _trace_blocks(net, heads_config, *, weight_grads: bool, suffix: str, routed: bool) -> tuple:
+def _first_blocks(net) -> list:
+    """(kind, block) of the first dense and the first MoE block, in layer order."""
     out, seen = [], set()
     for block in net.layers.values():
         block = _unwrapped(block)
         kind = "moe" if getattr(block, "moe", None) is not None else "dense"
-        if kind in seen:
-            continue
-        seen.add(kind)
-        weight = next(block.parameters())
-        x = torch.empty(1, 8, net.tok_embeddings.weight.shape[1], dtype=weight.dtype, device="meta",
-                        requires_grad=True)
-        stand_in = _one_rank_attention(block, heads_config)
-        if routed and kind == "moe":
-            stand_in["moe.routed_experts"] = _StandIn()
-        trace = block_phases(block, (x, None, None), stand_in=stand_in, weight_grads=weight_grads)
-        out += [(kind + suffix, phase, sympy.nsimplify(trace.phases[phase]))
-                for phase in PHASES + (FORWARD_PARTS if suffix else ())]
-    return tuple(out)
+        if kind not in seen:
+            seen.add(kind)
+            out.append((kind, block))
+    return out
+
+
+def _capture_block(block, x, heads_config, *, routed_stand_in: bool) -> dict:
+    stand_in = _one_rank_attention(block, heads_config)
+    if routed_stand_in:
+        stand_in["moe.routed_experts"] = _StandIn()
+    return _capture(block, (x, None, None), symbolic_tokens=True, token_dim=1, loss_fn=None, kwargs={},
+                    tags=TORCHTITAN_TAGS, stand_in=stand_in)
+
+
+def _phases_of(kind: str, trace: BlockTrace, phases: tuple) -> list:
+    return [(kind, phase, sympy.nsimplify(trace.phases[phase])) for phase in phases]
 
 
 class _Head(torch.nn.Module):
@@ -456,7 +495,7 @@ class _Head(torch.nn.Module):
 HEADS = ("full_logits", "ring_dtp")
 
 
-def trace_torchtitan_head(net: torch.nn.Module) -> tuple:
+def trace_torchtitan_head(net: torch.nn.Module, *, progress=None) -> tuple:
     """(("head", "full_logits" / "ring_dtp", sympy bytes in N), ...): the loss head of a torchtitan Decoder
     (final norm + lm_head + CrossEntropyLoss, and the same region as the Ring-DTP op on one rank) traced forward +
     backward at symbolic N through the step analysis. Its input (the last block's output, which the norm saves)
@@ -467,6 +506,8 @@ def trace_torchtitan_head(net: torch.nn.Module) -> tuple:
     h = torch.empty(1, 8, weight.shape[1], dtype=weight.dtype, device="meta", requires_grad=True)
     out = []
     for head in HEADS:
+        if progress:
+            progress(f"tracing the loss head ({head.replace('_', ' ')}) at symbolic N")
         trace = _trace(_Head(net.norm, net.lm_head, head == "ring_dtp"), (h,), symbolic_tokens=True,
                        token_dim=1, loss_fn=None, weight_grads=True, count_inputs=True, kwargs={}, tags={},
                        stand_in={}, ctx={})

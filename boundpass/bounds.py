@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import sympy
 
 from boundpass.errors import InfeasibleBudgetError
+from boundpass import textwidth
 from boundpass.units import format_bytes
 
 
@@ -52,29 +53,33 @@ class BudgetTable:
     def host_fits(self) -> bool:
         return self.host_budget is None or self.host_total <= self.host_budget
 
-    def render(self) -> str:
-        """Text table: term, formula, bytes, share of its budget."""
-        rows = [("term", "formula", "bytes", "share")]
+    def render(self, *, formulas: bool = False, width: int = textwidth.WIDTH) -> str:
+        """Text table that fits ``width`` columns: term, bytes, share of its budget, then the device peak and the
+        verdict. formulas=True adds each term's sympy formula under it (wrapped, never clipped)."""
+        rows, formula_of = [("term", "bytes", "share")], {}
         for t in self.terms:
             limit = self.host_budget if t.kind == "host" else self.budget
             share = "(not counted)" if not t.counted else (f"{100 * t.value / limit:.1f}%" if limit else "host")
             name = t.name + (f" @ {t.where}" if t.where else "")
-            rows.append((name, _short(t.formula), format_bytes(t.value), share))
-        rows.append(("device peak = persistent + max(fwd/bwd, optimizer step)", "", format_bytes(self.total),
+            formula_of[len(rows)] = t.formula
+            rows.append((name, format_bytes(t.value), share))
+        rows.append(("device peak = persistent + max(fwd/bwd, optimizer step)", format_bytes(self.total),
                      f"{100 * self.total / self.budget:.1f}%"))
-        rows.append(("device budget", "", format_bytes(self.budget),
+        rows.append(("device budget", format_bytes(self.budget),
                      "FITS" if self.total <= self.budget else "DOES NOT FIT"))
         if self.host_total:
             verdict = "not checked" if self.host_budget is None else ("FITS" if self.host_fits() else "DOES NOT FIT")
-            rows.append(("host total / budget", "", format_bytes(self.host_total) + " / " + (
-                format_bytes(self.host_budget) if self.host_budget else "-"), verdict))
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
-def _short(expr: sympy.Expr, limit: int = 110) -> str:
-    text = str(expr)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+            rows.append(("host total", format_bytes(self.host_total), ""))
+            rows.append(("host budget", format_bytes(self.host_budget) if self.host_budget else "-", verdict))
+        lines = textwidth.table(rows, width=width)
+        if not formulas:
+            return "\n".join(lines)
+        out = []
+        for i, line in enumerate(lines):
+            out.append(line)
+            if i in formula_of:
+                out += textwidth.wrap(str(formula_of[i]), width=width, first="    = ", rest="      ")
+        return "\n".join(out)
 
 
 def raise_infeasible(table: BudgetTable, binding: BoundTerm, *, detail: str = "") -> None:
@@ -91,7 +96,7 @@ def raise_infeasible(table: BudgetTable, binding: BoundTerm, *, detail: str = ""
         + (f" {detail}" if detail else "") + "\n"
         f"  other terms  : {format_bytes(others)}; total {format_bytes(others + binding.value)}\n"
         f"  to fix       : {binding.knob}\n"
-        f"bounds table:\n{table.render()}"
+        f"bounds table:\n{table.render(formulas=True)}"
     )
     raise InfeasibleBudgetError(message, term=binding.name, formula=str(binding.formula), value_bytes=binding.value,
                                 budget_bytes=budget, knob=binding.knob)

@@ -1,4 +1,4 @@
-"""The composed per-rank budget of one training step (SPEC §5, MoP layout): every term a sympy formula.
+"""The composed per-rank budget of one training step (docs/design.md §2, MoP layout): every term a sympy formula.
 
 Layout: ZeRO-3 shards every parameter, gradient and optimizer state over the W ranks; experts are placed over
 E_p expert-parallel ranks (E/E_p per rank, each gathered from its ZeRO shards); attention runs under a
@@ -53,6 +53,7 @@ import sympy
 from boundpass import symbols as sym
 from boundpass.bounds import BoundTerm, BudgetTable, raise_infeasible
 from boundpass.errors import BoundpassInputError
+from boundpass.plan_input import OPERATORS  # noqa: F401  (defined where the CLI reads it without torch)
 from boundpass.units import format_bytes
 
 # the modules, not the same-named functions boundpass.runtime re-exports
@@ -60,8 +61,6 @@ oa = importlib.import_module("boundpass.runtime.offload_adamw")
 pl = importlib.import_module("boundpass.runtime.pipelined_llep")
 rd = importlib.import_module("boundpass.runtime.ring_dtp")
 sco = importlib.import_module("boundpass.runtime.sco")
-
-OPERATORS = ("ring_dtp", "pipelined_llep", "sco", "offload_adamw")
 
 # Parameter elements of blocks whose gradients are absent while a block runs backward (this module's own symbols,
 # beside the shared vocabulary: only the composed budget needs them)

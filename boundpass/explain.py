@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from boundpass import textwidth
 from boundpass.units import format_bytes
 
 
@@ -35,10 +36,16 @@ class ExplainReport:
         return [r for r in self.skipped if r.kind == kind]
 
     def __str__(self) -> str:
-        return self.text(graph="full")
+        return self.text()
 
-    def text(self, graph: str = "full") -> str:
-        """Report text; graph="full" prints the rewritten graph, "excerpt" only its boundpass lines, "none" skips it."""
+    def text(self, graph: str = "excerpt", *, formulas: bool = False, width: int = textwidth.WIDTH) -> str:
+        """Report text, every line within ``width`` columns except the full graph's code.
+
+        graph="excerpt" (default) lists boundpass's ops in the partitioned graphs, each with its knobs and module
+        path; "full" also prints the whole rewritten Dynamo graph (torch IR, as ``print_readable`` writes it);
+        "none" shows no graph. formulas=True adds each bound term's sympy formula under its row."""
+        if graph not in ("full", "excerpt", "none"):
+            raise ValueError(f"graph must be 'full', 'excerpt' or 'none', got {graph!r}")
         lines = [f"boundpass report (per-rank budget {format_bytes(self.budget)})", "", "regions:"]
         if not self.regions:
             lines.append("  (none found: no linear -> cross_entropy in the captured graph; is the loss compiled "
@@ -55,24 +62,25 @@ class ExplainReport:
             lines.append(f"  OPTIMIZER {type(self.optimizer.optimizer).__name__}: {self.optimizer.reason}")
         if getattr(self, "sco", None) is not None:  # passes.sco_pass.SCOPlan: checkpoint boundary offload
             lines += self.sco.lines()
-        lines += ["", "bounds (bytes per rank):", self.table.render() if self.table else "  (none)"]
+        lines += ["", "bounds (bytes per rank):",
+                  self.table.render(formulas=formulas, width=width) if self.table else "  (none)"]
         lines += self._knob_lines()
         lines += self._step_peak_lines()
         if getattr(self, "composed", None) is not None:  # compile(..., launch=, model_shape=)
             from boundpass.composed import describe
             lines += ["", "composed per-rank budget of the launch configuration (boundpass/composed.py):",
-                      self.composed.render(), describe(self.composed)]
+                      self.composed.render(formulas=formulas, width=width), describe(self.composed)]
+        if graph != "none":
+            ops = op_lines(self.forward_graph, "forward") + op_lines(self.backward_graph, "backward")
+            if not ops:  # no partitioned graphs kept (the budget check raised first): the Dynamo graph's ops
+                ops = code_op_lines(self.graph_code, "dynamo")
+            if ops:
+                lines += ["", "boundpass ops (phase, op, module, arguments other than tensors):"]
+                lines += ["  " + ln for ln in textwidth.table(ops, width=width - 2, shrink=3)]
+        text = "\n".join(ln for line in "\n".join(lines).splitlines() for ln in _fit_line(line, width))
         if graph == "full":
-            lines += ["", "rewritten graph (Dynamo, torch IR):", self.graph_code]
-        if graph in ("full", "excerpt"):  # the partitioned graphs: where SCO's offload / reload appear
-            for title, code in (("forward", self.forward_code), ("backward", self.backward_code)):
-                ops = [_short_line(ln) for ln in code.splitlines() if "torch.ops.boundpass." in ln]
-                if ops:
-                    lines += ["", f"partitioned {title} graph (aten), boundpass ops only:"] + [f"  {ln}" for ln in ops]
-        if graph == "excerpt":
-            ops = [_short_line(ln) for ln in self.graph_code.splitlines() if "boundpass." in ln]
-            lines += ["", "rewritten graph, boundpass ops only (Dynamo, torch IR):"] + [f"  {ln}" for ln in ops]
-        return "\n".join(lines)
+            text += "\n\nrewritten graph (Dynamo, torch IR):\n" + self.graph_code
+        return text
 
     def _knob_lines(self) -> list[str]:
         """The planner's choice per knob: value, why, and what the budget alone would have allowed."""
@@ -226,7 +234,84 @@ def _draw(ax, title: str, pred, meas, budget: int) -> int:
     return top
 
 
-def _short_line(line: str, width: int = 150) -> str:
-    """One graph line for a terminal: without its ``x = None`` clean-ups, cut to ``width`` characters."""
-    text = line.strip().split(";  ")[0]
-    return text if len(text) <= width else text[: width - 3] + "..."
+def _fit_line(line: str, width: int) -> list[str]:
+    """One report line as terminal lines: wrapped at words, continuation lines indented 4 past the line's own."""
+    if len(line) <= width:
+        return [line]
+    pad = " " * (len(line) - len(line.lstrip()))
+    return textwidth.wrap(line.strip(), width=width, first=pad, rest=pad + "    ")
+
+
+def _module_of(node) -> str:
+    """Module path of a partitioned-graph node (AOTAutograd keeps the forward's stack on backward nodes)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return "-"
+    path = list(stack.values())[-1][0]
+    for prefix in ("L['self'].", "G['model'].", "L['model'].", "L['self']._model."):
+        path = path.replace(prefix, "")
+    return path.replace("L['self']", "<model>").replace("['", ".").replace("']", "")
+
+
+def _show(value) -> str | None:
+    """A non-tensor op argument for the excerpt; None leaves it out (an empty group name or list)."""
+    if value in ("", [], ()):
+        return None
+    if isinstance(value, (list, tuple)):
+        return f"[{', '.join(map(str, value))}]" if len(value) <= 4 else f"[{len(value)} values]"
+    return str(value)
+
+
+def _is_tensor_argument(argument) -> bool:
+    return "Tensor" in str(argument.type)
+
+
+def _knobs(schema, args, kwargs) -> str:
+    shown = []
+    for i, argument in enumerate(schema.arguments):
+        if _is_tensor_argument(argument):
+            continue
+        value = args[i] if i < len(args) else kwargs.get(argument.name, argument.default_value)
+        text = _show(value)
+        if text is not None:
+            shown.append(f"{argument.name}={text}")
+    return " ".join(shown)
+
+
+def op_lines(graph_module, phase: str) -> list[tuple[str, str, str, str]]:
+    """(phase, op, module path, knobs) of every boundpass custom op in a partitioned graph, in order."""
+    if graph_module is None:
+        return []
+    rows = []
+    for node in graph_module.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.name.startswith("boundpass::"):
+            continue
+        rows.append((phase, schema.name.split("::")[1], _module_of(node), _knobs(schema, node.args, node.kwargs)))
+    return rows
+
+
+def code_op_lines(code: str, phase: str) -> list[tuple[str, str, str, str]]:
+    """The same rows read from graph code text (``name = torch.ops.boundpass.op.default(args)``): tensor
+    arguments are names there, the others literals; the module path is not in the text ("-")."""
+    import ast
+
+    import torch
+
+    rows = []
+    for line in code.splitlines():
+        text = line.strip().split(";  ")[0]
+        if "torch.ops.boundpass." not in text or "=" not in text:
+            continue
+        call = text.split("=", 1)[1].strip()
+        op = call.split("torch.ops.boundpass.", 1)[1].split(".", 1)[0]
+        try:
+            tree = ast.parse(call, mode="eval").body
+            schema = getattr(torch.ops.boundpass, op).default._schema
+            args = [ast.literal_eval(a) if isinstance(a, (ast.Constant, ast.List, ast.Tuple, ast.UnaryOp))
+                    else ast.unparse(a) for a in tree.args]
+            knobs = _knobs(schema, args, {})
+        except (SyntaxError, ValueError, AttributeError, RuntimeError):
+            knobs = "(arguments not readable from the code text)"
+        rows.append((phase, op, "-", knobs))
+    return rows

@@ -19,41 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from boundpass import composed
-from boundpass.composed import OPERATORS, Launch, ModelShape
-from boundpass.errors import BoundpassInputError
+from boundpass import composed, textwidth
+from boundpass.composed import Launch, ModelShape
+from boundpass.plan_input import (DTYPE_BYTES, MODELS, OPERATORS, CostModel, PlanInput,  # noqa: F401
+                                  make_input)
 from boundpass.units import format_bytes, parse_bytes
-
-# torchtitan package -> its flavor table (read from the package at use; these are the MoE flavors we support)
-MODELS = {
-    "deepseek_v3": ("deepseekv3_configs", ("debugmodel", "16B", "236B", "671B")),
-    "qwen3": ("qwen3_configs", ("debugmodel_moe", "30B-A3B", "235B-A22B")),
-    "gpt_oss": ("gptoss_configs", ("debugmodel", "20b", "120b")),
-}
-DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
-
-
-@dataclass
-class PlanInput:
-    """Everything `plan` needs, validated before any model is built (units parsed into bytes / tokens)."""
-    model: str
-    flavor: str
-    ranks: int
-    ep: int
-    ring: int
-    tokens_per_rank: int
-    budget: int
-    host_budget: int | None
-    operators: frozenset
-    dtype: str = "bf16"
-    context: int | None = None
-    global_batch: int | None = None
-    chunk_cap: int | None = None
-    vocab_block: int | None = None
-    bucket: int | None = None
-    slots: int = 2
-    routing: str = "worst"
-
 
 @dataclass
 class PlanResult:
@@ -89,27 +59,33 @@ class PlanResult:
             "trace_notes": self.trace_notes, "solve": self.solve, "search": self.search, "seconds": self.seconds,
         }
 
-    def render(self) -> str:
+    def render(self, *, formulas: bool = False, width: int = textwidth.WIDTH) -> str:
+        """The report within ``width`` columns: each term with its bound, traced bytes and share, the verdict, the
+        notes. formulas=True adds each term's sympy formula under its row (wrapped); --json has them too."""
         t = self.table
-        rows = [("term", "formula", "bound", "traced", "share")]
+        rows, formula_of = [("term", "bound", "traced", "share")], {}
         for x in t.terms:
             share = "-" if _share(x, t) is None else f"{100 * _share(x, t):.1f}%"
             traced = self.traced.get(x.name)
-            text = str(x.formula)
-            rows.append((f"[{x.kind}] {x.name}", text if len(text) < 90 else text[:87] + "...",
-                         format_bytes(x.value), "-" if traced is None else format_bytes(traced), share))
+            formula_of[len(rows)] = x.formula
+            rows.append((f"[{x.kind}] {x.name}", format_bytes(x.value), "-" if traced is None else format_bytes(traced),
+                         share))
         for name, value in self.traced.items():
             if name.startswith("["):
-                rows.append((name, "", format_bytes(value[0]), format_bytes(value[1]), ""))
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+                rows.append((name, format_bytes(value[0]), format_bytes(value[1]), ""))
+        lines = []
+        for n, line in enumerate(textwidth.table(rows, width=width)):
+            lines.append(line)
+            if formulas and n in formula_of:
+                lines += textwidth.wrap(str(formula_of[n]), width=width, first="    = ", rest="      ")
         i = self.inputs
         head = (f"boundpass plan: {i.model} {i.flavor} ({self.shape.params / 1e9:.1f}B params), W={i.ranks} "
                 f"E_p={i.ep} P={i.ring}, N={i.tokens_per_rank:,} tokens/rank"
                 + (f" (context {i.context:,} x batch {i.global_batch})" if i.context else "")
                 + f", {i.dtype}, operators: {', '.join(sorted(i.operators)) or 'none (baseline)'}")
-        out = [head, "", *lines, "", composed.describe(t)]
-        out += [f"note: {n}" for n in self.trace_notes]
+        out = [*textwidth.wrap(head, width=width), "", *lines, "", *textwidth.wrap(composed.describe(t), width=width)]
+        for n in self.trace_notes:
+            out += textwidth.wrap(n, width=width, first="note: ", rest="      ")
         if self.solve and self.solve.get("ceiling"):
             out.append(f"solve: {self.solve['what']} {self.solve['value']:,} ({self.solve['tokens_per_rank']:,} "
                        f"tokens/rank) fits and so does {self.solve['next']:,}: the search stopped at its ceiling "
@@ -121,63 +97,14 @@ class PlanResult:
             best = self.search.get("best")
             out.append("search: " + (f"best {best['knobs']} at predicted step {best['step_seconds']:.3g} s "
                                      f"(peak {format_bytes(best['peak_bytes'])})" if best else "nothing fits"))
-        return "\n".join(out)
+        return "\n".join(ln for line in out for ln in (textwidth.wrap(line, width=width) if len(line) > width
+                                                        else [line]))
 
 
 def _share(term, table) -> float | None:
     """The term's fraction of its budget (host terms of the host budget); None when that budget is unlimited."""
     limit = table.host_budget if term.kind == "host" else table.budget
     return term.value / limit if limit else None
-
-
-# ------------------------------------------------------------------------------------------- inputs
-def _flavors(model: str) -> tuple[str, ...]:
-    if model not in MODELS:
-        raise BoundpassInputError(f"unknown model {model!r}; known torchtitan MoE models: {', '.join(MODELS)}")
-    return MODELS[model][1]
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise BoundpassInputError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def make_input(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None = None,
-               tokens_per_rank: int | None = None, context: int | None = None, global_batch: int = 1,
-               budget="139GiB", host_budget=None, operators=OPERATORS, dtype: str = "bf16",
-               chunk_cap: int | None = None, vocab_block: int | None = None, bucket: int | None = None,
-               slots: int = 2, routing: str = "worst") -> PlanInput:
-    """Validate and normalise plan inputs (raises BoundpassInputError naming what to change; builds nothing)."""
-    if flavor not in _flavors(model):
-        raise BoundpassInputError(f"unknown flavor {flavor!r} of {model}; known: {', '.join(_flavors(model))}")
-    ranks = _positive_int("ranks (W)", ranks)
-    ep = _positive_int("ep (E_p)", ep)
-    ring = ranks if ring is None else _positive_int("ring (P)", ring)
-    for name, degree in (("E_p", ep), ("ring degree P", ring)):
-        if ranks % degree:
-            raise BoundpassInputError(f"{name} = {degree} does not divide W = {ranks} ranks: pick one of "
-                                      f"{[d for d in range(1, ranks + 1) if ranks % d == 0]}")
-    if dtype not in DTYPE_BYTES:
-        raise BoundpassInputError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
-    if (tokens_per_rank is None) == (context is None):
-        raise BoundpassInputError("give exactly one of tokens_per_rank (N) or context (tokens per sequence, "
-                                  "with global_batch sequences)")
-    if context is not None:
-        context = _positive_int("context", context)
-        global_batch = _positive_int("global_batch", global_batch)
-        if (context * global_batch) % ranks:
-            raise BoundpassInputError(f"context x global_batch = {context * global_batch:,} tokens do not split "
-                                      f"evenly over W = {ranks} ranks; use a multiple of {ranks}")
-        tokens_per_rank = context * global_batch // ranks
-    tokens_per_rank = _positive_int("tokens_per_rank (N)", tokens_per_rank)
-    ops = frozenset(operators)
-    if ops - set(OPERATORS):
-        raise BoundpassInputError(f"unknown operators {sorted(ops - set(OPERATORS))}; known: {', '.join(OPERATORS)}")
-    return PlanInput(model, flavor, ranks, ep, ring, tokens_per_rank, parse_bytes(budget, what="budget"),
-                     None if host_budget is None else parse_bytes(host_budget, what="host_budget"), ops, dtype,
-                     context, global_batch if context is not None else None, chunk_cap, vocab_block, bucket, slots,
-                     routing)
 
 
 def launch_of(inp: PlanInput, tokens_per_rank: int | None = None) -> Launch:
@@ -205,22 +132,39 @@ def _is_routed(name: str) -> bool:
     return "routed_experts" in name
 
 
-def model_shape(model: str, flavor: str, *, dtype_bytes: int = 4, trace: bool | None = None) -> ModelShape:
+def model_shape(model: str, flavor: str, *, dtype_bytes: int = 4, trace: bool | None = None,
+                progress=None) -> ModelShape:
     """Read the composed budget's ModelShape off torchtitan's real model, built on meta (< 3 s at 671B), its
-    floating weights and buffers at ``dtype_bytes`` (4: fp32, 2: bf16): the width its blocks are traced at."""
+    floating weights and buffers at ``dtype_bytes`` (4: fp32, 2: bf16): the width its blocks are traced at.
+    progress: called with one line per step (model build, each traced block), e.g. the CLI's stderr printer.
+
+    The result is kept for the rest of the process (ModelShape is frozen; its block traces do not depend on the
+    launch): a second plan of the same model, as --solve sweeps and tests make, does not build and trace again."""
+    key = (model, flavor, dtype_bytes, trace)
+    if key in _SHAPES:
+        if progress:
+            progress(f"{model} {flavor}: shape and block traces already made in this process")
+        return _SHAPES[key]
     cfg = model_config(model, flavor)
+    if progress:
+        progress(f"building {model} {flavor} on meta ({len(cfg.layers)} blocks)")
     with torch.device("meta"):
         net = cfg.build()
     if dtype_bytes != 4:
         dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
         net = net._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)  # complex RoPE stays complex
-    return shape_of_module(net, name=f"{model} {flavor}", heads_config=cfg.layers[-1].attention,
-                           top_k=max((l.moe.router.top_k for l in cfg.layers if getattr(l, "moe", None)), default=0),
-                           trace=trace)
+    shape = shape_of_module(net, name=f"{model} {flavor}", heads_config=cfg.layers[-1].attention,
+                            top_k=max((l.moe.router.top_k for l in cfg.layers if getattr(l, "moe", None)), default=0),
+                            trace=trace, progress=progress)
+    _SHAPES[key] = shape
+    return shape
+
+
+_SHAPES: dict = {}   # (model, flavor, dtype_bytes, trace) -> ModelShape, see model_shape
 
 
 def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int,
-                    trace: bool | None = None) -> ModelShape:
+                    trace: bool | None = None, progress=None) -> ModelShape:
     """ModelShape of a built torchtitan Decoder (meta or real): parameter counts per block, experts, heads.
 
     trace (None: for the families in block_trace.TRACED_FAMILIES): also trace one block of each kind forward +
@@ -256,8 +200,8 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
     if trace is None:  # a parallelized model (DTensor weights) is traced by its one-rank schedule only unsharded
         trace = block_trace.untraced_reason(name.split()[0], weight_bytes) is None and not any(
             hasattr(p, "_local_tensor") for p in net.parameters())
-    traced = block_trace.trace_torchtitan_blocks(net, heads_config) + block_trace.trace_torchtitan_head(net) \
-        if trace else ()
+    traced = block_trace.trace_torchtitan_blocks(net, heads_config, progress=progress) + \
+        block_trace.trace_torchtitan_head(net, progress=progress) if trace else ()
     a = heads_config
     heads = a.n_heads
     kv_heads = getattr(a, "n_kv_heads", None) or heads
@@ -287,7 +231,7 @@ def _buffer_bytes(net: torch.nn.Module) -> int:
     return total
 
 
-def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2) -> tuple[dict, list[str]]:
+def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2, progress=None) -> tuple[dict, list[str]]:
     """Trace torchtitan's real blocks and head at `tokens` tokens under FakeTensorMode (nothing allocated).
 
     Returns {"boundary": bytes a checkpointed block keeps (its input), "dense_block" / "moe_block": forward +
@@ -316,6 +260,8 @@ def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2) -> tupl
             for key, at in (("dense_block", dense_at), ("moe_block", moe_at)):
                 if at is None:
                     continue
+                if progress:
+                    progress(f"tracing one {key.split('_')[0]} block at N = {tokens:,} (FakeTensorMode)")
                 blk = cfg.layers[at].build()
                 padded = _fuse_unequal_head_dims(blk, cfg.layers[at].attention) or padded
                 x = torch.empty(1, tokens, cfg.dim, dtype=dtype, requires_grad=True)
@@ -326,6 +272,8 @@ def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2) -> tupl
                 out[key] = tracker.peak_bytes() - sum(p.numel() for p in blk.parameters()) * x.element_size()
                 out["boundary"] = x.numel() * x.element_size()
                 del blk, x, y
+            if progress:
+                progress(f"tracing the loss head at N = {tokens:,} (FakeTensorMode)")
             norm, head = cfg.norm.build(), cfg.lm_head.build()
             h = torch.empty(1, tokens, cfg.dim, dtype=dtype, requires_grad=True)
             labels = torch.zeros(1, tokens, dtype=torch.long)
@@ -359,13 +307,15 @@ def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None =
          tokens_per_rank: int | None = None, context: int | None = None, global_batch: int = 1, budget="139GiB",
          host_budget=None, operators=OPERATORS, dtype: str = "bf16", chunk_cap: int | None = None,
          vocab_block: int | None = None, bucket: int | None = None, slots: int = 2, routing: str = "worst",
-         do_trace: bool = True, solve: bool = False, search: CostModel | bool | None = None) -> PlanResult:
+         do_trace: bool = True, solve: bool = False, search: CostModel | bool | None = None,
+         progress=None) -> PlanResult:
     """Compose the per-rank budget of (model, flavor) at this launch, trace it, and say whether it fits.
 
     budget / host_budget: per-rank bytes ("139GiB"; host None = unlimited). operators: any of ring_dtp,
     pipelined_llep, sco, offload_adamw (empty = the baseline: full logits, standard EP, no offload, ZeRO-3).
     solve: also find the largest context (or N) that fits. do_trace: trace torchtitan's blocks (fake tensors).
     search: True or a CostModel: choose (E_p, P, c, β, S, SCO subset) at the least predicted step time.
+    progress: None, or called with one line per step (the CLI prints them to stderr).
     """
     start = time.perf_counter()
     inp = make_input(model, flavor, ranks=ranks, ep=ep, ring=ring, tokens_per_rank=tokens_per_rank,
@@ -373,18 +323,22 @@ def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None =
                      operators=operators, dtype=dtype, chunk_cap=chunk_cap, vocab_block=vocab_block, bucket=bucket,
                      slots=slots, routing=routing)
     # the blocks are traced in the launch's dtype
-    shape = model_shape(model, flavor, dtype_bytes=DTYPE_BYTES[dtype])
+    shape = model_shape(model, flavor, dtype_bytes=DTYPE_BYTES[dtype], progress=progress)
     launch = launch_of(inp)
     table = composed.compose(shape, launch, budget=inp.budget, host_budget=inp.host_budget)  # checks degrees
     result = PlanResult(inp, shape, table)
     result.trace_notes.append(block_terms_note(shape, launch, model))
     if do_trace:
-        traced, notes = trace(model, flavor, inp.tokens_per_rank, dtype_bytes=DTYPE_BYTES[dtype])
+        traced, notes = trace(model, flavor, inp.tokens_per_rank, dtype_bytes=DTYPE_BYTES[dtype], progress=progress)
         result.trace_notes += notes
         _attach_trace(result, traced)
     if solve:
+        if progress:
+            progress("solving for the largest size that fits")
         result.solve = solve_context(inp, shape)
     if search:
+        if progress:
+            progress("searching the knobs")
         result.search = search_knobs(inp, shape, search if isinstance(search, CostModel) else None)
     result.seconds = time.perf_counter() - start
     return result
@@ -459,31 +413,6 @@ def _next_fits(shape: ModelShape, launch: Launch, inp: PlanInput, tokens: int) -
 
 
 # ------------------------------------------------------------------------------------------- --search
-@dataclass(frozen=True)
-class CostModel:
-    """Inputs of --search's step-time model (per rank): FLOP/s and link bandwidths in bytes/s, latencies in s."""
-    flops: float = 400e12            # sustained bf16 FLOP/s of one rank (H200 dense peak ~989e12 at ~40% MFU)
-    link_intra: float = 400e9        # bytes/s per rank inside a node (NVLink)
-    link_inter: float = 50e9         # bytes/s per rank across nodes (400 Gb/s NIC)
-    host_link: float = 50e9          # bytes/s per rank host <-> device (PCIe 5 x16, one direction)
-    gpus_per_node: int = 8
-    chunk_latency: float = 30e-6     # fixed cost of one PipelinedLLEP chunk stage (launch + collective setup)
-    bucket_latency: float = 50e-6    # fixed cost of one OffloadStreamAdamW bucket
-
-    def __post_init__(self):
-        for name in ("flops", "link_intra", "link_inter", "host_link"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise BoundpassInputError(f"cost model: {name.replace('_', '-')} must be a finite number > 0 "
-                                          f"(per rank, per second), got {value!r}")
-        for name in ("chunk_latency", "bucket_latency"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise BoundpassInputError(f"cost model: {name} must be a finite number >= 0 (seconds), got {value!r}")
-        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
-            raise BoundpassInputError(f"cost model: gpus-per-node must be an int >= 1, got {self.gpus_per_node!r}")
-
-
 def step_seconds(shape: ModelShape, launch: Launch, context: int, cost: CostModel, l_off: int) -> dict:
     """Predicted step time (s) of one rank and its parts, for comparing knob settings (not an absolute forecast).
 

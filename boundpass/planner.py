@@ -195,7 +195,7 @@ def infeasible(cert: StepCertificate, *, knob: str, binding: BoundTerm | None = 
         lines.append(f"  binding term : {term.name}: {term.formula} = {format_bytes(term.value)}")
     if detail:
         lines.append(f"  {detail}")
-    lines += [f"  to fix       : {knob}", "bounds table:", table.render()]
+    lines += [f"  to fix       : {knob}", "bounds table:", table.render(formulas=True)]
     term.knob = knob
     raise InfeasibleBudgetError("\n".join(lines), term=name or term.name, formula=str(term.formula),
                                 value_bytes=term.value, budget_bytes=budget, knob=knob)

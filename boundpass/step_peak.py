@@ -1,6 +1,6 @@
 """The device peak of a compiled training step, derived from its AOTAutograd forward and backward graphs.
 
-One place computes the peak (DESIGN.md step 5). The forward and backward graphs are walked in the order they
+One place computes the peak (docs/design.md §3, the pipeline's peak step). The forward and backward graphs are walked in the order they
 execute; every tensor's storage (torch's ``GraphAliasTracker`` from ``torch/_inductor/fx_passes/
 memory_estimator.py``: views, aliases and in-place results share one storage and count once) lives from the
 node that allocates it to its last use. Bytes are sympy expressions in the graph's symbolic sizes (plain
@@ -82,12 +82,7 @@ class GraphPeak:
 
     def peak_expr(self) -> sympy.Expr:
         """Max over program points of the live bytes (persistent state excluded), pruned of dominated terms."""
-        best: dict[sympy.Expr, sympy.Expr] = {}
-        for p in self.points:
-            const, rest = sympy.sympify(p.live).as_coeff_Add()
-            if rest not in best or (best[rest] - const).is_negative:
-                best[rest] = const
-        return sympy.Max(*(c + r for r, c in best.items())) if best else sympy.Integer(0)
+        return max_of(p.live for p in self.points)
 
     def evaluate(self, values: dict) -> tuple[int, ProgramPoint | None]:
         """(peak bytes, the program point where it is) at concrete symbol values."""
@@ -103,6 +98,54 @@ class GraphPeak:
         """The largest storages live at ``point`` (bytes evaluated at ``values``), largest first."""
         live = [(s, _int(s.nbytes, values)) for s in self.storages if s.start <= point.index <= s.end]
         return sorted(live, key=lambda x: -x[1])[:top]
+
+
+def max_of(values) -> sympy.Expr:
+    """sympy.Max of byte expressions, the dominated ones dropped before sympy sees them.
+
+    a dominates b when a - b, as a polynomial in nonnegative symbols, has no negative coefficient: then a >= b at
+    every launch, and sympy.Max would drop b too, but by pairwise assumption queries that took tens of seconds
+    over a block's hundreds of program points (a plan of deepseek_v3 671B) and seconds per dynamic-shape compile.
+    An expression that is not such a polynomial (a generator of unknown sign) is never dropped here: sympy.Max
+    still decides."""
+    exprs = list(dict.fromkeys(sympy.sympify(v) for v in values))
+    if not exprs:
+        return sympy.Integer(0)
+    polys, others = [], []
+    for e in exprs:
+        terms = _nonneg_polynomial(e)
+        (others if terms is None else polys).append((e, terms))
+    # most total weight first: a dominating expression is met before what it dominates, unless they are equal
+    polys.sort(key=lambda item: -sum(item[1].values()))
+    kept: list = []
+    for e, terms in polys:
+        if not any(_dominates(k, terms) for _, k in kept):
+            kept.append((e, terms))
+    return sympy.Max(*(e for e, _ in kept), *(e for e, _ in others))
+
+
+def _nonneg_polynomial(expr: sympy.Expr) -> dict | None:
+    """{monomial: rational coefficient} of ``expr`` as a polynomial whose generators (symbols, or subterms such as
+    Max(1, s0 - 1)) sympy knows to be nonnegative, else None. Generators may depend on each other: each monomial
+    is still a product of nonnegative factors, which is all _dominates needs."""
+    if expr.is_Rational:
+        return {(): expr}
+    if not expr.free_symbols:
+        return None
+    try:
+        poly = sympy.Poly(expr)
+    except (sympy.PolynomialError, sympy.GeneratorsNeeded):
+        return None
+    if not (poly.domain.is_ZZ or poly.domain.is_QQ) or any(g.is_nonnegative is not True for g in poly.gens):
+        return None
+    names = [str(g) for g in poly.gens]  # monomials by generator text: polynomials over other generators compare
+    return {tuple((names[i], e) for i, e in enumerate(monomial) if e): coefficient
+            for monomial, coefficient in poly.terms()}
+
+
+def _dominates(a: dict, b: dict) -> bool:
+    """Every coefficient of a - b is >= 0 (a and b from _nonneg_polynomial, over the same symbols or fewer)."""
+    return all(a.get(m, 0) >= c for m, c in b.items()) and all(c >= 0 for m, c in a.items() if m not in b)
 
 
 def _int(expr, values: dict) -> int:

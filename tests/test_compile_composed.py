@@ -9,6 +9,7 @@ pytest.importorskip("torchtitan")
 from boundpass import composed  # noqa: E402
 from boundpass.plan import shape_of_module  # noqa: E402
 from boundpass.recipes.models import build_debug_moe, debug_moe_config  # noqa: E402
+from boundpass.textwidth import flat  # noqa: E402
 
 pytestmark = pytest.mark.torchtitan
 SEQ, VOCAB = 32, 256
@@ -32,7 +33,7 @@ def test_composed_budget_fails_fast_with_its_binding_term_and_is_shown_by_explai
     assert err.value.term == table.binding().name and "composed per-rank budget" in str(err.value)
     compiled = boundpass.compile(model, budget=max(table.total, 4 << 30), launch=launch, model_shape=shape)
     compiled(torch.randint(0, VOCAB, (2, SEQ)))
-    text = boundpass.explain(compiled).text(graph="none")
+    text = flat(boundpass.explain(compiled).text(graph="none"))
     assert "composed per-rank budget of the launch configuration" in text and "FITS" in text
     assert table.binding().name in text
     with pytest.raises(BoundpassInputError, match="both launch="):

@@ -16,6 +16,7 @@ import boundpass
 from boundpass import symbols as sym
 from boundpass.passes import sco_pass
 from boundpass.runtime.sco import bound_values, sco_compiled_device_bound, sco_host_bound
+from boundpass.textwidth import flat
 
 SEQ, VOCAB, STEPS = 16, 256, 2
 
@@ -104,7 +105,8 @@ def model_runs(request):
         for step, want in zip(steps, compiled_grads):  # compare now, keep no grads (qwen3: 80M per copy)
             got = step.pop("grads", want)
             step["bit_equal"] = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(want, got))
-        runs[count] = dict(steps=steps, plan=compiled.sco_plans[-1], text=boundpass.explain(compiled).text("none"),
+        runs[count] = dict(steps=steps, plan=compiled.sco_plans[-1],
+                           text=flat(boundpass.explain(compiled).text("none")),
                            table=boundpass.explain(compiled).table)
         del model, compiled
     return dict(name=name, layers=layers, counts=counts, runs=runs, boundary=boundary, H=H)
@@ -272,8 +274,8 @@ def test_explain_and_auto_offloads_only_what_the_device_budget_needs():
     compiled(torch.randn(rows, width)).backward()
     plan = compiled.sco_plans[-1]
     assert plan.offloaded == 2 and plan.runtime.offloaded_bytes() == 2 * boundary
-    text = boundpass.explain(compiled).text("none")
-    assert "OFFLOADED sco   model.blocks.1" in text and "KEPT      sco   model.blocks.2" in text
+    text = flat(boundpass.explain(compiled).text("none"))
+    assert "OFFLOADED sco model.blocks.1" in text and "KEPT sco model.blocks.2" in text
     assert "the device budget fits without offloading it" in text and "SCO boundary pool on host" in text
 
 
@@ -281,7 +283,7 @@ def test_no_checkpointed_blocks_is_explained():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     compiled = boundpass.compile(model, budget="1GiB", loss_fn=_square_loss, host_budget="1MiB", sco=True)
     compiled(torch.randn(2, 8)).backward()
-    assert "no checkpointed blocks" in boundpass.explain(compiled).text("none")
+    assert "no checkpointed blocks" in flat(boundpass.explain(compiled).text("none"))
 
 
 def test_infeasible_device_budget_names_the_peak_and_its_knob():
@@ -331,5 +333,5 @@ def test_unmatched_regions_are_kept_noted_and_rebudgeted(monkeypatch, roomy):
     compiled(torch.randn(rows, width)).backward()
     plan = compiled.sco_plans[-1]
     assert plan.offloaded == 0 and plan.runtime.offloaded_bytes() == 0 and not plan.rewritten
-    assert "the joint graph has 0 checkpoint regions" in boundpass.explain(compiled).text("none")
+    assert "the joint graph has 0 checkpoint regions" in flat(boundpass.explain(compiled).text("none"))
     assert boundpass.explain(compiled).table.total > every

@@ -65,6 +65,22 @@ def test_text_has_step_peak_section(compiled):
     assert len(section.splitlines()) <= 40   # compact: ~20 sampled rows + the peak's contributors
 
 
+def test_report_fits_120_columns_and_lists_boundpass_ops_with_knobs(compiled):
+    """The default report (str, text()) and text(formulas=True) fit a 120-column terminal; the graph excerpt is
+    one row per boundpass op of the partitioned graphs: phase, op, module path, its non-tensor arguments."""
+    _, _, report = compiled
+    for text in (str(report), report.text(), report.text(formulas=True), report.text(graph="none")):
+        assert max(len(ln) for ln in text.splitlines()) <= 120
+    assert str(report) == report.text(graph="excerpt")
+    (region,) = report.rewritten_of("vocab")
+    section = report.text().split("boundpass ops (phase, op, module, arguments other than tensors):")[1]
+    rows = [ln.split() for ln in section.strip().splitlines()]
+    assert [r[:3] for r in rows] == [["forward", "ring_dtp_fwd", "model.head"], ["backward", "ring_dtp_bwd", "model.head"]]
+    assert all(f"block={region.block}" in r and f"vocab_size={V}" in r for r in rows)
+    assert "Theta*b" in report.text(formulas=True) and "Theta*b" not in report.text()   # formulas are opt-in
+    assert report.graph_code and report.graph_code in report.text(graph="full")
+
+
 def test_timeline_max_is_certified_peak(compiled):
     _, _, report = compiled
     cert, table = report.certificate, report.table

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import boundpass
 from boundpass import cost_model as cm
+from boundpass.textwidth import flat
 
 V, H, BATCH, SEQ = 8192, 32, 2, 512          # N = 1,024: the whole-vocab strip (32 MiB) misses the CPU "cache"
 
@@ -62,7 +63,7 @@ def test_loose_budget_takes_the_knee_not_the_widest_that_fits():
     assert knob.widest_fitting == V                    # the budget alone would allow the whole-vocab strip
     assert (knob.value, knob.why, knob.knee) == (knee, "knee", knee)
     assert boundpass.explain(compiled).rewritten_of("vocab")[0].block == knee
-    text = boundpass.explain(compiled).text()
+    text = flat(boundpass.explain(compiled).text())
     assert f"vocab_block = {knee} (knee; knee {knee}" in text and f"the budget alone allows {V}" in text
     # the memory the knee leaves to the rest of the step
     cert = boundpass.explain(compiled).certificate

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import boundpass
+from boundpass.textwidth import flat
 
 V, H, B, S = 301, 16, 3, 13      # N = 39 tokens (36 shifted); strips of 128 over V = 301: 128, 128, 45
 BLOCK = 128
@@ -204,7 +205,7 @@ def _assert_exact(model, loss_fn, ignored=True):
     for graph in (report.forward_graph, report.backward_graph):
         sizes = [n.meta["val"].numel() for n in graph.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
         assert max(sizes) < B * S * V / 2
-    assert f"REWRITTEN vocab  {region.module_path}: {region.form}" in str(report)
+    assert flat(f"REWRITTEN vocab  {region.module_path}: {region.form}") in flat(str(report))
     return region
 
 
@@ -306,7 +307,7 @@ def _skipped(model, loss_fn, reason):
     assert not report.rewritten_of("vocab")
     (region,) = report.skipped_of("vocab")
     assert reason in region.reason, region.reason
-    assert f"SKIPPED   vocab  {region.module_path}: {region.reason}" in str(report)
+    assert flat(f"SKIPPED   vocab  {region.module_path}: {region.reason}") in flat(str(report))
     return region
 
 

@@ -1,0 +1,122 @@
+"""What `boundpass.plan` and `python -m boundpass plan` are given, validated with nothing heavy imported.
+
+Every argument error a user can make without the model being built (unknown model or flavor, degrees that do
+not divide W, a bad unit, an unknown operator, a bad cost-model input) is raised here, before torch, sympy or
+torchtitan are imported: the CLI refuses a typo in well under a second. What needs the model (E_p must divide
+its expert count) is checked once the model is built on meta (boundpass/composed.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from boundpass.errors import BoundpassInputError
+from boundpass.units import parse_bytes
+
+# the bounded operators a launch can switch on (boundpass/composed.py composes their terms)
+OPERATORS = ("ring_dtp", "pipelined_llep", "sco", "offload_adamw")
+
+# torchtitan package -> its flavor table (read from the package at use; these are the MoE flavors we support)
+MODELS = {
+    "deepseek_v3": ("deepseekv3_configs", ("debugmodel", "16B", "236B", "671B")),
+    "qwen3": ("qwen3_configs", ("debugmodel_moe", "30B-A3B", "235B-A22B")),
+    "gpt_oss": ("gptoss_configs", ("debugmodel", "20b", "120b")),
+}
+DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
+
+
+@dataclass
+class PlanInput:
+    """Everything `plan` needs, validated before any model is built (units parsed into bytes / tokens)."""
+    model: str
+    flavor: str
+    ranks: int
+    ep: int
+    ring: int
+    tokens_per_rank: int
+    budget: int
+    host_budget: int | None
+    operators: frozenset
+    dtype: str = "bf16"
+    context: int | None = None
+    global_batch: int | None = None
+    chunk_cap: int | None = None
+    vocab_block: int | None = None
+    bucket: int | None = None
+    slots: int = 2
+    routing: str = "worst"
+
+
+# ------------------------------------------------------------------------------------------- inputs
+def _flavors(model: str) -> tuple[str, ...]:
+    if model not in MODELS:
+        raise BoundpassInputError(f"unknown model {model!r}; known torchtitan MoE models: {', '.join(MODELS)}")
+    return MODELS[model][1]
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BoundpassInputError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def make_input(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None = None,
+               tokens_per_rank: int | None = None, context: int | None = None, global_batch: int = 1,
+               budget="139GiB", host_budget=None, operators=OPERATORS, dtype: str = "bf16",
+               chunk_cap: int | None = None, vocab_block: int | None = None, bucket: int | None = None,
+               slots: int = 2, routing: str = "worst") -> PlanInput:
+    """Validate and normalise plan inputs (raises BoundpassInputError naming what to change; builds nothing)."""
+    if flavor not in _flavors(model):
+        raise BoundpassInputError(f"unknown flavor {flavor!r} of {model}; known: {', '.join(_flavors(model))}")
+    ranks = _positive_int("ranks (W)", ranks)
+    ep = _positive_int("ep (E_p)", ep)
+    ring = ranks if ring is None else _positive_int("ring (P)", ring)
+    for name, degree in (("E_p", ep), ("ring degree P", ring)):
+        if ranks % degree:
+            raise BoundpassInputError(f"{name} = {degree} does not divide W = {ranks} ranks: pick one of "
+                                      f"{[d for d in range(1, ranks + 1) if ranks % d == 0]}")
+    if dtype not in DTYPE_BYTES:
+        raise BoundpassInputError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    if (tokens_per_rank is None) == (context is None):
+        raise BoundpassInputError("give exactly one of tokens_per_rank (N) or context (tokens per sequence, "
+                                  "with global_batch sequences)")
+    if context is not None:
+        context = _positive_int("context", context)
+        global_batch = _positive_int("global_batch", global_batch)
+        if (context * global_batch) % ranks:
+            raise BoundpassInputError(f"context x global_batch = {context * global_batch:,} tokens do not split "
+                                      f"evenly over W = {ranks} ranks; use a multiple of {ranks}")
+        tokens_per_rank = context * global_batch // ranks
+    tokens_per_rank = _positive_int("tokens_per_rank (N)", tokens_per_rank)
+    ops = frozenset(operators)
+    if ops - set(OPERATORS):
+        raise BoundpassInputError(f"unknown operators {sorted(ops - set(OPERATORS))}; known: {', '.join(OPERATORS)}")
+    return PlanInput(model, flavor, ranks, ep, ring, tokens_per_rank, parse_bytes(budget, what="budget"),
+                     None if host_budget is None else parse_bytes(host_budget, what="host_budget"), ops, dtype,
+                     context, global_batch if context is not None else None, chunk_cap, vocab_block, bucket, slots,
+                     routing)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Inputs of --search's step-time model (per rank): FLOP/s and link bandwidths in bytes/s, latencies in s."""
+    flops: float = 400e12            # sustained bf16 FLOP/s of one rank (H200 dense peak ~989e12 at ~40% MFU)
+    link_intra: float = 400e9        # bytes/s per rank inside a node (NVLink)
+    link_inter: float = 50e9         # bytes/s per rank across nodes (400 Gb/s NIC)
+    host_link: float = 50e9          # bytes/s per rank host <-> device (PCIe 5 x16, one direction)
+    gpus_per_node: int = 8
+    chunk_latency: float = 30e-6     # fixed cost of one PipelinedLLEP chunk stage (launch + collective setup)
+    bucket_latency: float = 50e-6    # fixed cost of one OffloadStreamAdamW bucket
+
+    def __post_init__(self):
+        for name in ("flops", "link_intra", "link_inter", "host_link"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise BoundpassInputError(f"cost model: {name.replace('_', '-')} must be a finite number > 0 "
+                                          f"(per rank, per second), got {value!r}")
+        for name in ("chunk_latency", "bucket_latency"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise BoundpassInputError(f"cost model: {name} must be a finite number >= 0 (seconds), got {value!r}")
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise BoundpassInputError(f"cost model: gpus-per-node must be an int >= 1, got {self.gpus_per_node!r}")
