@@ -7,7 +7,7 @@
 3. step: bf16 working weights, Θ parameters on one GPU; OffloadStreamAdamW at a few (β, S), the serial
    CPU-Adam offload (ZeRO-Offload's shape, bench/optimizer.py), DeepSpeed CPU Adam in that shape if importable,
    and torch AdamW fused with everything on the device; torch.cuda.max_memory_allocated vs the bound.
-Targets (SPEC §4 / issue 5): ≥ 2× faster than the serial CPU-Adam offload, ≤ 1.2× the link floor.
+Targets (docs/design.md §2 / issue 5): ≥ 2× faster than the serial CPU-Adam offload, ≤ 1.2× the link floor.
 
     python3 bench/gpu_optimizer.py [--params N]     # needs CUDA; exits 0 with a message if there is none
     python3 bench/gpu_optimizer.py --dry-run         # tiny shapes on CPU: checks the script, writes nothing

@@ -61,7 +61,7 @@ FULL = {"p1": dict(N=4096, H=256, V=32768, C=4096),
 QUICK = {"p1": dict(N=2048, H=128, V=16384, C=2048),
          "p2": [dict(N=512, H=128, V=8192), dict(N=2048, H=128, V=3072)], "repeats": 3}
 PAPER = dict(P=8, H=7168, V=200_000, Ns=(16_384, 32_768), C_narrow=4096)
-PAPER_REDUCTION = {16_384: 0.828, 32_768: 0.866}  # SPEC.md §2: Ring-DTP's peak reduction vs the standard
+PAPER_REDUCTION = {16_384: 0.828, 32_768: 0.866}  # docs/design.md §2: Ring-DTP's peak reduction vs the standard
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -704,10 +704,10 @@ def render(data: dict) -> str:
     md += [f"Growth from N={n1} to N={n2}:", "", markdown_table(["schedule", "peak factor", "peak increase"], growth),
            ""]
     paper = sim["paper_accounting"]
-    md += ["Paper accounting (DESIGN.md's sanity check): the standard schedule's peak with the gathered W, its "
+    md += ["Paper accounting (the sanity check of docs/design.md §4): the standard schedule's peak with the gathered W, its "
            "gradient, h and dh all resident is " + ", ".join(
                f"{fmt_bytes(a['standard_all_resident_bytes'])} at N={n}" for n, a in paper.items())
-           + " (the measured peak + dW + dh). SPEC.md gives the paper's results only as reductions, so the 0.2% "
+           + " (the measured peak + dW + dh). docs/design.md §2 gives the paper's results only as reductions, so the 0.2% "
              "check against the paper's absolute baseline cannot be made here; those reductions applied to this "
              "baseline put the paper's Ring-DTP at " + ", ".join(
                f"{fmt_bytes(a['implied_paper_ring_dtp_bytes'])} (N={n})" for n, a in paper.items())

@@ -1,6 +1,7 @@
 """Honest memory measurement on CPU: a live-storage peak tracker (real or fake tensors) and subprocess RSS.
 
-See DESIGN.md "Measuring memory honestly" and notes/compile_mechanics.md section 7.
+Why it is built this way (custom ops' inner allocations, the fake wait_tensor trap, RSS in a fresh process):
+docs/design.md §4.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The shared sympy vocabulary every bound is written in (SPEC.md notation)."""
+"""The shared sympy vocabulary every bound is written in (docs/design.md §0)."""
 from __future__ import annotations
 
 import sympy

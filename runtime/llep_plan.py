@@ -1,4 +1,4 @@
-"""The least-loaded relocation plan of LLEP (notes/llep.md §1) and the per-chunk routing derived from it.
+"""The least-loaded relocation plan of LLEP (docs/design.md §6) and the per-chunk routing derived from it.
 
 Everything here is pure Python over the all-gathered per-rank per-expert route counts, so every rank computes
 the same plan without a broadcast, and a simulated rank (fake process group, no data) gets real splits.

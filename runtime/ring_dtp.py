@@ -5,7 +5,7 @@ Each rank r holds its own batch h_r [N_r, H] with labels [N_r] and its own vocab
 shard once; each round makes logit strips [N, C] (C <= V_r), folds them into a per-token online
 log-sum-exp state (running max, running sum of exponentials, target logit) and frees them.
 
-Two branches (SPEC.md §2): **move activations** circulates each batch (and its state, or in backward its
+Two branches (docs/design.md §2): **move activations** circulates each batch (and its state, or in backward its
 dh accumulator) when N_max < V_max; **move weights** circulates the shards (and in backward their dW
 accumulators) otherwise. Backward recomputes strips from the saved log-sum-exp, so both dh and dW are exact.
 

@@ -230,7 +230,7 @@ def _simulated_paper_peak(tokens: int, block: int) -> int:
     """Live-storage peak of Ring-DTP fwd+bwd on rank 3 of 8 under fake tensors (H = 7,168, V = 200,000)."""
     from boundpass.simulate import simulated_rank
     P, H, V = 8, 7168, 200_000
-    with simulated_rank(3, P, device="cpu") as sim:  # fake cuda lacks some CPU-build kernels (notes)
+    with simulated_rank(3, P, device="cpu") as sim:  # fake cuda lacks some CPU-build kernels
         start, stop = vocab_shard_range(V, P, sim.rank)
         h = torch.empty(tokens, H, device=sim.device)
         w = torch.empty(stop - start, H, device=sim.device)
@@ -241,7 +241,7 @@ def _simulated_paper_peak(tokens: int, block: int) -> int:
 
 @pytest.mark.parametrize("tokens,block", [(16_384, 0), (32_768, 0), (16_384, 4096), (32_768, 4096)])
 def test_bound_sound_and_tight_simulated_at_paper_scale(tokens, block):
-    """P = 8, H = 7,168, V = 200,000, fp32 (SPEC §2): nothing is allocated.
+    """P = 8, H = 7,168, V = 200,000, fp32 (docs/design.md §2): nothing is allocated.
 
     Measured in a fresh interpreter: after other tests have compiled graphs in this process, the fake-tensor
     peak of the same code reads one [N, H] buffer higher (seen after the dynamic-shape compile tests; cause not
@@ -258,4 +258,4 @@ def test_bound_sound_and_tight_simulated_at_paper_scale(tokens, block):
     bound = sym.evaluate(ring_dtp_bound(branch, mixed_precision=False), values)
     standard = sym.evaluate(ring_dtp.reference_bound(mixed_precision=False), values)
     assert measured <= bound <= 1.25 * measured, (measured, bound)
-    assert bound <= 0.2 * standard  # SPEC §2 target: >= 80% below the standard schedule
+    assert bound <= 0.2 * standard  # docs/design.md §2 target: >= 80% below the standard schedule

@@ -31,7 +31,7 @@ from boundpass.passes.graph_edit import example_value as _val
 from boundpass.passes.graph_edit import node_adder
 from boundpass.runtime.pipelined_llep import group_name_of
 
-# PipelinedLLEP planner defaults (LLEP's public defaults: notes/llep.md §5); the cap c is set by the budget
+# PipelinedLLEP planner defaults (LLEP's public defaults: docs/design.md §6); the cap c is set by the budget
 DEFAULT_ALPHA, DEFAULT_MIN_PIECE, DEFAULT_IMBALANCE = 1.1, 1024, 1.3
 
 

@@ -13,7 +13,7 @@ def node_adder(graph: fx.Graph, fake_mode, *, module_stack_of: fx.Node, trace_of
     """add(target, *args, kind=...) -> a new node whose example_value is computed under the graph's fake mode.
 
     fake_mode must be the one of the graph's own example values (the backend's differs: mixing them fails,
-    notes/compile_mechanics.md §2). The new nodes carry the nn_module_stack / stack_trace of the nodes they stand
+    docs/design.md §3). The new nodes carry the nn_module_stack / stack_trace of the nodes they stand
     for, so the rewritten graph prints where they came from.
     """
     def add(target, *node_args, kind="call_function"):

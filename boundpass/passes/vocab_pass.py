@@ -819,7 +819,7 @@ def _rewrite(gm, match: _Match, proj: _Projection, chain, config, path, form) ->
     vocab, hidden = (int(w_val.shape[1]), int(w_val.shape[0])) if proj.transpose else \
         (int(w_val.shape[0]), int(w_val.shape[1]))
     anchor = match.anchor
-    fake_mode = _val(anchor).fake_mode  # the graph's own fake mode (the backend's differs: notes §2)
+    fake_mode = _val(anchor).fake_mode  # the graph's own fake mode (the backend's differs: docs/design.md §3)
     ignore_index = int(match.ignore_index)
     graph = gm.graph
     add = _adder(graph, fake_mode, module_stack_of=proj.node, trace_of=anchor)
