@@ -71,6 +71,20 @@ def test_label_smoothing_budget_below_its_logits_is_refused_before_compute():
     assert all(p.grad is None for p in model.parameters())  # raised before any real compute
 
 
+# Blocks kept of deepseek_v3's debug model in the whole-step cases: its dense block and two of its five MoE blocks.
+# The certificate walks every node of the step's graphs and each further MoE block repeats the same nodes, so the
+# check is the same on fewer of them. qwen3 and gpt_oss keep every block: cut to 2, qwen3's certificate was 1.12x
+# its measured step (the fixed terms weigh more) and gpt_oss's was 23 KB BELOW it (402,575,200 B certified,
+# 402,598,452 B measured, 2026-12-01) - an open soundness gap of the step analysis on that shape, not hidden here.
+KEEP_BLOCKS = {"deepseek_v3": 3}
+
+
+def _trimmed(model, name):
+    for key in list(model.layers)[KEEP_BLOCKS.get(name, len(model.layers)):]:
+        del model.layers[key]
+    return model
+
+
 @pytest.fixture(scope="module")
 def torchtitan_models():
     pytest.importorskip("torchtitan")
@@ -87,7 +101,7 @@ def test_torchtitan_debug_models_whole_step(torchtitan_models, name, dispatch, d
     build_debug_moe, torchtitan_loss = torchtitan_models
     torch._dynamo.reset()
     vocab, seq = 8192, 128
-    model = build_debug_moe(name, vocab_size=vocab, seq_len=seq, dtype=dtype)
+    model = _trimmed(build_debug_moe(name, vocab_size=vocab, seq_len=seq, dtype=dtype), name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     step = boundpass.compile(model, budget="8GiB", loss_fn=torchtitan_loss(), optimizer=opt, dispatch=dispatch)
     _, _, report = _check(step, model, step.optimizer, lm_batches(vocab, 2, seq, with_count=True))
@@ -208,7 +222,8 @@ def test_inductor_whole_step_at_the_allocator(name):
     else:
         pytest.importorskip("torchtitan")
         from boundpass.recipes.models import build_debug_moe, torchtitan_loss
-        model, loss_fn = build_debug_moe("deepseek_v3", vocab_size=8192, seq_len=256), torchtitan_loss()
+        model = _trimmed(build_debug_moe("deepseek_v3", vocab_size=8192, seq_len=256), "deepseek_v3")
+        loss_fn = torchtitan_loss()
         batches = lm_batches(8192, 2, 256, with_count=True)
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
     step = boundpass.compile(model, budget="16GiB", loss_fn=loss_fn, optimizer=opt, inner="inductor")
