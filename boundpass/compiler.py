@@ -19,6 +19,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from boundpass import inductor_peak
+from boundpass.aot_workarounds import saved_tensors_before_opaque
 from boundpass import symbols as sym
 from boundpass.bounds import BoundTerm, BudgetTable, raise_infeasible
 from boundpass.errors import BoundpassError, BoundpassInputError
@@ -192,7 +193,7 @@ class BoundedModule(nn.Module):
         # passes: find -> match -> replace; the knobs they leave open (C, c, L_off) are the planner's
         regions = rewrite_vocab_regions(gm, config)
         report.regions.extend(regions)
-        dispatch_regions = rewrite_dispatch_regions(gm, self) if self.dispatch else []
+        dispatch_regions = rewrite_dispatch_regions(gm, self.dispatch_root()) if self.dispatch else []
         report.regions.extend(dispatch_regions)
         for region in dispatch_regions:  # later calls agree over these groups before compiling (forward)
             if region.rewritten and region.group_name and region.group_name not in self.ep_groups:
@@ -290,6 +291,18 @@ class BoundedModule(nn.Module):
     def _grads_held(self) -> bool:
         return any(p.grad is not None for p in self.model.parameters())
 
+    def dispatch_root(self) -> nn.Module:
+        """The module the graph's nn_module_stack paths start at (Dynamo's ``L['self']``: this module)."""
+        return self
+
+    def carry_terms(self, peak, backed: dict) -> list[BoundTerm] | None:
+        """What the rest of the step holds while a graph of this module runs, as table rows; None: the default
+        (nothing under fullgraph; under graph breaks, every earlier graph's saved tensors in one row).
+        Overridden where boundpass knows the step's structure (boundpass/block_compile.py); a head compiled after a
+        trunk of compiled blocks (``self.trunk``) runs with every block's saved tensors held."""
+        trunk = getattr(self, "trunk", None)
+        return trunk.head_carry_terms() if trunk is not None else None
+
     def check_accumulation(self) -> None:
         """Gradients from an earlier backward are held through this step: its peak must still fit."""
         for cert in self.certificates:
@@ -326,6 +339,7 @@ class _PlanningPartitioner:
         def attempt(count: int):
             nonlocal held
             fw, bw = base(joint, joint_inputs, **kwargs)
+            saved_tensors_before_opaque(fw, bw, outputs)
             held = []
             if plan.eligible:
                 sco_pass.apply_count(plan, count)
@@ -340,6 +354,10 @@ class _PlanningPartitioner:
             if shape_env is not None:  # partitioning may add symbols (e.g. a saved RNG state's size)
                 backed.update(shape_env.backed_var_to_val)
                 backed.update(_data_dependent_sizes(shape_env, peak, (fw, bw), backed, self.knobs))
+            # what the rest of the step holds while this graph runs (other graphs' saved tensors, ...): the owner's
+            terms = owner.carry_terms(peak, backed)
+            if terms is not None:
+                planner.carry_terms, planner.carry = terms, sum(t.value for t in terms)
             return fw, bw, peak
 
         held: list = []
@@ -397,7 +415,7 @@ class _PlanningPartitioner:
         self.report.forward_graph, self.report.backward_graph = fw, bw
         self.pending = types.SimpleNamespace(fw=fw, bw=bw, planner=planner, values=values, extra=extra, held=held,
                                              static=static, outputs=outputs, ctx=ctx, shape_env=shape_env,
-                                             backed=backed, carry=carry, cert=cert)
+                                             backed=backed, carry=planner.carry, cert=cert)
         if owner.inner != "inductor":
             self._check(cert, peak, self.pending)
         # Inductor: checked in finish_inductor, on the schedule it emits for both graphs (still before any compute)
@@ -546,7 +564,8 @@ def _data_dependent_sizes(shape_env, peak, graphs, known: dict, knobs) -> dict:
     for symbol in sorted(free - set(known) - knob_symbols, key=str):
         bound = shape_env.var_to_range.get(symbol)
         upper = getattr(bound, "upper", None)
-        if upper is not None and getattr(upper, "is_finite", False) and upper.is_number:
+        # an integer, not torch's int_oo (an IntInfinity whose is_finite / is_number do not say it is unbounded)
+        if upper is not None and getattr(upper, "is_Integer", False):
             out[symbol] = int(upper)
             continue
         made_by = next((f"{n.name} ({n.target}) in {module_path(n) or 'the model'}" for g in graphs for n in g.graph.nodes

@@ -94,6 +94,9 @@ class StepPlanner:
         self.knobs = knobs
         self.symbol_values = symbol_values     # backed sizes of the graph's symbolic dims
         self.carry = carry                     # saved bytes of earlier graphs of the same step (graph breaks)
+        # the rows that make up ``carry`` when its owner names them (per-block compile: the other blocks' saved
+        # tensors, FSDP2's gathered units, ...); None: one row "saved tensors of earlier graphs"
+        self.carry_terms: list[BoundTerm] | None = None
         self.caller = 0                        # batch + returned outputs the caller holds through optimizer.step
         self.held_grads = 0                    # gradients an earlier backward left (accumulation at compile time)
 
@@ -168,7 +171,9 @@ class StepPlanner:
         if self.held_grads:
             table.terms.append(BoundTerm("gradients held from the previous backward (accumulation)",
                                          sympy.Integer(self.held_grads), self.held_grads, kind="transient", knob=""))
-        if self.carry:
+        if self.carry_terms is not None:
+            table.terms += [t for t in self.carry_terms if t.value]
+        elif self.carry:
             table.terms.append(BoundTerm("saved tensors of earlier graphs of this step (graph breaks)",
                                          sympy.Integer(self.carry), self.carry, kind="transient", knob=""))
         grads = sum(t.value for t in self.state_terms if t.name == "gradients")

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from boundpass.errors import BoundpassInputError, InfeasibleBudgetError
+from boundpass.errors import BoundpassError, BoundpassInputError, InfeasibleBudgetError
 from boundpass.units import format_bytes
 
 from torchtitan.components.checkpointer import LR_SCHEDULER
@@ -76,6 +76,15 @@ class BoundpassConfig:
     """What boundpass.compile captures. "model": the whole model + loss (fullgraph; only for a model that is
     not FSDP2-wrapped). "head": lm_head -> loss as one graph while torchtitan runs the trunk as it always does
     (the only way to keep the vocab region in one graph under FSDP2). "auto": "head" when FSDP2-wrapped."""
+    blocks: bool = True
+    """Compile every TransformerBlock through boundpass (torchtitan's per-block compile with boundpass as its backend:
+    dispatch -> PipelinedLLEP, checkpoint boundaries -> SCO, each block graph checked against the whole step's
+    budget; boundpass/block_compile.py). On whenever the head is captured (FSDP2, or --compile.enable); with
+    --compile.enable the blocks are lowered as --compile.backend asks, without it as --boundpass.inner asks.
+    `--boundpass.no-blocks`: the trunk runs as torchtitan runs it (and the budget leaves its activations out)."""
+    measure_peak: bool = False
+    """Measure each step's device peak at torch's allocator (profiler memory events; slower) and log it beside the
+    certified peak (kept in `trainer.peaks` as (step, bytes))."""
     report: bool = True
     """Log boundpass's report (regions rewritten / skipped, bounds table) after the first step."""
     record_losses: str | None = None
@@ -125,11 +134,14 @@ class BoundpassTrainer(Trainer):
 
     def __init__(self, config: Config):
         self.bounded = None
+        self.blocks = None
         self._reported = False
         self.mop_state = None
+        self.peaks: list[tuple[int, int]] = []  # (step, measured allocator peak bytes) with --boundpass.measure_peak
         bp = config.boundpass
         if bp.active and bp.vocab and isinstance(config.loss, ChunkedLossWrapper.Config):
             config.loss = config.loss.loss_fn  # see the module docstring: a chunked eager backward cannot be captured
+        self.block_backend = self._prepare_block_compile(config) if bp.active else None
         if bp.mop:
             self._prepare_mop_layout(config)
         super().__init__(config)
@@ -153,6 +165,42 @@ class BoundpassTrainer(Trainer):
         self.metrics_processor.log = log_and_record
 
     # ---------------------------------------------------------------------------------------------- setup
+    def _prepare_block_compile(self, config: Config):
+        """Before torchtitan builds the model: make boundpass the backend of torchtitan's per-block compile.
+
+        torchtitan's parallelize function calls ``apply_compile`` (every TransformerBlock, fullgraph) with
+        ``--compile.backend``; that backend becomes a boundpass backend which lowers with what was asked. The
+        planning state it needs (the optimizer's terms) exists only after torchtitan built the optimizer, so the
+        backend is a forwarder filled in by ``_enable_boundpass``: blocks compile lazily, at the first forward.
+        """
+        bp, compile_config = config.boundpass, config.compile
+        if bp.capture == "model":
+            if compile_config.enable and "model" in compile_config.components:
+                raise BoundpassInputError(
+                    "boundpass recipe: --boundpass.capture model compiles the whole model + loss as one graph, which "
+                    "cannot hold torchtitan's per-block compile (--compile.enable) inside it; drop --compile.enable, "
+                    "or use --boundpass.capture auto (every block compiled through boundpass, the head captured)")
+            return None
+        if not bp.blocks or not bp.vocab:
+            return None
+        if not (compile_config.enable or _world_size() > 1):
+            return None  # one rank, not compiled: "auto" captures the whole model in one graph
+        asked = compile_config.backend if compile_config.enable and "model" in compile_config.components else None
+        if asked is not None and asked not in ("inductor", "aot_eager"):
+            raise BoundpassInputError(f"boundpass recipe: --compile.backend {asked!r}: boundpass lowers block graphs "
+                                      "with 'inductor' or 'aot_eager'")
+        self.block_inner = asked or bp.inner
+        self.block_compile_note = (f"torchtitan's per-block compile (--compile.enable) with boundpass as its backend, "
+                                   f"lowered by {self.block_inner}" if asked else
+                                   f"boundpass compiles each block itself (torchtitan's apply_compile; no "
+                                   f"--compile.enable given), lowered by {self.block_inner}")
+        backend = _BlockBackend()
+        compile_config.enable = True
+        # the head (lm_head -> loss) is compiled by boundpass.compile: torchtitan must not compile the loss itself
+        compile_config.components = ["model"]
+        compile_config.backend = backend
+        return backend
+
     def _enable_boundpass(self, bp: BoundpassConfig) -> None:
         import boundpass
         from torch.distributed.fsdp import FSDPModule
@@ -170,6 +218,8 @@ class BoundpassTrainer(Trainer):
         if capture == "head" and not bp.vocab:
             raise ValueError("boundpass recipe: --boundpass.capture head only captures the vocab region; it needs "
                              "--boundpass.vocab")
+        if self.block_backend is not None and capture != "head":
+            raise BoundpassInputError("boundpass recipe: per-block compile needs --boundpass.capture head or auto")
         self.capture = capture
         if capture == "head":
             model._skip_lm_head = True  # the trunk returns the normed hidden state; VocabHead does lm_head -> loss
@@ -185,6 +235,17 @@ class BoundpassTrainer(Trainer):
             optimizer=self.optimizers, offload_optimizer=offload, optimizer_bucket=bp.optimizer_bucket,
             optimizer_slots=bp.optimizer_slots, inner=bp.inner, fullgraph=True)
         plan = self.bounded.optimizer_plan
+        if self.block_backend is not None:
+            from boundpass.block_compile import CompiledBlocks
+            self.blocks = CompiledBlocks(
+                model, list(model.layers.values()), budget=self.bounded.budget, host_budget=self.bounded.host_budget,
+                state_terms=self.bounded.state_terms, optimizer_plan=plan, inner=self.block_inner,
+                max_tokens_per_rank=bp.max_tokens_per_rank)
+            self.blocks.check_tail()  # the backward's tail needs no graph: checked here, before step 1
+            self.block_backend.target = self.blocks
+            self.bounded.trunk = self.blocks  # the head runs with every block's saved tensors held
+            logger.info(f"[boundpass] blocks: {self.block_compile_note}; {self.blocks.num_blocks} blocks, "
+                        f"{len(self.blocks.units)} FSDP2 units")
         if plan is not None and list(self.optimizers.optimizers) != before:
             self._repoint_at_swapped_optimizers()
         self.metrics_processor.optimizers = self.optimizers
@@ -324,6 +385,18 @@ class BoundpassTrainer(Trainer):
                                extra_kwargs: dict[str, Any]) -> torch.Tensor:
         if self.bounded is None:
             return super()._forward_backward_body(inputs, labels, global_valid_tokens, extra_kwargs)
+        if self.blocks is not None:
+            self.blocks.begin_step()
+            try:
+                return self._bounded_forward_backward(inputs, labels, global_valid_tokens, extra_kwargs)
+            except torch._dynamo.exc.BackendCompilerFailed as exc:  # a block graph's budget check: say it plainly
+                inner = getattr(exc, "inner_exception", None)
+                if isinstance(inner, BoundpassError):
+                    raise inner.with_traceback(None) from None
+                raise
+        return self._bounded_forward_backward(inputs, labels, global_valid_tokens, extra_kwargs)
+
+    def _bounded_forward_backward(self, inputs, labels, global_valid_tokens, extra_kwargs) -> torch.Tensor:
         with self.train_context():
             if self.capture == "head":
                 model = self.model_parts[0]
@@ -349,7 +422,65 @@ class BoundpassTrainer(Trainer):
             logger.info("[boundpass] " + self.summary().replace("\n", "\n[boundpass] "))
         return loss
 
+    def train_step(self, data_iterator):
+        if self.blocks is not None:
+            # last step's gradients must be gone before this step's exist (the certified peak counts one set): some
+            # are only reachable from reference cycles, and torchtitan turns Python's automatic gc off (its
+            # GarbageCollection runs every --training.gc_freq steps). Measured: up to 32 MiB of last step's
+            # gradients alive at the end of backward on the debug model without this.
+            import gc
+            self.optimizers.zero_grad(set_to_none=True)
+            gc.collect(1)
+        if not self.config.boundpass.measure_peak:
+            return super().train_step(data_iterator)
+        from boundpass.testing.whole_step import allocator_peak_of
+        out, peak = allocator_peak_of(lambda: super(BoundpassTrainer, self).train_step(data_iterator),
+                                      self._device_state())
+        self.peaks.append((self.step, peak))
+        certified = self.certified_peak()
+        logger.info(f"[boundpass] step {self.step}: measured device peak {format_bytes(peak)} (torch's allocator)"
+                    + (f", certified {format_bytes(certified)} ({certified / max(peak, 1):.3f}x measured)"
+                       if certified else ""))
+        return out
+
+    def _device_state(self) -> list:
+        """Every tensor live when a step starts: parameters, buffers, last step's gradients, optimizer state."""
+        model = self.model_parts[0]
+        state = [*model.parameters(), *model.buffers(), *[p.grad for p in model.parameters() if p.grad is not None]]
+        for opt in getattr(self.optimizers, "optimizers", [self.optimizers]):
+            state += [t for st in getattr(opt, "state", {}).values() for t in st.values() if torch.is_tensor(t)]
+        return state
+
+    def certified_peak(self) -> int:
+        """The step's certified device peak (bytes): the largest total of every graph boundpass checked."""
+        certs = list(self.bounded.certificates) if self.bounded is not None else []
+        if self.blocks is not None:
+            certs += self.blocks.certificates
+        return max((c.table.total for c in certs), default=0)
+
     # --------------------------------------------------------------------------------------------- report
+    def _block_summary(self) -> list[str]:
+        blocks = self.blocks
+        lines = [f"blocks: {self.block_compile_note}; {blocks.num_blocks} blocks ran {len(blocks.graph_saved)} "
+                 f"block graph(s)"]
+        for g, at in enumerate(blocks.graph_cert):
+            report = blocks.reports[g]
+            users = [i for i, run in enumerate(blocks.runs) if run == g]
+            lines.append(f"  block graph {g}: blocks {users or '-'}, saves {format_bytes(blocks.graph_saved[g])} "
+                         "for backward" + ("" if at is None else
+                                            f", step peak with it {format_bytes(blocks.certificates[at].table.total)}"))
+            for r in report.regions:
+                lines.append(f"    {r.describe()}")
+            if report.sco is not None:
+                lines += [f"  {line}" for line in report.sco.lines()]
+        lines.append(f"  composed step budget: certified peak {format_bytes(self.certified_peak())} of "
+                     f"{self.config.boundpass.budget} (the largest graph total: state + the other blocks' saved "
+                     "tensors + FSDP2 units + the graph's own peak)")
+        worst = max((c for c in blocks.certificates), key=lambda c: c.table.total, default=None)
+        if worst is not None:
+            lines.append(worst.table.render())
+        return lines
+
     def summary(self) -> str:
         """What boundpass did, over every graph Dynamo handed it: rewritten and skipped regions, graph count."""
         if self.bounded is None:
@@ -366,6 +497,8 @@ class BoundpassTrainer(Trainer):
         for r in skipped:
             lines.append(f"  SKIPPED   {r.module_path}: {r.reason}")
         lines += [f"  {r.describe()}" for r in dispatch]  # expert dispatch regions (PipelinedLLEP)
+        if self.blocks is not None:
+            lines += self._block_summary()
         if self.bounded.loss_fn is not None and not rewritten:
             lines.append("  WARNING: the vocab region was NOT rewritten in any graph: lm_head -> cross-entropy runs "
                          "unbounded (torchtitan's standard schedule); see docs/recipe.md")
@@ -375,6 +508,21 @@ class BoundpassTrainer(Trainer):
         if reports and reports[-1].table is not None:
             lines.append(reports[-1].table.render())
         return "\n".join(lines)
+
+
+class _BlockBackend:
+    """The Dynamo backend torchtitan's apply_compile is handed: forwards each block graph to the CompiledBlocks the
+    trainer fills in once the optimizer exists (blocks compile at the first forward, after that)."""
+
+    target = None
+
+    def __call__(self, gm, example_inputs):
+        if self.target is None:
+            raise RuntimeError("boundpass recipe: a block was compiled before the trainer set boundpass up")
+        return self.target.backend(gm, example_inputs)
+
+    def __repr__(self) -> str:  # torchtitan logs the backend
+        return "boundpass"
 
 
 def _world_size() -> int:

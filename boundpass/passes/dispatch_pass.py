@@ -79,12 +79,24 @@ def _region_key(node: fx.Node, routed_cls) -> str | None:
     return None
 
 
+_CLOSURE_HOP = r"\.forward\.__closure__\[0\]\.cell_contents\.__self__"   # torchtitan's local_map forward wrappers
+_MODULES_HOP = r"__dict__\['_modules'\]\['([^']+)'\]"                     # a child looked up in _modules
+
+
 def _resolve(root: torch.nn.Module, path: str):
-    """The module a Dynamo nn_module_stack path names, or None (closure paths of local_map wrappers)."""
-    if not path.startswith("L['self']") or "__" in path:
+    """The module a Dynamo nn_module_stack path names, or None.
+
+    Paths start at the compiled frame's ``self``: ``L['self'].model...`` under boundpass.compile, a bare
+    ``__dict__['_modules']['_checkpoint_wrapped_module'].moe...`` under a per-block compile of a checkpointed block.
+    The closure hops of torchtitan's local_map wrappers and ``_modules`` lookups are walked as the children they are.
+    """
+    path = re.sub(_MODULES_HOP, r".\1", re.sub(_CLOSURE_HOP, "", path))
+    if path.startswith("L['self']"):
+        path = path[len("L['self']"):]
+    if "__" in path or path.startswith("L["):
         return None
     mod = root
-    for tok in path[len("L['self']"):].replace("['", ".").replace("']", "").split("."):
+    for tok in path.replace("['", ".").replace("']", "").split("."):
         if not tok:
             continue
         nxt = getattr(mod, tok, None) if not tok.isdigit() else None
@@ -115,7 +127,8 @@ def _pretty(path: str) -> str:
     for prefix in ("L['self'].model.", "L['self']."):
         if path.startswith(prefix):
             path = path[len(prefix):]
-    return re.sub(r"\.forward\.__closure__\[0\]\.cell_contents\.__self__", "", path).replace("['", ".").replace("']", "")
+    path = re.sub(_MODULES_HOP, r".\1", re.sub(_CLOSURE_HOP, "", path)).replace("._checkpoint_wrapped_module", "")
+    return path.lstrip(".").replace("['", ".").replace("']", "")
 
 
 def _is(node, kind, target) -> bool:

@@ -12,6 +12,8 @@ Python objects.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from boundpass.memtrack import LiveStorageTracker
@@ -45,36 +47,73 @@ def allocator_step_peak(step, model, optimizer, batches, *, warmup: int = 1) -> 
     plus the highest the allocations and frees of the step (``torch.profiler`` memory events, in time order)
     take the running sum above it. Arguments as ``measured_step_peak``.
     """
-    from torch._C._profiler import _ExtraFields_Allocation
-    from torch.profiler import ProfilerActivity, profile
     batches = list(batches)
     model.zero_grad(set_to_none=True)
     for batch in batches[:warmup]:
         _train_step(step, model, optimizer, batch)
     best = 0
     for batch in batches[warmup:]:
-        state = {}
-        for t in [*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer),
-                  *[b for b in batch if isinstance(b, torch.Tensor)]]:
-            storage = t.untyped_storage()
-            state[storage.data_ptr()] = storage.nbytes()
-        # the allocation events only (no with_stack): torch's MemoryProfile needs Python frames, whose tracer grew
-        # without bound on torchtitan's MoE step here in a process that had profiled before
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            _train_step(step, model, optimizer, batch)
-        events = []
-        stack = list(prof.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            node = stack.pop()
-            if isinstance(node.extra_fields, _ExtraFields_Allocation) and node.extra_fields.device.type == "cpu":
-                events.append((node.start_time_ns, node.extra_fields.alloc_size))  # < 0: a free
-            stack.extend(node.children)
-        live = peak = 0
-        for _, size in sorted(events, key=lambda e: e[0]):
-            live += size
-            peak = max(peak, live)
-        best = max(best, sum(state.values()) + peak)
+        state = [*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer),
+                 *[b for b in batch if isinstance(b, torch.Tensor)]]
+        _, peak = allocator_peak_of(lambda: _train_step(step, model, optimizer, batch), state)
+        best = max(best, peak)
     return best
+
+
+def allocator_peak_of(fn, state) -> tuple[object, int]:
+    """(fn(), the peak bytes torch's CPU allocator held while it ran): the storages of ``state`` (tensors live
+    when it starts, each storage once; DTensors by their local shard; the caller must not hold the list, so what
+    fn frees is freed) plus every other storage ``fn`` frees that was allocated
+    before it (live when it started: e.g. buffers FSDP2 keeps from the previous step), plus the highest the
+    allocations and frees of ``fn`` (``torch.profiler`` memory events, in time order) take the running sum above
+    them. Storages live throughout that neither ``state`` names nor ``fn`` frees are not seen."""
+    from torch._C._profiler import _ExtraFields_Allocation
+    from torch.profiler import ProfilerActivity, profile
+    live_at_start = {}
+    for t in state:
+        t = getattr(t, "_local_tensor", t)
+        storage = t.untyped_storage()
+        if t.device.type == "cpu":
+            live_at_start[storage.data_ptr()] = storage.nbytes()
+    # drop the references: a tensor freed during fn (last step's gradients at zero_grad) must be freed
+    del state, t, storage
+    # the allocation events only (no with_stack): torch's MemoryProfile needs Python frames, whose tracer grew
+    # without bound on torchtitan's MoE step here in a process that had profiled before
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = []
+    stack = [(n, "") for n in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        node, parent = stack.pop()
+        if isinstance(node.extra_fields, _ExtraFields_Allocation) and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr, parent))
+        stack.extend((c, (node.name + " < " + parent)[:160]) for c in node.children)
+    live = peak = 0
+    events.sort(key=lambda e: e[0])
+    at = 0
+    made, earlier = set(), 0
+    for i, (_, size, ptr, _) in enumerate(events):  # size < 0: a free
+        if size > 0:
+            made.add(ptr)
+        elif ptr not in made and ptr not in live_at_start:
+            earlier -= size  # freed here, allocated before fn and not in ``state``: it was live when fn started
+        live += size
+        if live > peak:
+            peak, at = live, i
+    if os.environ.get("BOUNDPASS_PEAK_DEBUG"):  # what the allocations live at the peak were made by
+        held = {}
+        for _, size, ptr, parent in events[:at + 1]:
+            if size > 0:
+                held[ptr] = (size, parent)
+            else:
+                held.pop(ptr, None)
+        by_op = {}
+        for size, parent in held.values():
+            by_op[parent] = by_op.get(parent, 0) + size
+        freed_known = -sum(sz for _, sz, ptr, _ in events[:at + 1] if sz < 0 and ptr in live_at_start)
+        print("PEAK_DEBUG", sum(live_at_start.values()), peak, "earlier", earlier, "freed_known", freed_known,
+              sorted(by_op.items(), key=lambda kv: -kv[1])[:25], flush=True)
+    return out, sum(live_at_start.values()) + earlier + peak
 
 
 def measured_step_timeline(step, model, optimizer, batches, *, warmup: int = 1) -> list[int]:
