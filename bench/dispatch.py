@@ -47,8 +47,9 @@ ZIPF_S = 1.5
 
 # Real-tensor shapes (fp32). c ~ T/10 so K = 10 as at the paper's shape; min_piece scaled from 1024 at
 # 65,536 x 8 routes/rank to this shape's routes/rank (at least 8).
-FULL = dict(worlds=(2, 4), T=1024, H=256, I=256, E=16, k=4, cap=103, min_piece=16, repeats=5)
-QUICK = dict(worlds=(2, 4), T=512, H=128, I=128, E=8, k=2, cap=52, min_piece=8, repeats=5)
+FULL = dict(worlds=(2, 4), T=1024, H=256, I=256, E=16, k=4, cap=103, min_piece=16, repeats=5,
+            curve=(13, 26, 52, 103, 205, 410, 1024))
+QUICK = dict(worlds=(2, 4), T=512, H=128, I=128, E=8, k=2, cap=52, min_piece=8, repeats=5, curve=(13, 52, 128, 512))
 PAPER = dict(P=8, T=65_536, H=7_168, I=2_048, E=128, k=8, cap=6_554, min_piece=1024, dtype=torch.bfloat16)
 PLAN = dict(alpha=1.1, imbalance_threshold=1.3)  # LLEP defaults, the same for LLEP and PipelinedLLEP
 
@@ -166,8 +167,45 @@ def real_rank(rank: int, world: int, cfg: dict) -> dict:
                  for sch in SCHEDULES + (DIAGNOSTIC,)}
         seconds = interleaved_medians(steps, repeats=cfg["repeats"], warmup=0, sync=dist.barrier)
         peaks = {sch: live_peak(sch, x, ids, s, ws, grad, group, cfg) for sch in SCHEDULES + (DIAGNOSTIC,)}
-        out[kind] = {"seconds": seconds, "peak_bytes": peaks, "max_rel_err": err}
+        # time against the chunk cap c (strided, through the custom op): the curve the knee is read from
+        curve = interleaved_medians({c: (lambda c=c: autograd_step("pipelined", x, ids, s, ws, grad, group,
+                                                                   dict(cfg, cap=c))) for c in cfg["curve"]},
+                                    repeats=cfg["repeats"], warmup=1, sync=dist.barrier)
+        out[kind] = {"seconds": seconds, "peak_bytes": peaks, "max_rel_err": err, "curve_seconds": curve,
+                     "overlap": overlap_timeline(x, ids, s, ws, grad, group, cfg)}
     return out
+
+
+def overlap_timeline(x, ids, s, ws, grad, group, cfg) -> dict:
+    """Communication hidden behind compute, from the pipeline's own timestamps (PL.TIMELINE).
+
+    One eager forward + backward of PipelinedLLEP (strided) with overlap on and off, repeated; per run: the wall
+    time, the time spent blocked in wait() (exposed communication, including waiting for a slower peer), and with
+    overlap the time collectives were in flight while this rank computed (launch -> completion, less the blocked
+    part). Hidden = exposed without overlap - exposed with overlap (medians)."""
+    import statistics
+
+    e = ws[0].shape[0]
+    args = (group.group_name, cfg["cap"], PLAN["alpha"], cfg["min_piece"], PLAN["imbalance_threshold"], e, True)
+    runs = {True: [], False: []}
+    for _ in range(cfg["repeats"]):
+        for overlap in (True, False):
+            PL.TIMELINE = []
+            dist.barrier()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out, cnt, perm = pipelined_llep_forward(x, ids, s, *ws, *args, (), None, overlap)
+                grads = pipelined_llep_backward(grad, x, ids, s, *ws, cnt, perm, *args, None, overlap)
+            wall = time.perf_counter() - t0
+            events, PL.TIMELINE = PL.TIMELINE, None
+            del out, cnt, perm, grads
+            blocked = sum(t2 - t1 for *_, t1, t2 in events)
+            in_flight = sum(max(0.0, t1 - t0_) for *_, t0_, t1, _ in events)  # launched, not yet waited for
+            runs[overlap].append((wall, blocked, in_flight, len(events)))
+    med = {ov: [statistics.median(r[i] for r in rs) for i in range(4)] for ov, rs in runs.items()}
+    return {"wall_on": med[True][0], "wall_off": med[False][0], "blocked_on": med[True][1],
+            "blocked_off": med[False][1], "in_flight_on": med[True][2], "collectives": int(med[True][3]),
+            "hidden": med[False][1] - med[True][1]}
 
 
 def run_real(cfg: dict) -> list[dict]:
@@ -189,6 +227,8 @@ def run_real(cfg: dict) -> list[dict]:
                           "seconds_rank0": per_rank[0][kind]["seconds"],
                           "max_rel_err": {s: max(r[kind]["max_rel_err"][s] for r in per_rank)
                                           for s in SCHEDULES[1:] + (DIAGNOSTIC,)},
+                          "curve_seconds_rank0": {str(c): t for c, t in per_rank[0][kind]["curve_seconds"].items()},
+                          "overlap_per_rank": [r[kind]["overlap"] for r in per_rank],
                           "plan": stats}
             print(f"  P={world} {kind:11s} " + ", ".join(
                 f"{s} {fmt_bytes(max(rows[kind]['per_rank_peak_bytes'][s]))} "
@@ -289,6 +329,13 @@ def check_targets(real: list[dict], sim: dict) -> list[dict]:
             slow.append((f"P={sec['world']} {kind}", t["pipelined"] / t["llep"]))
     targets.append({"target": "real tensors: PipelinedLLEP (strided) time within 1.1 x LLEP",
                     "figures": ", ".join(f"{n}: {x:.2f}x" for n, x in slow), "met": all(x <= 1.1 for _, x in slow)})
+    order = []
+    for sec in real:
+        for kind, row in sec["routings"].items():
+            t = row["seconds_rank0"]
+            order.append((f"P={sec['world']} {kind}", t["pipelined"] / t["pipelined_consecutive"]))
+    targets.append({"target": "real tensors: strided time <= consecutive time",
+                    "figures": ", ".join(f"{n}: {x:.2f}x" for n, x in order), "met": all(x <= 1.0 for _, x in order)})
     return targets
 
 
@@ -307,9 +354,11 @@ def render(data: dict) -> str:
            "(`torch.autograd.grad`). PipelinedLLEP: its eager `pipelined_llep_forward` / `pipelined_llep_backward` "
            "(the custom op hides its allocations from a dispatch tracker). Times: one forward+backward through "
            "autograd (PipelinedLLEP through its custom op), interleaved medians, barrier-synchronised, 1 thread "
-           "per rank, rank 0's figure. Reading the times: PipelinedLLEP has no overlap yet (docs/pipelined_llep.md: "
-           "chunks run back to back with blocking collectives) and its backward recomputes every chunk, dispatch "
-           "included (3 all-to-alls in, 2 out per chunk, + the expert forward again); the diagnostic row with "
+           "per rank, rank 0's figure. Reading the times: PipelinedLLEP overlaps its collectives with its experts "
+           "(chunk j+1's dispatch and chunk j-1's combine in flight while chunk j runs, async all-to-alls), runs "
+           "one block per expert per chunk across sources, and its backward recomputes only the expert forward "
+           "(x, grad and score rows travel again as one packed all-to-all per chunk, results return as one: "
+           "keeping the received rows would be the routing-sized buffer it bounds); the diagnostic row with "
            "c = T (K = 1) keeps the recompute and drops the chunking, so (strided - K=1) is the cost of chunking.",
            ""]
     for sec in data["real"]:
@@ -343,6 +392,7 @@ def render(data: dict) -> str:
                "destinations; mean over them; E_p c k is the guaranteed cap).", "",
                markdown_table(["routing", "membership", "K", "max rows", "mean rows", "max / mean", "cap E_p c k",
                                "max peak", "median time"], rows), ""]
+        md += curve_section(sec, cfg) + overlap_section(sec)
     md += [f"## simulated (fake tensors): rank r of E_p = {pc['P']}, T={pc['T']}/rank, H={pc['H']}, I={pc['I']}, "
            f"E={pc['E']}, k={pc['k']}, c={pc['cap']}, min_piece={pc['min_piece']}, {pc['dtype']}", "",
            "FakeTensorMode (fake cpu tensors) + the fake process group; nothing is allocated and collectives move no "
@@ -385,6 +435,46 @@ def render(data: dict) -> str:
            + ("; ".join(over) if over else "none") + ".", ""]
     md += targets_section(data["targets"])
     return "\n".join(md)
+
+
+def curve_section(sec: dict, cfg: dict) -> list[str]:
+    """Time against c (strided), per routing, with the measured knee (boundpass.cost_model.knee on the curve)."""
+    from boundpass import cost_model
+
+    caps = [str(c) for c in cfg["curve"]]
+    rows = []
+    for kind, row in sec["routings"].items():
+        curve, llep_t = row["curve_seconds_rank0"], row["seconds_rank0"]["llep"]
+        knee = cost_model.knee({int(c): t for c, t in curve.items()})
+        rows.append([kind] + [f"{fmt_seconds(curve[c])} ({curve[c] / llep_t:.2f})" for c in caps] + [str(knee)])
+    model = cost_model.pipelined_llep_knee(lo=1, hi=cfg["T"], N=cfg["T"], H=cfg["H"], I=cfg["I"], E=cfg["E"],
+                                           E_p=sec["world"], k=cfg["k"])
+    K = [str(num_chunks(cfg["T"], int(c))) for c in caps]
+    return [f"Time against the chunk cap c ({sec['world']} ranks, PipelinedLLEP strided, median fwd+bwd through the "
+            f"custom op, rank 0; in brackets: / LLEP's median from the table above; K = {', '.join(K)}). Knee: the "
+            f"smallest c within {cost_model.KNEE_TOLERANCE:.0%} of the best measured time; the time model's knee "
+            f"(`cost_model.pipelined_llep_knee`, what `boundpass.compile` stops c at, over powers of two): {model}.",
+            "",
+            markdown_table(["routing"] + [f"c = {c}" for c in caps] + ["measured knee"], rows), ""]
+
+
+def overlap_section(sec: dict) -> list[str]:
+    """Communication hidden behind compute, from the pipeline's timestamps, per routing and rank."""
+    rows = []
+    for kind, row in sec["routings"].items():
+        for r, o in enumerate(row["overlap_per_rank"]):
+            rows.append([kind, str(r), str(o["collectives"]), fmt_seconds(o["wall_off"]), fmt_seconds(o["wall_on"]),
+                         fmt_seconds(o["blocked_off"]), fmt_seconds(o["blocked_on"]), fmt_seconds(o["hidden"]),
+                         f"{o['hidden'] / o['blocked_off']:.0%}" if o["blocked_off"] > 0 else "-",
+                         fmt_seconds(o["in_flight_on"])])
+    return [f"Overlap ({sec['world']} ranks; eager forward + backward of PipelinedLLEP strided at c = the table's, "
+            "medians; timestamps from `runtime/pipelined_llep.py` TIMELINE): blocked = time inside wait() on the "
+            "all-to-alls (exposed communication, including waiting for a slower peer); hidden = blocked without "
+            "overlap - blocked with it; in flight = time between launching a collective and waiting for it, "
+            "during which this rank ran experts.", "",
+            markdown_table(["routing", "rank", "collectives", "wall, overlap off", "wall, overlap on",
+                            "blocked, off", "blocked, on", "hidden", "hidden / blocked off", "in flight, on"], rows),
+            ""]
 
 
 def _all_peaks(data):

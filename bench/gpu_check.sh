@@ -4,7 +4,9 @@
 #     (+ auto-chunker): torch.cuda.max_memory_allocated and CUDA-event times (bench/gpu_vocab.py);
 #   - OffloadStreamAdamW (bench/gpu_optimizer.py);
 #   - SCO checkpoint-boundary offload: device peak and step time vs host budget (bench/gpu_sco.py; it uses
-#     torchtitan's debug MoE when importable, else a torch-only stand-in, and says which).
+#     torchtitan's debug MoE when importable, else a torch-only stand-in, and says which);
+#   - expert dispatch: standard EP vs LLEP vs PipelinedLLEP, peak and time, and the chunk-cap curve
+#     (bench/gpu_dispatch.py).
 # Runs the package from source with the machine's own python3 and torch; torchtitan is not needed.
 # Results: $OUT/ if set, else bench/out/. `bash bench/gpu_check.sh --dry-run` checks it on a CPU.
 set -euo pipefail
@@ -39,6 +41,11 @@ sco_rc=0 sco_timeout=150
 [[ "${1:-}" == "--dry-run" ]] && sco_timeout=400  # the CPU dry run compiles deepseek on a shared 2-core machine
 timeout "$sco_timeout" python3 bench/gpu_sco.py "$@" || sco_rc=$?
 if [[ "$vocab_rc" == 0 && "$sco_rc" != 0 ]]; then vocab_rc=$sco_rc; fi
+# expert dispatch (issue 16): standard EP vs LLEP vs PipelinedLLEP on the visible GPUs (one GPU: E_p = 1; NCCL ranks
+# when there are more), balanced / Zipf / adversarial: max_memory_allocated, CUDA-synchronised time, and
+# PipelinedLLEP's time against the chunk cap c (the curve cost_model's dispatch knee is checked against);
+# $OUT/gpu_dispatch.{json,md}; it stops starting measurements after 60 s (100 s at most here); never fails the run
+timeout 100 python3 bench/gpu_dispatch.py "$@" || echo "gpu_check: gpu_dispatch failed (rc $?)" >&2
 
 # --- torchtitan recipe (issue 7): one GPU, EP = 1, stock torchtitan vs --boundpass.budget, same seed -------------
 # torchtitan's own trainer through boundpass.recipes.train (no CPU shims on a GPU: FlexAttention, CUDA). Losses at

@@ -180,7 +180,8 @@ DISPATCH_BLOCK_LAUNCHES = 40      # ops per expert block, forward (~8) + backwar
 # outgrow the cache cost far more than their extra passes (on this CPU: fresh mmaps that page-fault, as Ring-DTP's
 # strips do, and the 2 cores' shared cache under 2-4 ranks)
 DISPATCH_STREAM_PASSES = 240
-DISPATCH_WORKING_ROWS = 9         # chunk buffers live at once, in [c k, H] rows (3 + 2 forward, 2 x 2 + 2 backward)
+DISPATCH_WORKING_ROWS = 9         # chunk buffers live at once in backward, in [c k, H] rows (2 packed receives ~ 4,
+                                  # 2 results, packed send ~ 2, combine receive); balanced: ~ c k rows per chunk
 # seconds per all-to-all of a chunk (latency, not bandwidth: the bytes do not depend on c), per device type.
 # CPU: fitted with DISPATCH_STREAM_PASSES to bench/dispatch.py's measured c curves on the 2-core development machine
 # (gloo over loopback, 2 and 4 ranks, 1 thread each; docs/results/dispatch.md; the async pipeline hides most of
