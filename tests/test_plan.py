@@ -66,9 +66,15 @@ def _trimmed_debug_model(vocab: int, seq: int, family: str = "deepseek_v3", dtyp
 
 
 def _shape(model, name="deepseek_v3 debug (3 blocks)", package="deepseek_v3", flavor="debugmodel"):
-    cfg = model_config(package, flavor)
-    return shape_of_module(model, name=name, heads_config=cfg.layers[-1].attention,
-                           top_k=cfg.layers[-1].moe.router.top_k)
+    """The model's ModelShape, its blocks traced once per model object: the traced terms are symbolic in N, the
+    same for every batch shape a fixture's model is measured at (kept on the model, freed with it)."""
+    cached = getattr(model, "_test_plan_shape", None)
+    if cached is None or cached[0] != name:
+        cfg = model_config(package, flavor)
+        cached = (name, shape_of_module(model, name=name, heads_config=cfg.layers[-1].attention,
+                                        top_k=cfg.layers[-1].moe.router.top_k))
+        model._test_plan_shape = cached
+    return cached[1]
 
 
 def _uses_traced_blocks(table, kinds=("moe",)):
