@@ -167,9 +167,11 @@ def family_models():
     return get
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("batch,seq,vocab,loss", FAMILY_CASES,
-                         ids=[f"{b}x{s}-V{v}-{'ring' if l == 'ring_dtp' else 'full'}" for b, s, v, l in FAMILY_CASES])
+# family-major order: consecutive cases share a family (and mostly a vocabulary), so family_models, which holds
+# one model at a time, builds and traces 4 models instead of 6 (the two stacked parametrizations alternated)
+@pytest.mark.parametrize("family,batch,seq,vocab,loss", [(f, *c) for f in FAMILIES for c in FAMILY_CASES],
+                         ids=[f"{b}x{s}-V{v}-{'ring' if l == 'ring_dtp' else 'full'}-{f}"
+                              for f in FAMILIES for b, s, v, l in FAMILY_CASES])
 def test_traced_families_predicted_peak_is_within_10_percent_and_never_below(family_models, family, batch, seq,
                                                                               vocab, loss):
     """qwen3 MoE and gpt_oss on one rank: their blocks traced through the step analysis (block_trace)."""

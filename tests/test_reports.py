@@ -106,8 +106,10 @@ def test_plan_report_fits_120_columns_with_formulas_under_their_rows():
 
 
 def test_composed_budget_in_explain_fits_too():
+    """The composed table compile(..., launch=) puts in explain, hand-written terms (the traced ones' long names
+    are in the plan report above): untraced, so this costs a meta build, not a block trace."""
     from boundpass.plan import model_shape
-    shape = model_shape("deepseek_v3", "debugmodel")
+    shape = model_shape("deepseek_v3", "debugmodel", trace=False)
     launch = composed.Launch(ranks=4, ep=2, ring=4, tokens_per_rank=4096)
     table = composed.compose(shape, launch, budget=1 << 33, host_budget=1 << 36)
     assert _widest(table.render()) <= WIDTH and _widest(table.render(formulas=True)) <= WIDTH
@@ -116,12 +118,12 @@ def test_composed_budget_in_explain_fits_too():
 def test_max_of_equals_sympy_max():
     N, H = sym.N, sym.H
     rng = random.Random(0)
-    for _ in range(40):
+    for _ in range(12):  # sympy.Max of the reference is the slow part: a dozen random sets
         values = [rng.randint(0, 60) * N + rng.randint(0, 900) + rng.choice([0, H, 2 * H * N, sympy.floor(N / 3)])
-                  for _ in range(rng.randint(1, 20))]
+                  for _ in range(rng.randint(1, 12))]
         pruned, reference = max_of(values), sympy.Max(*values)
-        for n in (1, 2, 7, 100, 65_536):
-            for h in (1, 64, 7168):
+        for n in (1, 7, 65_536):
+            for h in (1, 7168):
                 point = {N: n, H: h}
                 assert pruned.subs(point) == reference.subs(point), (values, pruned, reference)
     linear = [rng.randint(0, 60) * N + rng.randint(0, 900) for _ in range(30)]
