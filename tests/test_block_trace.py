@@ -113,13 +113,14 @@ def test_traced_torchtitan_deepseek_block_matches_its_measured_fwd_bwd(layer):
     _fuse_unequal_head_dims(block, cfg.layers[layer].attention)
     x = torch.empty(1, 8, cfg.dim, device="meta", requires_grad=True)
     peak, _ = block_peak(block, (x, None, None), weight_grads=True)
+    expr = peak.peak_expr()  # one symbolic peak, evaluated at each N
     for tokens in (256, 1024):
         xr = torch.randn(1, tokens, cfg.dim, requires_grad=True)
         block.zero_grad(set_to_none=True)
         with LiveStorageTracker() as tracker:
             y = block(xr, None, None)
             y.backward(torch.randn_like(y))
-        traced = int(sympy.ceiling(peak.peak_expr().subs(sym.N, tokens)))
+        traced = int(sympy.ceiling(expr.subs(sym.N, tokens)))
         measured = tracker.peak_bytes()
         print(f"deepseek_v3 layer {layer} N={tokens}: traced {traced} B, measured {measured} B, "
               f"ratio {traced / measured:.4f}")
