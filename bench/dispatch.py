@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 from contextlib import ExitStack
@@ -359,7 +360,13 @@ def render(data: dict) -> str:
            "one block per expert per chunk across sources, and its backward recomputes only the expert forward "
            "(x, grad and score rows travel again as one packed all-to-all per chunk, results return as one: "
            "keeping the received rows would be the routing-sized buffer it bounds); the diagnostic row with "
-           "c = T (K = 1) keeps the recompute and drops the chunking, so (strided - K=1) is the cost of chunking.",
+           "c = T (K = 1) keeps the recompute and drops the chunking, so (strided - K=1) is the cost of chunking. "
+           "Standard EP and LLEP are this repository's autograd schedules; they split their received rows and unbind "
+           "their experts (a slice's backward zero-filled a whole-buffer gradient per expert block: 44% of LLEP's "
+           "profiled time before that fix, 2026-12-01). The machine is shared with other work: absolute times vary "
+           "several-fold between runs" + (f" (1-minute load average at start / end of this run: "
+                                          f"{data['load_average'][0]:.1f} / {data['load_average'][1]:.1f} on "
+                                          f"{meta['nproc']} cores)" if data.get("load_average") else "") + ".",
            ""]
     for sec in data["real"]:
         P = sec["world"]
@@ -513,7 +520,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--sim-ranks", default="0,1", help="comma-separated simulated ranks (default 0,1)")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    start = time.perf_counter()
+    start, load0 = time.perf_counter(), os.getloadavg()[0]
     print("measured (real tensors)", flush=True)
     real = run_real(cfg)
     from boundpass.testing.distributed import run_on_ranks
@@ -523,7 +530,7 @@ def main(argv=None) -> dict:
     sim = run_simulated(PAPER, tuple(int(r) for r in args.sim_ranks.split(",")))
     data = {"meta": run_metadata(), "quick": args.quick, "real_config": {k: v for k, v in cfg.items()},
             "sim_config": dict(PAPER, dtype=str(PAPER["dtype"]).replace("torch.", "")), "plan_args": PLAN,
-            "real": real, "simulated": sim, "proxy_check": proxy_check}
+            "real": real, "simulated": sim, "proxy_check": proxy_check, "load_average": [load0, os.getloadavg()[0]]}
     data["targets"] = check_targets(real, sim)
     return publish("dispatch", data, render, start)
 
