@@ -247,9 +247,24 @@ def _walk_graph(walk: _Walk, graph: fx.Graph, phase: str, *, counted: Callable[[
     return alias
 
 
+def _boundpass_op(target) -> bool:
+    schema = getattr(target, "_schema", None)
+    return schema is not None and schema.name.startswith("boundpass::")
+
+
+def _register_pass_workspaces() -> None:
+    """The passes register their ops' workspaces when imported. `import boundpass` no longer imports them (the plan
+    CLI starts without torch), so a walk that meets a boundpass op imports them here rather than count it as 0."""
+    import boundpass.passes.dispatch_pass  # noqa: F401
+    import boundpass.passes.vocab_pass  # noqa: F401
+
+
 def _workspace(node: fx.Node, alias: GraphAliasTracker, ctx: dict) -> sympy.Expr:
     """A boundpass custom op's bound minus the storages of its own inputs and outputs (never below 0)."""
     fn = WORKSPACE.get(node.target)
+    if fn is None and _boundpass_op(node.target):
+        _register_pass_workspaces()
+        fn = WORKSPACE.get(node.target)
     if fn is None:
         return sympy.Integer(0)
     io = set(alias.get_storage_uses(node)) | set(alias.node_to_output_storages.get(node, ()))

@@ -129,3 +129,30 @@ def test_max_of_equals_sympy_max():
     linear = [rng.randint(0, 60) * N + rng.randint(0, 900) for _ in range(30)]
     assert max_of(linear) == sympy.Max(*linear)
     assert max_of([]) == 0
+
+
+_WALK_WITHOUT_COMPILER = """
+import sys, torch
+from boundpass.block_trace import block_peak
+from boundpass.runtime.ring_dtp import ring_dtp_loss
+assert "boundpass.compiler" not in sys.modules and "boundpass.passes.vocab_pass" not in sys.modules
+class Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(512, 16))
+    def forward(self, h):
+        labels = torch.zeros(h.shape[:-1], dtype=torch.long)
+        return ring_dtp_loss(h.reshape(-1, 16), self.w, labels.reshape(-1), vocab_size=512)
+peak, _ = block_peak(Head(), (torch.empty(1, 8, 16, device="meta", requires_grad=True),))
+print(next(p.workspace for p in peak.points if p.workspace != 0))  # the forward op's
+"""
+
+
+def test_step_analysis_without_the_compiler_still_counts_op_workspaces():
+    """`import boundpass` no longer imports the compiler and its passes (which register each op's workspace with
+    the step analysis): a walk that meets a boundpass op registers them itself, so Ring-DTP's strips still count
+    (the same formula as when `import boundpass` imported everything)."""
+    out = subprocess.run([sys.executable, "-c", _WALK_WITHOUT_COMPILER], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "4*N*Min(512, C) + 83*N + 32772", out.stdout
