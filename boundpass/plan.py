@@ -79,7 +79,9 @@ class PlanResult:
             if formulas and n in formula_of:
                 lines += textwidth.wrap(str(formula_of[n]), width=width, first="    = ", rest="      ")
         i = self.inputs
-        head = (f"boundpass plan: {i.model} {i.flavor} ({self.shape.params / 1e9:.1f}B params), W={i.ranks} "
+        params = self.shape.params
+        size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"   # a debug model is 33M, not 0.0B
+        head = (f"boundpass plan: {i.model} {i.flavor} ({size} params), W={i.ranks} "
                 f"E_p={i.ep} P={i.ring}, N={i.tokens_per_rank:,} tokens/rank"
                 + (f" (context {i.context:,} x batch {i.global_batch})" if i.context else "")
                 + f", {i.dtype}, operators: {', '.join(sorted(i.operators)) or 'none (baseline)'}")
