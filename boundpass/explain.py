@@ -266,6 +266,11 @@ def _is_tensor_argument(argument) -> bool:
     return "Tensor" in str(argument.type)
 
 
+# the arguments the planner or a pass chooses (Ring-DTP's strip C and branch, PipelinedLLEP's cap c and borrowed
+# slots, SCO's layer and whether it offloads): shown first, before the fixed settings, so a clipped row keeps them
+_CHOSEN = ("block", "branch", "cap", "max_borrowed", "layer", "offload")
+
+
 def _knobs(schema, args, kwargs) -> str:
     shown = []
     for i, argument in enumerate(schema.arguments):
@@ -274,8 +279,8 @@ def _knobs(schema, args, kwargs) -> str:
         value = args[i] if i < len(args) else kwargs.get(argument.name, argument.default_value)
         text = _show(value)
         if text is not None:
-            shown.append(f"{argument.name}={text}")
-    return " ".join(shown)
+            shown.append((argument.name not in _CHOSEN, f"{argument.name}={text}"))
+    return " ".join(text for _, text in sorted(shown, key=lambda item: item[0]))
 
 
 def op_lines(graph_module, phase: str) -> list[tuple[str, str, str, str]]:
