@@ -1,6 +1,6 @@
 """PipelinedLLEP: expert-parallel MoE dispatch whose peak is fixed at launch, plus the two schedules it replaces.
 
-One interface for all three (SPEC.md §1): x [T, H], topk_ids [T, k] (global expert ids), topk_scores [T, k],
+One interface for all three (docs/design.md §2): x [T, H], topk_ids [T, k] (global expert ids), topk_scores [T, k],
 this rank's experts as torchtitan's GroupedExperts holds them (w1 [e, I, H], w2 [e, H, I], w3 [e, I, H];
 expert j of EP rank r is global id r*e + j), an EP process group (None: E_p = 1). Output [T, H] in x's dtype:
 sum over k of score * expert(x), each route's product taken in fp32 (fp64 for fp64) and cast back before the
