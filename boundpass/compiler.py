@@ -1,6 +1,6 @@
 """`boundpass.compile`: capture model + loss with torch.compile, rewrite bounded regions, check the budget first.
 
-Pipeline (DESIGN.md): Dynamo graph -> find + match + replace (passes/) -> aot_autograd partition -> the step's
+Pipeline (docs/design.md §3): Dynamo graph -> find + match + replace (passes/) -> aot_autograd partition -> the step's
 peak from the forward and backward graphs (step_peak.py) -> the planner chooses the knobs against it and checks
 the budget (planner.py; raises before any real compute) -> eager kernels ("aot_eager") or Inductor ("inductor").
 """

@@ -1,4 +1,4 @@
-"""Build torchtitan's real MoE debug models on CPU with the few known fixes (notes/torchtitan_cpu.md).
+"""Build torchtitan's real MoE debug models on CPU with the few known fixes (docs/design.md §7).
 
 Fixes applied only when no GPU is present, each for an upstream reason:
 - device type: torchtitan's `tools.utils.device_type` falls back to "cuda" when no accelerator is found;

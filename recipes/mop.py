@@ -1,6 +1,6 @@
 """The MoP rank layout on torchtitan's MoE models: FSDP2 dense weights, sequence-to-head attention, EP experts.
 
-One rank set of W ranks, overlapping sub-groups (SPEC.md section 5, docs/mop.md):
+One rank set of W ranks, overlapping sub-groups (docs/design.md §2, docs/mop.md):
 - every rank holds N/W consecutive tokens of every sequence (rank r: global positions [r*N/W, (r+1)*N/W)),
   fed to the model with those global positions, so RoPE is the unsharded one;
 - attention: torchtitan's inner attention module is wrapped, before ``parallelize`` (as torchtitan's own
@@ -89,7 +89,7 @@ def mop_config(name: str = "deepseek_v3", *, world: int, ep: int, seq_len: int, 
     par = cfg.parallelism
     par.data_parallel_shard_degree = world
     par.expert_parallel_degree = ep
-    # spmd_types cannot run on gloo (uneven list all_to_all, fully_shard on plain tensors): notes/torchtitan_cpu.md
+    # spmd_types cannot run on gloo (uneven list all_to_all, fully_shard on plain tensors): docs/design.md §7
     par.spmd_backend = "partial_dtensor"
     if param_dtype is None:
         param_dtype = "bfloat16" if name == "gpt_oss" else "float32"
