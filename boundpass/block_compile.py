@@ -91,7 +91,11 @@ class CompiledBlocks(BoundedModule):
                          max_tokens_per_rank=max_tokens_per_rank, inner=inner, fullgraph=False, dynamic=False,
                          state_terms=state_terms, optimizer_plan=optimizer_plan, host_budget=host_budget, sco=sco,
                          dispatch=dispatch, dispatch_cap=dispatch_cap)
-        self.optimizer_bucket = getattr(optimizer_plan, "bucket", None) if optimizer_plan else None
+        # OffloadStreamAdamW's bucket is fitted once, by the head's boundpass.compile (its owner); a block graph
+        # must not narrow it again from its own view of the optimizer phase (compiler._fit_offload_bucket skips an
+        # owner whose bucket is set)
+        inner = list(getattr(getattr(optimizer_plan, "optimizer", None), "optimizers", []) or [])
+        self.optimizer_bucket = next((o.bucket_params for o in inner if hasattr(o, "bucket_params")), None)
         self.num_blocks = len(blocks)
         self.block_modules = list(blocks)
         self.units = fsdp_units(model)

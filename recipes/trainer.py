@@ -447,12 +447,16 @@ class BoundpassTrainer(Trainer):
                     + (f" ({(certified + host) / max(peak, 1):.3f}x measured)" if certified else ""))
         return out
 
-    def certified_host(self) -> int:
-        """The host bytes every checked graph's table holds (the optimizer's host state, SCO's pool use)."""
-        certs = list(self.bounded.certificates) if self.bounded is not None else []
+    def _tables(self) -> list:
+        """Every budget table boundpass checked for this step: the head's, each block graph's, the backward's tail."""
+        tables = [c.table for c in self.bounded.certificates] if self.bounded is not None else []
         if self.blocks is not None:
-            certs += self.blocks.certificates
-        return max((c.table.host_total for c in certs), default=0)
+            tables += [c.table for c in self.blocks.certificates] + [self.blocks.tail]
+        return tables
+
+    def certified_host(self) -> int:
+        """The host bytes the checked tables hold (the optimizer's host state, SCO's pool use)."""
+        return max((t.host_total for t in self._tables()), default=0)
 
     def _device_state(self) -> list:
         """Every tensor live when a step starts: parameters, buffers, last step's gradients, optimizer state."""
@@ -463,11 +467,8 @@ class BoundpassTrainer(Trainer):
         return state
 
     def certified_peak(self) -> int:
-        """The step's certified device peak (bytes): the largest total of every graph boundpass checked."""
-        certs = list(self.bounded.certificates) if self.bounded is not None else []
-        if self.blocks is not None:
-            certs += self.blocks.certificates
-        return max((c.table.total for c in certs), default=0)
+        """The step's certified device peak (bytes): the largest total of every table boundpass checked."""
+        return max((t.total for t in self._tables()), default=0)
 
     # --------------------------------------------------------------------------------------------- report
     def _block_summary(self) -> list[str]:
