@@ -2,7 +2,7 @@
 # Every GPU measurement of the project, in one run of under 8 minutes on one GPU:
 #   - Ring-DTP at P = 1 vs the standard schedule, the token-chunked (Liger-style) schedule and Inductor
 #     (+ auto-chunker): torch.cuda.max_memory_allocated and CUDA-event times (bench/gpu_vocab.py);
-#   - OffloadStreamAdamW (bench/gpu_optimizer.py);
+#   - OffloadStreamAdamW (bench/gpu_optimizer.py), and its β curve and measured link rate (cost model constants);
 #   - SCO checkpoint-boundary offload: device peak and step time vs host budget (bench/gpu_sco.py; it uses
 #     torchtitan's debug MoE when importable, else a torch-only stand-in, and says which);
 #   - expert dispatch: standard EP vs LLEP vs PipelinedLLEP, peak and time, and the chunk-cap curve
@@ -33,7 +33,10 @@ timeout 320 python3 bench/gpu_vocab.py "$@" || vocab_rc=$?  # a failure here mus
 # cost model (issue 18, docs/knobs.md): Ring-DTP's time against C, the fitted constants of boundpass/cost_model.py
 # written to $OUT/costs.json (BOUNDPASS_COSTS=that file makes compile use them); ~30 s, never fails the run
 timeout 90 python3 bench/calibrate_costs.py "$@" || echo "gpu_check: calibrate_costs failed (rc $?)" >&2
-# OffloadStreamAdamW: exactness on CUDA, link floor, (β, S) sweep vs serial CPU Adam; saves after each row
+# OffloadStreamAdamW: exactness on CUDA, link floor, (β, S) sweep vs serial CPU Adam; saves after each row. Its
+# knee step (issue 18): the step time against β at S = 2 beside cost_model's, and the measured link rate merged
+# into $OUT/costs.json as {"cuda": {"link_bandwidth": ...}} beside calibrate_costs' constants (BOUNDPASS_COSTS
+# makes compile's β / S knee use it), the curve and knees under "optimizer"
 timeout 120 python3 bench/gpu_optimizer.py "$@"
 # SCO: real device peak and step time vs the host budget, eager and compiled (bench/gpu_sco.py); it stops
 # starting variants after 100 s and saves after each sequence length; a failure here is reported in the exit code

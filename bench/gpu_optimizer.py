@@ -7,6 +7,10 @@
 3. step: bf16 working weights, Θ parameters on one GPU; OffloadStreamAdamW at a few (β, S), the serial
    CPU-Adam offload (ZeRO-Offload's shape, bench/optimizer.py), DeepSpeed CPU Adam in that shape if importable,
    and torch AdamW fused with everything on the device; torch.cuda.max_memory_allocated vs the bound.
+4. knee (issue 18, docs/knobs.md): the step time against β at S = 2 beside boundpass/cost_model.py's model, the
+   measured knee and the model's at the default and at the measured link rate; the measured link rate is merged
+   into $OUT/costs.json as {"cuda": {"link_bandwidth": ...}} (BOUNDPASS_COSTS=that file: compile's β and S knee
+   use it) with the curve under "optimizer".
 Targets (docs/design.md §2 / issue 5): ≥ 2× faster than the serial CPU-Adam offload, ≤ 1.2× the link floor.
 
     python3 bench/gpu_optimizer.py [--params N]     # needs CUDA; exits 0 with a message if there is none
@@ -121,7 +125,7 @@ def _model(device, theta: int, dtype=torch.bfloat16):
 def step_times(device, theta: int, configs, rows: list, save) -> None:
     """Append median step seconds and device peak bytes of each schedule on the same Θ to rows; save() after each."""
 
-    def run(name, make, bound=None):
+    def run(name, make, bound=None, knobs=None):
         params = _model(device, theta)
         try:
             opt = make(params)
@@ -133,14 +137,15 @@ def step_times(device, theta: int, configs, rows: list, save) -> None:
         seconds = median_step_seconds(opt.step, device)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         rows.append({"schedule": name, "median_step_s": seconds, "device_peak_bytes": peak, "bound_bytes": bound,
-                     "peak_within_bound": None if None in (peak, bound) else peak <= bound})
+                     "peak_within_bound": None if None in (peak, bound) else peak <= bound, **(knobs or {})})
         print(f"  {name}: {seconds * 1e3:.1f} ms per step, device peak {peak}, bound {bound}", flush=True)
         save()
 
     for beta, slots in configs:
         bound = sym.evaluate(offload_adamw_bound(), bound_values(b=2, Theta=theta, beta=beta, S=slots))
         run(f"offload-stream β={beta} S={slots}",
-            lambda ps: OffloadStreamAdamW(ps, bucket_params=beta, staging_slots=slots, **HYPER), bound)
+            lambda ps: OffloadStreamAdamW(ps, bucket_params=beta, staging_slots=slots, **HYPER), bound,
+            {"beta": beta, "S": slots})
     run("serial-offload (torch fused CPU AdamW)", lambda ps: SerialCpuAdamOffload(ps, **HYPER))
 
     def deepspeed_serial(ps):
@@ -148,6 +153,26 @@ def step_times(device, theta: int, configs, rows: list, save) -> None:
         return SerialCpuAdamOffload(ps, host_optimizer=lambda ms: DeepSpeedCPUAdam(ms, adamw_mode=True, **HYPER))
     run("serial-offload (DeepSpeedCPUAdam)", deepspeed_serial)
     run("torch AdamW fused, all on device (bf16 state)", lambda ps: torch.optim.AdamW(ps, fused=True, **HYPER))
+
+
+def optimizer_knee(device, theta: int, rows: list, link: dict) -> dict:
+    """The measured β curve at S = 2 beside cost_model's, the knees, and the link rate for costs.json."""
+    from boundpass import cost_model as cm
+    tensors = -(-theta // (1 << 24))        # _model's tensors of up to 2^24 elements
+    base = cm.costs_for(device.type)
+    fitted = cm.calibrate_optimizer({}, Theta=theta, tensors=tensors, b=2, base=base,
+                                    link_bandwidth=link["each_way_concurrent_Bps"])
+    measured = {r["beta"]: r["median_step_s"] for r in rows if r.get("S") == 2 and "median_step_s" in r}
+    curve = [{"beta": b, "seconds": t,
+              "model_default": cm.offload_adamw_seconds(b, 2, Theta=theta, tensors=tensors, b=2, costs=base),
+              "model_fitted": cm.offload_adamw_seconds(b, 2, Theta=theta, tensors=tensors, b=2, costs=fitted)}
+             for b, t in sorted(measured.items())]
+    knee = dict(Theta=theta, tensors=tensors, b=2, S=2, curve=curve,
+                measured_knee=cm.knee(measured) if measured else None,
+                default_knee=list(cm.offload_adamw_knee(Theta=theta, tensors=tensors, b=2, costs=base, hi=1 << 24)),
+                fitted_knee=list(cm.offload_adamw_knee(Theta=theta, tensors=tensors, b=2, costs=fitted, hi=1 << 24)),
+                link_bandwidth=fitted.link_bandwidth)
+    return knee
 
 
 def main() -> int:
@@ -163,7 +188,7 @@ def main() -> int:
         return 0
     else:
         device, theta, probe = torch.device("cuda"), args.params, 1 << 30
-        configs = [(1 << 22, 2), (1 << 24, 2), (1 << 24, 3), (1 << 26, 2)]
+        configs = [(1 << 18, 2), (1 << 20, 2), (1 << 22, 2), (1 << 24, 2), (1 << 24, 3), (1 << 26, 2)]
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
               "torch": torch.__version__, "theta": theta, "steps": []}
     out = Path(os.environ.get("OUT") or REPO / "bench" / "out") / "gpu_optimizer.json"
@@ -192,7 +217,18 @@ def main() -> int:
             print(f"  {row['schedule']}: {row['x_floor']:.2f}× floor, {row['speedup_vs_serial']:.2f}× vs serial")
         else:
             print(f"  {row['schedule']}: {row['error']}")
+    result["knee"] = knee = optimizer_knee(device, theta, rows, link)
     save()
+    print(f"knee: measured β = {knee['measured_knee']}, model (default constants) {knee['default_knee']}, model at "
+          f"the measured link {knee['fitted_knee']}", flush=True)
+    if not args.dry_run:
+        costs = out.parent / "costs.json"   # bench/calibrate_costs.py's file, when it ran first: merged into
+        data = json.loads(costs.read_text()) if costs.exists() else {}
+        data.setdefault(device.type, {})["link_bandwidth"] = knee["link_bandwidth"]
+        data["optimizer"] = knee
+        costs.write_text(json.dumps(data, indent=2) + "\n")
+        print(f"gpu_optimizer: link_bandwidth {knee['link_bandwidth'] / 1e9:.1f} GB/s merged into {costs} "
+              f"(BOUNDPASS_COSTS={costs})", flush=True)
     print("gpu_optimizer --dry-run: ok" if args.dry_run else f"wrote {out}")
     return 0
 

@@ -11,17 +11,26 @@ Schedules (fp32 working weights, the same Θ parameters and grads, AdamW lr 1e-4
 On this CPU machine "device" and "host" are the same memory: every copy is a memcpy, nothing overlaps, and the
 link the offload schedules are built to saturate does not exist. Bytes come from the bounds and are checked
 against a live-storage tracker (transient = peak during one step minus what was live before it).
-Writes docs/results/optimizer.json and optimizer.md.
 
-    python bench/optimizer.py [--quick]
+Knee section (issue 18, docs/knobs.md; one thread): the step's time against the bucket β (medians, round-robin),
+boundpass/cost_model.py's model beside it and both knees; then, at a loose and at a tight budget side by side
+in one run, OffloadStreamAdamW at the planner's choice (``optimizer_swap.choose_knobs``, the rule
+boundpass.compile applies) against torch AdamW (the baseline), the widest β the budget allows, and the old rule
+(S = 2, the widest β): device bytes, measured transient, median step time.
+Writes docs/results/optimizer.json and optimizer.md (``--knee-only`` reruns the knee section and keeps the
+other one from the json).
+
+    python bench/optimizer.py [--quick] [--knee-only | --no-knee]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable for `bench.*`
@@ -29,7 +38,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch
 
-from bench.common import fmt_bytes, fmt_seconds, interleaved_medians, markdown_table, run_metadata, write_results
+from bench.common import (RESULTS_DIR, fmt_bytes, fmt_seconds, interleaved_medians, markdown_table, run_metadata,
+                          write_results)
+from boundpass import cost_model as cm
 from boundpass import symbols as sym
 from boundpass.memtrack import LiveStorageTracker
 from boundpass.runtime.offload_adamw import (OffloadStreamAdamW, bound_values, offload_adamw_bound,
@@ -144,11 +155,8 @@ def transient_bytes(params, grads, step) -> int:
         return tracker.peak_bytes() - before
 
 
-def main() -> None:
-    """Run every schedule once on the same state; write docs/results/optimizer.{json,md}."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small model, for a smoke run")
-    args = parser.parse_args()
+def main_section(args) -> dict:
+    """Run every schedule once on the same state; the data of the first section."""
     cfg = QUICK if args.quick else FULL
     shapes = model_shapes(cfg["V"], cfg["H"], cfg["I"], cfg["L"])
     theta = sum(torch.Size(s).numel() for s in shapes)
@@ -172,13 +180,11 @@ def main() -> None:
             p.grad = g
         optimizers[name] = build(states[name])
     seconds = interleaved_medians({name: opt.step for name, opt in optimizers.items()}, repeats=repeats)
-    rows, records = [], []
+    records = []
 
     def record(name, step_s, transient, diff, device, host):
         records.append(dict(schedule=name, median_step_s=step_s, device_bytes=device, host_bytes=host,
                             measured_transient_bytes=transient, max_abs_diff_vs_torch_fused=diff))
-        rows.append([name, fmt_seconds(step_s), fmt_bytes(device), fmt_bytes(host), fmt_bytes(transient),
-                     "—" if diff is None else f"{diff:.1e}"])
         print(f"  {name}: {fmt_seconds(step_s)} per step, transient {fmt_bytes(transient)}", flush=True)
 
     for name, opt in optimizers.items():  # every optimizer has now taken the same number of steps
@@ -189,8 +195,18 @@ def main() -> None:
     ds_seconds, ds_note = deepspeed_step_seconds(shapes, repeats)
     record("deepspeed", ds_seconds, None, None, working, 16 * theta)
     meta = dict(run_metadata(), load_average_1_5_15=os.getloadavg())
-    data = dict(meta=meta, config=dict(cfg, theta=theta, hyper=HYPER, shapes=shapes), deepspeed=ds_note,
+    return dict(meta=meta, config=dict(cfg, theta=theta, hyper=HYPER, shapes=shapes), deepspeed=ds_note,
                 results=records)
+
+
+def render_main(data: dict) -> str:
+    """The first section's markdown, from its data (also when only the knee section was rerun)."""
+    meta, cfg, ds_note = data["meta"], data["config"], data["deepspeed"]
+    theta, slots, repeats = cfg["theta"], cfg["S"], cfg["repeats"]
+    rows = [[r["schedule"], fmt_seconds(r["median_step_s"]), fmt_bytes(r["device_bytes"]), fmt_bytes(r["host_bytes"]),
+             fmt_bytes(r["measured_transient_bytes"]),
+             "—" if r["max_abs_diff_vs_torch_fused"] is None else f"{r['max_abs_diff_vs_torch_fused']:.1e}"]
+            for r in data["results"]]
     table = markdown_table(["schedule", "step (median)", "device bytes (bound)", "host bytes", "measured transient",
                             "max abs diff vs torch-fused"], rows)
     md = f"""# Optimizer step: OffloadStreamAdamW vs no offload vs serial CPU-Adam offload (CPU)
@@ -215,8 +231,211 @@ at the end {', '.join(f'{x:.1f}' for x in meta['load_average_1_5_15'])} (this ma
   makes one; a cache-sized slot keeps those passes in cache. The step-time target (≥ 2× faster than serial
   CPU Adam at ≤ 1.2× the 12·Θ/W link floor) is a GPU target: `bench/gpu_optimizer.py` measures it.
 """
+    return md
+
+
+# ------------------------------------------------------------------------------- knee section (issue 18)
+# a 4-layer Llama-like model of Θ = 45.6M fp32 parameters (39 tensors): a whole-model slot (730 MiB) is far
+# outside every cache, a 2^16-element one (1 MiB) inside L2; β from 2^12 to 2^24 (the widest compile considers)
+KNEE = dict(V=32000, H=512, I=1408, L=4, repeats=5,
+            betas=(1 << 12, 1 << 14, 1 << 16, 1 << 17, 1 << 18, 1 << 19, 1 << 20, 1 << 21, 1 << 22, 1 << 24),
+            # staging room (bytes) the two budgets leave beside weights + grads: loose holds the widest bucket
+            # at four slots, tight holds 4 MiB (2^18 elements of one slot)
+            rooms=(("loose", 16 * 4 * (1 << 24)), ("tight", 4 << 20)))
+KNEE_QUICK = dict(V=4000, H=256, I=704, L=2, repeats=3, betas=(1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18),
+                  rooms=(("loose", 16 * 4 * (1 << 18)), ("tight", 64 << 10)))
+
+
+def _knee_curve(shapes, grads, cfg) -> dict:
+    """Median step seconds of one OffloadStreamAdamW (S = 1) at each β, round-robin over the βs."""
+    params, _ = make_state(shapes)
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt = OffloadStreamAdamW(params, staging_slots=1, **HYPER)
+    times = {beta: [] for beta in cfg["betas"]}
+    for round_ in range(cfg["repeats"] + 1):      # round 0 is the warm-up (host state allocated, caches warm)
+        for beta in cfg["betas"]:
+            opt.bucket_params = beta               # read at every step: one optimizer serves every β
+            start = time.perf_counter()
+            opt.step()
+            if round_:
+                times[beta].append(time.perf_counter() - start)
+    del opt, params
+    return {beta: statistics.median(t) for beta, t in times.items()}
+
+
+def knee_section(args) -> dict:
+    """The β curve (measured and modelled) and the two budgets side by side; the knee section's data."""
+    from boundpass.passes.optimizer_swap import MAX_BUCKET, MIN_OVERLAP_BUCKET, choose_knobs
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    cfg = KNEE_QUICK if args.quick else KNEE
+    shapes = model_shapes(cfg["V"], cfg["H"], cfg["I"], cfg["L"])
+    theta, tensors = sum(torch.Size(s).numel() for s in shapes), len(shapes)
+    costs = cm.costs_for("cpu")
+    _, grads = make_state(shapes)
+    print(f"knee: Θ = {theta:,} fp32 params in {tensors} tensors, 1 thread, median of {cfg['repeats']}", flush=True)
+    measured = _knee_curve(shapes, grads, cfg)
+    model = {beta: cm.offload_adamw_seconds(beta, 1, Theta=theta, tensors=tensors, costs=costs) for beta in measured}
+    hi = min(theta, MAX_BUCKET)
+    model_knee = cm.offload_adamw_knee(Theta=theta, tensors=tensors, costs=costs, hi=hi)
+    in_cache = {b: t for b, t in measured.items() if 16 * b <= costs.cache_bytes}
+    fitted = cm.calibrate_optimizer(in_cache, Theta=theta, tensors=tensors, base=costs)
+    fitted_knee = cm.offload_adamw_knee(Theta=theta, tensors=tensors, costs=fitted, hi=hi)
+    curve = [dict(beta=b, slot_bytes=16 * b, measured_s=measured[b], model_s=model[b],
+                  fitted_model_s=cm.offload_adamw_seconds(b, 1, Theta=theta, tensors=tensors, costs=fitted))
+             for b in measured]
+    for row in curve:
+        print(f"  β={row['beta']:>9,}: measured {fmt_seconds(row['measured_s'])}, model {fmt_seconds(row['model_s'])}",
+              flush=True)
+    # the budgets: the planner's choice (choose_knobs, what boundpass.compile does before the graph is seen)
+    adamw = torch.optim.AdamW(make_state(shapes)[0], **HYPER)   # only read for Θ, tensors and device
+    budgets, schedules = [], {}
+    for label, room_bytes in cfg["rooms"]:
+        room = room_bytes // 16
+        beta_k, slots_k = choose_knobs([adamw], room=room, bucket=None, slots=None)
+        old_slots = 2 if room >= 2 * min(theta, MIN_OVERLAP_BUCKET) else 1     # the rule before issue 18
+        old_beta = max(1, min(theta, MAX_BUCKET, room // old_slots))
+        budget = dict(label=label, budget_bytes=8 * theta + room_bytes, staging_room_bytes=room_bytes,
+                      planner=dict(beta=beta_k.value, S=slots_k.value, why_beta=beta_k.why, why_S=slots_k.why,
+                                   knee_beta=beta_k.knee, knee_S=slots_k.knee,
+                                   widest_beta=beta_k.widest_fitting, widest_S=slots_k.widest_fitting),
+                      rows=[])
+        budgets.append(budget)
+        for name, beta, slots in ((f"{label}: planner (β {beta_k.why}, S {slots_k.why})", beta_k.value, slots_k.value),
+                                  (f"{label}: widest β at the planner's S", beta_k.widest_fitting, slots_k.value),
+                                  (f"{label}: old rule (S = 2 when it fits, widest β)", old_beta, old_slots)):
+            key = (beta, slots)
+            schedules.setdefault(key, []).append(name)
+            budget["rows"].append(dict(schedule=name, beta=beta, S=slots, key=list(key)))
+    builders = {f"offload β={b} S={s}": (lambda ps, b=b, s=s: OffloadStreamAdamW(ps, bucket_params=b, staging_slots=s,
+                                                                                  **HYPER), (b, s))
+                for b, s in schedules}
+    builders["torch AdamW (for-loop, the bit-exact reference)"] = (
+        lambda ps: torch.optim.AdamW(ps, foreach=False, **HYPER), None)
+    builders["torch AdamW fused"] = (lambda ps: torch.optim.AdamW(ps, fused=True, **HYPER), None)
+    states, optimizers = {}, {}
+    for name, (build, _) in builders.items():
+        states[name], _ = make_state(shapes)
+        for p, g in zip(states[name], grads):
+            p.grad = g
+        optimizers[name] = build(states[name])
+    seconds = interleaved_medians({n: o.step for n, o in optimizers.items()}, repeats=cfg["repeats"] + 2)
+    transient = {n: transient_bytes(states[n], grads, o.step) for n, o in optimizers.items()}
+    del optimizers, states
+    fused_device = sym.evaluate(reference_adamw_bound(mixed_precision=False), bound_values(b=4, Theta=theta))
+    baselines = [dict(schedule=n, median_step_s=seconds[n], device_bytes=fused_device,
+                      measured_transient_bytes=transient[n]) for n in builders if builders[n][1] is None]
+    for budget in budgets:
+        for row in budget["rows"]:
+            name = f"offload β={row['beta']} S={row['S']}"
+            values = bound_values(b=4, Theta=theta, beta=row["beta"], S=row["S"])
+            row.update(median_step_s=seconds[name], device_bytes=sym.evaluate(offload_adamw_bound(), values),
+                       measured_transient_bytes=transient[name])
+        budget["fits_torch_adamw"] = fused_device <= budget["budget_bytes"]
+    meta = dict(run_metadata(), load_average_1_5_15=os.getloadavg())
+    return dict(meta=meta, config=dict(cfg, theta=theta, tensors=tensors, hyper=HYPER), costs=cm.describe(costs),
+                curve=curve, measured_knee=cm.knee(measured), model_knee=list(model_knee),
+                fitted=dict(launch_s=fitted.launch_s, cache_bandwidth=fitted.cache_bandwidth),
+                fitted_knee=list(fitted_knee), budgets=budgets, baselines=baselines,
+                wall_seconds=time.perf_counter() - started)
+
+
+def render_knee(k: dict) -> str:
+    """The knee section's markdown."""
+    cfg, meta = k["config"], k["meta"]
+    best_m = min(r["measured_s"] for r in k["curve"])
+    best_t = min(r["model_s"] for r in k["curve"])
+    curve = markdown_table(
+        ["β", "slot (16·β)", "measured", "measured / best", "model", "model / best", "fitted model"],
+        [[f"{r['beta']:,}", fmt_bytes(r["slot_bytes"]), fmt_seconds(r["measured_s"]), f"{r['measured_s'] / best_m:.2f}",
+          fmt_seconds(r["model_s"]), f"{r['model_s'] / best_t:.2f}", fmt_seconds(r["fitted_model_s"])]
+         for r in k["curve"]])
+    (ref,) = [b for b in k["baselines"] if "for-loop" in b["schedule"]]
+    rows = []
+    for budget in k["budgets"]:
+        widest = next(r for r in budget["rows"] if "widest" in r["schedule"])
+        for r in budget["rows"]:
+            rows.append([r["schedule"], f"{r['beta']:,}", str(r["S"]), fmt_bytes(r["device_bytes"]),
+                         fmt_bytes(r["measured_transient_bytes"]), fmt_seconds(r["median_step_s"]),
+                         f"{r['median_step_s'] / widest['median_step_s']:.2f}",
+                         f"{r['median_step_s'] / ref['median_step_s']:.2f}",
+                         fmt_bytes(widest["device_bytes"] - r["device_bytes"])])
+    for b in k["baselines"]:
+        rows.append([b["schedule"] + " (fits neither budget)" if not any(x["fits_torch_adamw"] for x in k["budgets"])
+                     else b["schedule"], "—", "—", fmt_bytes(b["device_bytes"]), fmt_bytes(b["measured_transient_bytes"]),
+                     fmt_seconds(b["median_step_s"]), "—", f"{b['median_step_s'] / ref['median_step_s']:.2f}", "—"])
+    side = markdown_table(["schedule", "β", "S", "device bytes in the step (bound)", "measured transient",
+                           "step (median)", "× widest β", "× torch AdamW (for-loop)", "saved vs widest β"], rows)
+    budgets = "; ".join(f"{b['label']}: weights + grads + {fmt_bytes(b['staging_room_bytes'])} of staging room "
+                        f"({fmt_bytes(b['budget_bytes'])})" for b in k["budgets"])
+    loose = k["budgets"][0]
+    lp = next(r for r in loose["rows"] if "planner" in r["schedule"])
+    lw = next(r for r in loose["rows"] if "widest" in r["schedule"])
+    fitting = [b["label"] for b in k["budgets"] if b["fits_torch_adamw"]]
+    fits = f"fits the {' and '.join(fitting)} budget" if fitting else "fits neither budget"
+    return f"""## The bucket β at the knee (issue 18, docs/knobs.md)
+
+Θ = {cfg['theta']:,} fp32 parameters in {cfg['tensors']} tensors (a {cfg['L']}-layer Llama-like model, V = {cfg['V']},
+H = {cfg['H']}); one thread; each time the median of {cfg['repeats']} steps after a warm-up, timed round-robin over
+the βs (the side-by-side table: over its schedules, median of {cfg['repeats'] + 2}); {meta['nproc']} cores,
+torch {meta['torch']}, {meta['date_utc']}; load average at the end
+{', '.join(f'{x:.1f}' for x in meta['load_average_1_5_15'])} (the machine is shared with other work: medians,
+ratios within a run are what to read). Section wall time {k['wall_seconds']:.0f} s.
+
+### Step time against β (S = 1; on the CPU the slots run in program order, so S changes bytes, not time)
+
+{curve}
+
+Knee (the smallest β within {cm.KNEE_TOLERANCE:.0%} of the best): **measured {k['measured_knee']:,}**, model
+{k['model_knee'][0]:,} (S = {k['model_knee'][1]}; `boundpass/cost_model.py`, {k['costs']}). Fitted to the
+in-cache points (`cost_model.calibrate_optimizer`; not written into the defaults): {k['fitted']['launch_s'] * 1e6:.1f} µs
+per op, slot rate {k['fitted']['cache_bandwidth'] / 1e9:.0f} GB/s, knee {k['fitted_knee'][0]:,}. Narrow buckets
+pay per bucket (16 ops each); slots that outgrow the cache pay memory rate on the update's eight passes.
+
+### Two budgets, side by side in one run
+
+{budgets}. The planner's choice is `optimizer_swap.choose_knobs` (what `boundpass.compile` applies before it
+sees the graph; the graph can only narrow β further). "Widest β" is what the budget alone allows at the
+planner's S; "old rule" is the choice before issue 18 (S = 2 whenever two useful slots fit, the widest β).
+Device bytes in the step are `offload_adamw_bound` (weights + grads 8·Θ + staging 16·S·β) and, for torch
+AdamW, `reference_adamw_bound` (16·Θ, all state on the device); measured transient is the live-storage
+tracker's peak during one step minus what was live before it.
+
+{side}
+
+At the loose budget the planner's β = {lp['beta']:,} is {lp['median_step_s'] / lw['median_step_s']:.2f}× the widest
+β's time ({lw['beta']:,}) and saves {fmt_bytes(lw['device_bytes'] - lp['device_bytes'])} of staging; at the tight
+budget the budget binds (β = what fits) and the planner's choice is the widest setting. torch AdamW keeps 16·Θ on
+the device ({fits}); its for-loop step makes the same eight passes as OffloadStreamAdamW's update (the like-for-like
+time baseline), its one-pass fused kernel is several times faster on this CPU, where host and device are one
+memory and there is no link to hide (see the section above).
+"""
+
+
+def main() -> None:
+    """The schedules section and the knee section (or one of them); docs/results/optimizer.{json,md}."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small model, for a smoke run")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--knee-only", action="store_true", help="only the knee section; the other kept from the json")
+    which.add_argument("--no-knee", action="store_true", help="only the schedules section")
+    args = parser.parse_args()
+    previous = RESULTS_DIR / "optimizer.json"
+    data = json.loads(previous.read_text()) if previous.exists() else {}
+    if not args.knee_only:
+        data.update(main_section(args))
+    if not args.no_knee:
+        data["knee"] = knee_section(args)
+    if "results" not in data:
+        raise SystemExit("bench/optimizer.py --knee-only: no earlier schedules section in docs/results/optimizer.json")
+    md = render_main(data) + ("\n" + render_knee(data["knee"]) if "knee" in data else "")
+    if args.quick:
+        print(md)
+        print("(--quick: nothing written)")
+        return
     json_path, md_path = write_results("optimizer", data, md)
-    print(table)
+    print(md)
     print(f"wrote {json_path} and {md_path}")
 
 

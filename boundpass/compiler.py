@@ -502,8 +502,10 @@ def _agree_on_caps(knobs: list[Knob]) -> None:
 
 
 def _fit_offload_bucket(owner: "BoundedModule", planner: StepPlanner) -> None:
-    """OffloadStreamAdamW's bucket beta: the largest whose staging fits the optimizer phase as the graph sees it
-    (the batch the caller holds through the step included), never wider than compile() chose; the user's wins."""
+    """OffloadStreamAdamW's bucket beta once the graph shows what the optimizer phase leaves (the batch the caller
+    holds through the step included): min(the widest that fits now, the knee), never wider than compile() chose
+    (``optimizer_swap.narrow_bucket``, docs/knobs.md); the user's wins."""
+    from boundpass.passes.optimizer_swap import narrow_bucket
     from boundpass.runtime import offload_adamw as oa
     plan = owner.optimizer_plan
     if plan is None or not plan.offloaded or owner.optimizer_bucket is not None:
@@ -516,7 +518,9 @@ def _fit_offload_bucket(owner: "BoundedModule", planner: StepPlanner) -> None:
     room = owner.budget - planner._sum("persistent") - (planner._sum("step") - term.value) - planner.caller
     values = oa.bound_values(b=4, Theta=opt.numel, beta=1, S=opt.staging_slots)
     per_element = sym.evaluate(term.formula, values)
-    beta = min(opt.bucket_params, max(1, room // per_element))
+    widest = max(1, room // per_element)
+    knob = next((k for k in getattr(plan, "knobs", []) if k.name == "optimizer_bucket"), None)
+    beta = narrow_bucket(knob, widest) if knob is not None else min(opt.bucket_params, widest)
     if beta != opt.bucket_params:
         opt.bucket_params = beta
         term.value = sym.evaluate(term.formula, {**values, sym.beta: beta})
@@ -715,8 +719,8 @@ def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_bl
     all-gathers the ranks' input signatures first (docs/compile.md, "Ranks holding different N").
     optimizer: a torch AdamW or torchtitan OptimizersContainer; offload_optimizer ("auto", True, False) swaps it
     for OffloadStreamAdamW (state migrated; step `compiled.optimizer` and build LR schedulers on it) with
-    buckets of optimizer_bucket elements (None: the largest that fits) and optimizer_slots staging slots (None: 2,
-    or 1 when two useful slots do not fit).
+    buckets of optimizer_bucket elements and optimizer_slots staging slots (None: each at the knee of its modelled
+    step time, narrower only when the budget requires it; docs/knobs.md).
     sco ("auto", True, False): selective checkpoint offload of activation-checkpoint boundaries to host memory
     (docs/sco.md). The host pool is what host_budget leaves after the optimizer's host terms; True offloads
     the longest forward-order prefix of boundaries that fits it, "auto" the shortest prefix the device budget

@@ -48,6 +48,11 @@ class DeviceCosts:
     cache_bandwidth: float   # bytes/s for a working set that fits ``cache_bytes``
     cache_bytes: int         # the cache a strip should fit (L2 per core on CPU, L2 on a GPU)
     launch_s: float          # seconds per op issued (Python dispatch + kernel launch)
+    # host <-> device bytes/s each way (pinned copies over PCIe / NVLink-C2C; on a CPU "device" a memcpy of the
+    # host state from memory: the two are one memory), and whether the copies run beside the compute (CUDA
+    # streams; False: program order, nothing overlaps)
+    link_bandwidth: float = 0.0
+    overlap: bool = False
 
 
 DEVICE_COSTS = {
@@ -56,10 +61,12 @@ DEVICE_COSTS = {
     # "cache" here is where strips stop being recycled: a strip of 32 MiB or more is a fresh mmap each time
     # (glibc's mmap threshold tops out at 32 MiB) and page-faults through every pass, so cache_bytes = 16 MiB.
     "cpu": DeviceCosts("cpu", flops=120e9, bandwidth=6.5e9, cache_bandwidth=43e9, cache_bytes=16 * 2 ** 20,
-                       launch_s=15e-6),
+                       launch_s=15e-6, link_bandwidth=6.5e9, overlap=False),
     # H200 datasheet (fp32 without TF32, HBM3e, 50 MiB L2), eager launch ~8 us: not measured (no GPU run yet)
+    # link: PCIe Gen5 x16 pinned copies, ~50 GB/s each way concurrently (datasheet 64 GB/s): not measured;
+    # bench/gpu_optimizer.py (run by bench/gpu_check.sh) measures it and writes it to costs.json
     "cuda": DeviceCosts("cuda", flops=60e12, bandwidth=4.0e12, cache_bandwidth=10e12, cache_bytes=50 * 2 ** 20,
-                        launch_s=8e-6),
+                        launch_s=8e-6, link_bandwidth=50e9, overlap=True),
 }
 
 
@@ -218,3 +225,141 @@ def pipelined_llep_knee(*, lo: int, hi: int, N: int, H: int, I: int, E: int, E_p
     times = {c: pipelined_llep_seconds(c, N=N, H=H, I=I, E=E, E_p=E_p, k=k, b=b, costs=costs)
              for c in candidates(lo, hi)}
     return knee(times, tolerance)
+
+
+# --------------------------------------------------------------------------------- OffloadStreamAdamW
+# The bucket β (elements per bucket) and the staging slots S of runtime/offload_adamw.py. One step walks Θ
+# elements in nb = ceil(Θ / β) buckets; per bucket (docs/offload_adamw.md, "Schedule"):
+#   H2D     fp32 master, exp_avg, exp_avg_sq host -> slot              OPT_LINK_BYTES per element over the link
+#   update  grads into the slot (upcast), eight AdamW ops on the slot, params refreshed from the master:
+#           OPT_SLOT_BYTES per element in the slot (at cache rate while a slot's 16 β bytes fit cache_bytes),
+#           OPT_WORKING_BYTES · b per element of working grads / weights in device memory
+#   D2H     master and moments slot -> host                              OPT_LINK_BYTES per element
+# and a fixed cost per bucket, OPT_BUCKET_LAUNCHES ops (3 + 3 copies, one segment's 8 update ops, events), plus
+# OPT_TENSOR_LAUNCHES per parameter tensor (its grad copy and weight refresh; a tensor split across buckets
+# adds one piece per cut, counted in the bucket's ops). The bytes do not depend on β; the per-bucket ops favour
+# wide buckets, the cache favours slots that fit it, and on a device that overlaps (CUDA streams) the pipeline's
+# fill and drain — the first bucket's H2D and update and the last one's update and D2H are not hidden — favour
+# narrow ones. With S slots the steady state moves one bucket per max((h + u + d) / S, h, u, d): S = 1 cannot
+# overlap (each slot's three stages run back to back), S = 2 hides the copies behind the update, S = 3 lets the
+# three stages of three buckets run at once. On a device without overlap (the CPU: program order) S only costs
+# memory, and the step is nb (h + u + d).
+OPT_LINK_BYTES = 12          # bytes per element each way: fp32 master, exp_avg, exp_avg_sq (3 x 4)
+OPT_SLOT_BYTES = 112         # slot bytes per element: H2D writes 12, grad upcast writes 4, the eight update ops
+                             # read + write 80 (mul_ 8, lerp_ 12, mul_ 8, addcmul_ 12, sqrt 8, div_ 8, add_ 8,
+                             # addcdiv_ 16), the weight refresh reads 4, D2H reads 12
+OPT_WORKING_BYTES = 2        # x b per element: the working grad read, the working weight written
+OPT_BUCKET_LAUNCHES = 16     # ops per bucket: 3 H2D + 3 D2H copies, 8 update ops (one segment), 2 event waits
+OPT_TENSOR_LAUNCHES = 2      # ops per parameter tensor: its grad copy into the slot, its weight refresh
+OPT_MIN_BUCKET = 1 << 10     # the narrowest bucket the knee is looked for at (below it: ops, not bytes)
+OPT_MAX_SLOTS = 4            # slots the knee is looked for among (1..4)
+
+
+def offload_adamw_seconds(beta: int, S: int = 2, *, Theta: int, tensors: int = 1, b: int = 4,
+                          costs: DeviceCosts | None = None) -> float:
+    """Modelled seconds of one OffloadStreamAdamW step at bucket β and S slots (see the comment above)."""
+    costs = costs or DEVICE_COSTS["cpu"]
+    Theta = max(1, Theta)
+    beta = max(1, min(beta, Theta))
+    nb = -(-Theta // beta)
+    per = Theta / nb                                     # elements of an average bucket
+    link = costs.link_bandwidth or costs.bandwidth
+    slot_bw = costs.cache_bandwidth if 16 * beta <= costs.cache_bytes else costs.bandwidth
+    h = OPT_LINK_BYTES * per / link
+    u = OPT_SLOT_BYTES * per / slot_bw + OPT_WORKING_BYTES * b * per / costs.bandwidth
+    d = OPT_LINK_BYTES * per / link
+    issue = (nb * OPT_BUCKET_LAUNCHES + tensors * OPT_TENSOR_LAUNCHES) * costs.launch_s
+    if not costs.overlap:
+        return nb * (h + u + d) + issue
+    S = max(1, min(S, nb))
+    device = (h + u + d) + (nb - 1) * max((h + u + d) / S, h, u, d)
+    return max(device, issue)                            # the host issues ahead of the device (asynchronous)
+
+
+def offload_adamw_knee(*, Theta: int, tensors: int = 1, b: int = 4, costs: DeviceCosts | None = None,
+                       lo: int | None = None, hi: int | None = None, beta: int | None = None,
+                       S: int | None = None, tolerance: float = KNEE_TOLERANCE) -> tuple[int, int]:
+    """(β, S) at the knee: the least staging S·β whose modelled step is within ``tolerance`` of the best.
+
+    β over powers of two from ``lo`` (OPT_MIN_BUCKET) to ``hi`` (default Θ) and hi; S over 1..OPT_MAX_SLOTS.
+    A given ``beta`` or ``S`` (the user's) is held fixed and only the other is searched. Ties in staging go
+    to fewer slots.
+    """
+    hi = max(1, min(hi or Theta, Theta))
+    lo = max(1, min(lo or OPT_MIN_BUCKET, hi))
+    betas = [beta] if beta is not None else candidates(lo, hi)
+    slots = [S] if S is not None else list(range(1, OPT_MAX_SLOTS + 1))
+    times = {(bb, s): offload_adamw_seconds(bb, s, Theta=Theta, tensors=tensors, b=b, costs=costs)
+             for bb in betas for s in slots}
+    best = min(times.values())
+    near = [key for key, t in times.items() if t <= (1 + tolerance) * best]
+    return min(near, key=lambda key: (min(key[0], Theta) * key[1], key[1], key[0]))
+
+
+def calibrate_optimizer(points: dict[int, float], *, Theta: int, tensors: int = 1, b: int = 4, S: int = 1,
+                        base: DeviceCosts | None = None, link_bandwidth: float | None = None) -> DeviceCosts:
+    """Fit the optimizer's constants to measured {β: seconds} of OffloadStreamAdamW steps at S slots.
+
+    ``link_bandwidth`` (a measured copy rate, bytes/s each way) is taken as given. The curve is read as
+    ``t(β) = t0 + nb(β) * k`` (least squares over the points): on a device without overlap k, the per-bucket
+    cost, sets ``launch_s`` (k / OPT_BUCKET_LAUNCHES) and t0, less the link and working-memory bytes, the slot
+    rate of the regime the points' slots are in (``cache_bandwidth`` while 16 β fits ``cache_bytes``, else
+    ``bandwidth``: give points of one regime). On an overlapping device only ``link_bandwidth`` is set: the
+    pipelined curve's shape is left to the model.
+    """
+    base = base or DEVICE_COSTS["cpu"]
+    out = replace(base, link_bandwidth=link_bandwidth) if link_bandwidth else base
+    if out.overlap or len(points) < 2:
+        return out
+    xs = [-(-Theta // max(1, min(beta, Theta))) for beta in points]
+    ys = list(points.values())
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    k = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0, 0.0)
+    t0 = my - k * mx - tensors * OPT_TENSOR_LAUNCHES * out.launch_s
+    out = replace(out, launch_s=k / OPT_BUCKET_LAUNCHES)
+    link = out.link_bandwidth or out.bandwidth
+    stream = t0 - 2 * OPT_LINK_BYTES * Theta / link - OPT_WORKING_BYTES * b * Theta / out.bandwidth
+    if stream > 0:
+        rate = OPT_SLOT_BYTES * Theta / stream
+        in_cache = all(16 * min(beta, Theta) <= out.cache_bytes for beta in points)
+        out = replace(out, **({"cache_bandwidth": rate} if in_cache else {"bandwidth": rate}))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ SCO
+# How many checkpoint boundaries SCO offloads (L_off, a forward prefix; boundpass/passes/sco_pass.py,
+# runtime/sco.py). An offloaded boundary of B bytes is copied to the host in forward, beside the next block's
+# forward (a window of ``forward_s``), and prefetched back in backward beside the later block's recompute +
+# backward (``backward_s``); the deepest offloaded boundary has no prefetch ahead of it, so its reload is not
+# hidden at all. Per boundary SCO_LAUNCHES ops are issued (offload, reload, done; the copies' events). So
+#   t(L_off) = t(0) + [L_off > 0] B / link
+#                   + L_off (SCO_LAUNCHES launch_s + max(0, B / link - forward_s) + max(0, B / link - backward_s))
+# on a device that overlaps copies with compute (CUDA streams; the CPU runtime's one-thread worker shares the
+# cores with the compute, so there ``overlap`` is False and every transfer costs its time). Offloading never
+# makes the step faster: t is increasing in L_off, the knee is 0 (the fewest), and the planner offloads more only
+# when the budget requires it (docs/knobs.md).
+SCO_LAUNCHES = 6
+
+
+def sco_seconds(offloaded: int, *, boundary_bytes: int, forward_s: float = 0.0, backward_s: float = 0.0,
+                costs: DeviceCosts | None = None) -> float:
+    """Modelled seconds SCO adds to a step when ``offloaded`` boundaries of ``boundary_bytes`` are offloaded."""
+    costs = costs or DEVICE_COSTS["cpu"]
+    if offloaded <= 0:
+        return 0.0
+    move = boundary_bytes / (costs.link_bandwidth or costs.bandwidth)
+    hidden_f = forward_s if costs.overlap else 0.0
+    hidden_b = backward_s if costs.overlap else 0.0
+    per = SCO_LAUNCHES * costs.launch_s + max(0.0, move - hidden_f) + max(0.0, move - hidden_b)
+    return move + offloaded * per
+
+
+def sco_knee(most: int, *, boundary_bytes: int, forward_s: float = 0.0, backward_s: float = 0.0,
+             costs: DeviceCosts | None = None, tolerance: float = KNEE_TOLERANCE) -> int:
+    """The fewest boundaries whose modelled cost is within ``tolerance`` of the best count's over 0..most: 0."""
+    times = {n: sco_seconds(n, boundary_bytes=boundary_bytes, forward_s=forward_s, backward_s=backward_s,
+                            costs=costs) for n in range(0, max(0, most) + 1)}
+    best = min(times.values())
+    return min(n for n, t in times.items() if t <= best + tolerance * best)

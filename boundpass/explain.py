@@ -83,16 +83,30 @@ class ExplainReport:
         return text
 
     def _knob_lines(self) -> list[str]:
-        """The planner's choice per knob: value, why, and what the budget alone would have allowed."""
+        """The planner's choice per knob: value, why, and what the budget alone would have allowed.
+
+        The graph's knobs (C, c), then OffloadStreamAdamW's β and S (``optimizer_bucket``, ``optimizer_slots``),
+        then SCO's offload count (``sco``, the fewest the budget needs; docs/knobs.md)."""
         cert = getattr(self, "certificate", None)
-        knobs = cert.planner.knobs if cert is not None and cert.planner is not None else []
-        if not knobs:
+        knobs = list(cert.planner.knobs) if cert is not None and cert.planner is not None else []
+        knobs += list(getattr(self.optimizer, "knobs", None) or [])
+        sco = None
+        if cert is not None and getattr(self, "sco", None) is not None:
+            from boundpass.planner import sco_knob
+            sco = sco_knob(self.sco, cert, self.budget)
+        if not knobs and sco is None:
             return []
         lines = ["", "knobs (boundpass/planner.py; rule: docs/knobs.md):"]
         for k in knobs:
             allowed = "nothing fits" if k.widest_fitting is None else f"the budget alone allows {k.widest_fitting}"
             knee = "no time model" if getattr(k, "knee", None) is None else f"knee {k.knee} (boundpass/cost_model.py)"
             lines.append(f"  {k.name} = {k.value} ({k.why}; {knee}; {allowed}; range {k.lo}..{k.hi})")
+        if sco is not None:
+            allowed = ("the budget alone: not searched" if sco.widest_fitting is None and sco.why == "user" else
+                       "nothing fits" if sco.widest_fitting is None else
+                       f"the budget alone allows as few as {sco.widest_fitting}")
+            lines.append(f"  sco offloaded boundaries = {sco.value} ({sco.why}; knee {sco.knee} (fewest: "
+                         f"boundpass/cost_model.py); {allowed}; range {sco.lo}..{sco.hi})")
         return lines
 
     # ---- the step's predicted memory over time --------------------------------------------------------------

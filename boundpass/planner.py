@@ -184,6 +184,35 @@ class StepPlanner:
         return cert
 
 
+def sco_knob(plan, cert: StepCertificate, budget: int) -> Knob | None:
+    """The SCO offload count as a knob, for explain: value, why and what the budget alone needs.
+
+    The count's "knee" is the fewest boundaries (``cost_model.sco_knee``: offloading adds transfer time that
+    recompute does not hide, and never saves any), so sco="auto" offloads more only when the budget requires it:
+    why = "knee" when nothing is offloaded, "budget" when the budget needed ``value`` (the fewest of the counts
+    tried that fit), "user" for sco=True (every boundary the host pool holds) and sco=False (none).
+    ``widest_fitting`` here is the fewest offloaded boundaries that fit among the counts the planner tried
+    (None: none fit, or only the user's count was tried).
+    """
+    if plan is None or not getattr(plan, "eligible", None):
+        return None
+    from boundpass import cost_model
+    from boundpass import symbols as sym
+    knob = Knob("sco", sym.L_off, lo=0, hi=plan.most, arg="", ops=(),
+                user=None if plan.mode == "auto" else plan.offloaded, value=plan.offloaded)
+    knob.knee = cost_model.sco_knee(plan.most, boundary_bytes=max((r.boundary_bytes for r in plan.eligible),
+                                                                  default=0))
+    trials = cert.sco_trials or {}
+    fitting = [n for n, total in sorted(trials.items()) if total <= budget]
+    contiguous = sorted(trials) == list(range(min(trials), max(trials) + 1)) if trials else False
+    knob.widest_fitting = fitting[0] if fitting and (contiguous and min(trials) == 0 or fitting[0] == 0) else None
+    if plan.mode != "auto":
+        knob.why = "user"
+    else:
+        knob.why = "knee" if plan.offloaded <= knob.knee else "budget"
+    return knob
+
+
 def infeasible(cert: StepCertificate, *, knob: str, binding: BoundTerm | None = None, detail: str = "",
                name: str = "") -> None:
     """Raise InfeasibleBudgetError naming the peak's program point, its largest tensors, the total and the knob."""

@@ -167,9 +167,14 @@ def test_slots_and_bucket_are_chosen_to_fit_what_is_left():
     model = TinyLM()  # 256,000 parameters
     roomy = plan_optimizer(torch.optim.AdamW(model.parameters()), budget=PARAM_BYTES * 2 + 64 * 2**20,
                            persistent=PARAM_BYTES * 2, offload=True)
-    assert (roomy.optimizer.staging_slots, roomy.optimizer.bucket_params) == (2, 256_000)
+    # the knee on this CPU (docs/knobs.md): one bucket of the whole model (16·Θ = 4 MiB fits the cache) and one
+    # slot (the CPU runs the slots in program order: a second one would cost 4 MiB and no time)
+    assert (roomy.optimizer.staging_slots, roomy.optimizer.bucket_params) == (1, 256_000)
+    assert [(k.name, k.why) for k in roomy.knobs] == [("optimizer_bucket", "knee"), ("optimizer_slots", "knee")]
     # 1 MiB left: two slots of 65,536 elements (2 MiB) do not fit, one slot of 65,536 does
     tight = plan_optimizer(torch.optim.AdamW(model.parameters()), budget=PARAM_BYTES * 2 + 2**20,
                            persistent=PARAM_BYTES * 2, offload=True)
     assert (tight.optimizer.staging_slots, tight.optimizer.bucket_params) == (1, 2**20 // 16)
     assert sum(t.value for t in tight.terms if t.kind == "step") <= 2**20
+    assert [(k.name, k.why, k.widest_fitting) for k in tight.knobs] == [("optimizer_bucket", "budget", 2**20 // 16),
+                                                                          ("optimizer_slots", "knee", 1)]

@@ -175,3 +175,210 @@ def test_recalibrated_constants_are_read_from_the_environment(tmp_path, monkeypa
     path.write_text('{"cuda": {"launch_s": 1e-9}}')
     monkeypatch.setenv("BOUNDPASS_COSTS", str(path))
     assert cm.costs_for("cuda").launch_s == 1e-9 and cm.costs_for("cpu") == cm.DEVICE_COSTS["cpu"]
+
+
+# ------------------------------------------------------------------ OffloadStreamAdamW: the bucket β, slots S
+OPT_H = 256                                    # Θ = 2·V·H = 4,194,304: a whole-model slot (64 MiB) misses the cache
+
+
+def _opt_knee():
+    theta = 2 * V * OPT_H
+    return cm.offload_adamw_knee(Theta=theta, tensors=2, b=4, costs=cm.costs_for("cpu"), lo=cm.OPT_MIN_BUCKET,
+                                 hi=theta), theta
+
+
+def _opt_knobs(compiled):
+    knobs = {k.name: k for k in boundpass.explain(compiled).optimizer.knobs}
+    return knobs["optimizer_bucket"], knobs["optimizer_slots"]
+
+
+def _offloaded(budget, **kwargs):
+    model = TinyLM(hidden=OPT_H)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = boundpass.compile(model, budget=budget, loss_fn=titan_style_ce, optimizer=opt,
+                                 offload_optimizer=True, **kwargs)
+    compiled(*_batch()).backward()
+    compiled.optimizer.step()
+    return compiled
+
+
+def test_optimizer_takes_the_knee_of_beta_and_s_at_a_loose_budget():
+    (knee_beta, knee_slots), theta = _opt_knee()
+    assert cm.OPT_MIN_BUCKET < knee_beta < theta and knee_slots == 1, "this Θ must have a knee below the whole model"
+    compiled = _offloaded("4GiB")
+    beta, slots = _opt_knobs(compiled)
+    assert (beta.value, beta.why, beta.knee, beta.widest_fitting) == (knee_beta, "knee", knee_beta, theta)
+    assert (slots.value, slots.why, slots.knee) == (1, "knee", 1) and slots.widest_fitting > 1
+    opt = compiled.optimizer
+    assert (opt.bucket_params, opt.staging_slots) == (knee_beta, 1)
+    report = boundpass.explain(compiled)
+    (staging,) = [t for t in report.table.terms if t.name.startswith("optimizer staging")]
+    assert staging.value == 16 * knee_beta       # the staging certified is the knee's, not the whole model's
+    text = flat(report.text("none"))
+    assert (f"optimizer_bucket = {knee_beta} (knee; knee {knee_beta} (boundpass/cost_model.py); "
+            f"the budget alone allows {theta}; range 1..{theta})") in text
+    assert "optimizer_slots = 1 (knee; knee 1 (boundpass/cost_model.py)" in text
+
+
+def test_a_tight_budget_forces_a_bucket_below_the_knee():
+    (knee_beta, _), theta = _opt_knee()
+    probe = _offloaded("4GiB")
+    table = boundpass.explain(probe).table
+    (staging,) = [t for t in table.terms if t.name.startswith("optimizer staging")]
+    step_phase = table.sum("persistent") + table.sum("step")     # the optimizer phase, at the knee's staging
+    budget = step_phase - staging.value + 16 * (knee_beta // 4)
+    assert step_phase == table.total, "the optimizer phase must be the step's peak at this shape"
+    torch._dynamo.reset()
+    tight = _offloaded(budget)
+    beta, slots = _opt_knobs(tight)
+    assert beta.why == "budget" and beta.value == beta.widest_fitting and knee_beta // 4 <= beta.value < knee_beta
+    assert tight.optimizer.bucket_params == beta.value and boundpass.explain(tight).table.fits()
+    assert f"optimizer_bucket = {beta.value} (budget; knee {knee_beta}" in flat(boundpass.explain(tight).text("none"))
+
+
+def test_the_users_bucket_and_slots_win_over_the_knee():
+    (_, _), theta = _opt_knee()
+    compiled = _offloaded("4GiB", optimizer_bucket=theta, optimizer_slots=3)
+    beta, slots = _opt_knobs(compiled)
+    assert (beta.value, beta.why, slots.value, slots.why) == (theta, "user", 3, "user")
+    assert (compiled.optimizer.bucket_params, compiled.optimizer.staging_slots) == (theta, 3)
+    assert f"optimizer_bucket = {theta} (user;" in flat(boundpass.explain(compiled).text("none"))
+
+
+def test_the_optimizer_step_is_exact_at_the_knee():
+    model = TinyLM(hidden=OPT_H)
+    reference = copy.deepcopy(model)
+    compiled = boundpass.compile(model, budget="4GiB", loss_fn=titan_style_ce,
+                                 optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), offload_optimizer=True)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+    for seed in range(2):
+        tokens, labels = _batch(seed)
+        compiled(tokens, labels).backward()
+        titan_style_ce(reference(tokens), labels).backward()
+        for p, q in zip(model.parameters(), reference.parameters()):   # the same grads into both optimizers
+            q.grad = p.grad.clone()
+        compiled.optimizer.step()
+        ref_opt.step()
+        compiled.optimizer.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+    assert _opt_knobs(compiled)[0].why == "knee" and compiled.optimizer.bucket_params < 2 * V * OPT_H
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_optimizer_model_knee_is_the_least_staging_within_the_tolerance(device):
+    costs = cm.costs_for(device)
+    for theta, tensors in ((4 << 20, 2), (45_617_664, 39), (1 << 30, 300)):
+        hi = min(theta, 1 << 24)
+        beta, slots = cm.offload_adamw_knee(Theta=theta, tensors=tensors, costs=costs, hi=hi)
+        times = {(b, s): cm.offload_adamw_seconds(b, s, Theta=theta, tensors=tensors, costs=costs)
+                 for b in cm.candidates(cm.OPT_MIN_BUCKET, hi) for s in range(1, cm.OPT_MAX_SLOTS + 1)}
+        best = min(times.values())
+        assert times[(beta, slots)] <= (1 + cm.KNEE_TOLERANCE) * best
+        assert all(t > (1 + cm.KNEE_TOLERANCE) * best for (b, s), t in times.items() if b * s < beta * slots)
+        if not costs.overlap:  # program order: a second slot buys nothing
+            assert slots == 1
+        else:                  # streams: one slot cannot overlap the copies with the update
+            assert slots >= 2
+
+
+def test_the_optimizer_model_without_overlap_is_additive_and_with_overlap_near_the_link_floor():
+    theta, cpu, cuda = 1 << 26, cm.costs_for("cpu"), cm.costs_for("cuda")
+    # CPU: the bytes are independent of β, only the per-bucket ops and the cache regime change
+    fine, coarse = (cm.offload_adamw_seconds(b, 1, Theta=theta, costs=cpu) for b in (1 << 12, 1 << 13))
+    nb = (theta >> 12) - (theta >> 13)
+    assert fine - coarse == pytest.approx(nb * cm.OPT_BUCKET_LAUNCHES * cpu.launch_s, rel=1e-6)
+    assert cm.offload_adamw_seconds(1 << 20, 3, Theta=theta, costs=cpu) == cm.offload_adamw_seconds(
+        1 << 20, 1, Theta=theta, costs=cpu)
+    # CUDA: at the knee with two slots the step is within 1.2x of the 12·Θ link floor (docs/offload_adamw.md)
+    beta, slots = cm.offload_adamw_knee(Theta=theta, costs=cuda, hi=1 << 24)
+    floor = cm.OPT_LINK_BYTES * theta / cuda.link_bandwidth
+    assert cm.offload_adamw_seconds(beta, slots, Theta=theta, costs=cuda) <= 1.2 * floor
+    assert cm.offload_adamw_seconds(beta, 1, Theta=theta, costs=cuda) > 2 * floor  # no overlap with one slot
+
+
+def test_optimizer_calibration_recovers_the_constants_of_a_modelled_curve():
+    theta = 45_617_664
+    true = replace(cm.costs_for("cpu"), launch_s=9e-6, cache_bandwidth=30e9)
+    points = {b: cm.offload_adamw_seconds(b, 1, Theta=theta, tensors=39, costs=true)
+              for b in (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20)}   # slots of 64 KiB .. 16 MiB: all in cache
+    fitted = cm.calibrate_optimizer(points, Theta=theta, tensors=39, base=cm.costs_for("cpu"))
+    assert fitted.launch_s == pytest.approx(true.launch_s, rel=0.05)
+    assert fitted.cache_bandwidth == pytest.approx(true.cache_bandwidth, rel=0.05)
+    cuda = cm.calibrate_optimizer({}, Theta=theta, base=cm.costs_for("cuda"), link_bandwidth=21e9)
+    assert cuda.link_bandwidth == 21e9 and cuda.launch_s == cm.costs_for("cuda").launch_s
+
+
+# ----------------------------------------------------------------------------- SCO: how many boundaries
+def _stack(layers=4, width=64):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    torch.manual_seed(0)
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(checkpoint_wrapper(nn.Sequential(nn.Linear(width, width), nn.GELU()))
+                                        for _ in range(layers))
+
+        def forward(self, x):
+            h = x * 1            # a computed first boundary (a graph input would be the caller's)
+            for block in self.blocks:
+                h = block(h)
+            return h
+    return Stack()
+
+
+def _square(out, labels):
+    return out.float().pow(2).mean()
+
+
+def _sco_compiled(budget, rows=1024, **kwargs):
+    torch._dynamo.reset()
+    compiled = boundpass.compile(_stack(), budget=budget, loss_fn=_square, **kwargs)
+    compiled(torch.randn(rows, 64)).backward()
+    return compiled
+
+
+def test_sco_model_never_rewards_offloading():
+    for device in ("cpu", "cuda"):
+        costs = cm.costs_for(device)
+        times = [cm.sco_seconds(n, boundary_bytes=64 << 20, forward_s=1e-3, backward_s=3e-3, costs=costs)
+                 for n in range(9)]
+        assert times[0] == 0 and times == sorted(times) and len(set(times)) == 9
+        assert cm.sco_knee(8, boundary_bytes=64 << 20, costs=costs) == 0
+    # CUDA: a transfer hidden behind the compute costs its launches only, except the deepest reload (not prefetched)
+    cuda = cm.costs_for("cuda")
+    move = (8 << 20) / cuda.link_bandwidth
+    hidden = cm.sco_seconds(3, boundary_bytes=8 << 20, forward_s=1.0, backward_s=1.0, costs=cuda)
+    assert hidden == pytest.approx(move + 3 * cm.SCO_LAUNCHES * cuda.launch_s)
+    exposed = cm.sco_seconds(3, boundary_bytes=8 << 20, costs=cuda)
+    assert exposed == pytest.approx(move + 3 * (cm.SCO_LAUNCHES * cuda.launch_s + 2 * move))
+
+
+def test_sco_offloads_none_at_a_loose_budget_and_the_fewest_the_budget_needs():
+    loose = _sco_compiled("1GiB", host_budget="1GiB")
+    plan = loose.sco_plans[-1]
+    assert plan.most == 4 and plan.offloaded == 0
+    text = flat(boundpass.explain(loose).text("none"))
+    assert ("sco offloaded boundaries = 0 (knee; knee 0 (fewest: boundpass/cost_model.py); the budget alone "
+            "allows as few as 0; range 0..4)") in text
+    # the certified peak at 1 and 2 offloaded, each from sco=True with a host pool of that many boundaries
+    boundary = 1024 * 64 * 4
+    totals = [boundpass.explain(_sco_compiled("1GiB", host_budget=k * boundary, sco=True)).table.total
+              for k in (1, 2)]
+    assert totals[1] < totals[0]
+    tight = _sco_compiled(totals[1], host_budget="1GiB")
+    assert tight.sco_plans[-1].offloaded == 2
+    text = flat(boundpass.explain(tight).text("none"))
+    assert "sco offloaded boundaries = 2 (budget; knee 0 (fewest: boundpass/cost_model.py); the budget alone " \
+           "allows as few as 2; range 0..4)" in text
+
+
+def test_sco_true_is_the_users_count():
+    boundary = 1024 * 64 * 4
+    compiled = _sco_compiled("1GiB", host_budget=3 * boundary, sco=True)
+    assert compiled.sco_plans[-1].offloaded == 3
+    text = flat(boundpass.explain(compiled).text("none"))
+    assert "sco offloaded boundaries = 3 (user; knee 0 (fewest: boundpass/cost_model.py); the budget alone: " \
+           "not searched; range 0..3)" in text

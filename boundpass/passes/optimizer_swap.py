@@ -17,12 +17,13 @@ from boundpass import symbols as sym
 from boundpass.bounds import BoundTerm
 from boundpass.errors import BoundpassError, BoundpassInputError
 from boundpass.optimizer_phase import OptimizerPhase, optimizer_phase
+from boundpass.planner import Knob
 from boundpass.runtime import offload_adamw as oa
 from boundpass.units import format_bytes
 
 OFFLOAD_CHOICES = ("auto", True, False)
 DEFAULT_SLOTS = oa.DEFAULT_SLOTS    # two slots suffice to overlap copy-in, update and write-back
-MAX_BUCKET = oa.DEFAULT_BUCKET      # elements (2^24); beyond this a bucket only adds staging bytes, not speed
+MAX_BUCKET = oa.DEFAULT_BUCKET      # elements (2^24): the widest bucket compile considers (the knee is below it)
 MIN_OVERLAP_BUCKET = 1 << 16  # elements; below this per-bucket launch and copy latency dominates overlap
 
 
@@ -34,6 +35,7 @@ class OptimizerPlan:
     reason: str
     terms: list[BoundTerm] = field(default_factory=list)
     host_bytes: int = 0
+    knobs: list = field(default_factory=list)   # planner.Knob for β (optimizer_bucket) and S (optimizer_slots)
 
 
 def _adamws(optimizer) -> list[torch.optim.Optimizer] | None:
@@ -62,8 +64,8 @@ def plan_optimizer(optimizer, *, budget: int, persistent: int, offload="auto", b
                    slots: int | None = None, host_budget: int | None = None) -> OptimizerPlan:
     """Decide offload (and β, S), migrate state if offloading, and return the optimizer's budget terms (bytes).
 
-    persistent: bytes already committed on the device (parameters + gradients). slots None: S = 2, or S = 1
-    when what the budget leaves cannot hold two slots of useful size (no overlap, but it fits).
+    persistent: bytes already committed on the device (parameters + gradients). bucket / slots None: chosen by
+    the knee rule (``choose_knobs``, docs/knobs.md); the plan's ``knobs`` say what and why.
     """
     if offload not in OFFLOAD_CHOICES:
         raise BoundpassInputError(f"offload_optimizer must be one of {OFFLOAD_CHOICES}, got {offload!r}")
@@ -81,17 +83,15 @@ def plan_optimizer(optimizer, *, budget: int, persistent: int, offload="auto", b
             return OptimizerPlan(optimizer, False, f"{phase.name} kept on device (OffloadStreamAdamW takes only "
                                  f"AdamW): state and step workspace measured by a fake step", terms=kept)
         on_device = phase.state_bytes + phase.step_peak_bytes
-    theta = _state_elements(adamws)[0]
     if offload is False or (offload == "auto" and persistent + on_device <= budget):
         kept[0].knob = (f"boundpass.compile(..., offload_optimizer=True) moves it to the host "
                         f"(saves {format_bytes(phase.state_bytes)})")
         reason = "kept on device (asked)" if offload is False else "kept on device: it fits the budget"
         return OptimizerPlan(optimizer, False, reason, terms=kept)
     room = max(budget - persistent, 0) // (4 * 4)  # fp32 elements x 4 buffers per slot that fit what is left
-    if slots is None:
-        slots = DEFAULT_SLOTS if room >= DEFAULT_SLOTS * min(theta, MIN_OVERLAP_BUCKET) else 1
-    if bucket is None:  # the largest bucket whose staging fits what parameters and gradients leave
-        bucket = max(1, min(theta, MAX_BUCKET, room // slots))
+    b = _state_elements(adamws)[1]
+    plan_knobs = choose_knobs(adamws, room=room, bucket=bucket, slots=slots, b=b)
+    bucket, slots = (k.value for k in plan_knobs)
     knobs = dict(bucket_params=bucket, staging_slots=slots)
     if hasattr(optimizer, "optimizers"):
         migrated = oa.offload_optimizers_container(optimizer, **knobs)  # in place: the container object stays
@@ -103,7 +103,59 @@ def plan_optimizer(optimizer, *, budget: int, persistent: int, offload="auto", b
     reason = "offloaded (asked)" if offload is True else (
         f"offloaded: parameters + gradients + AdamW state and step workspace ({format_bytes(persistent + on_device)}) "
         f"exceed the budget")
-    return _offloaded_plan(migrated, inner, reason, host_budget)
+    out = _offloaded_plan(migrated, inner, reason, host_budget)
+    out.knobs = plan_knobs
+    return out
+
+
+def choose_knobs(adamws, *, room: int, bucket: int | None, slots: int | None, b: int = 4) -> list[Knob]:
+    """β and S by the planner's rule (docs/knobs.md): the user's, else min(what ``room`` allows, the knee).
+
+    room: fp32 elements x 4 (bytes / 16) the budget leaves for staging. The knee is cost_model's
+    ``offload_adamw_knee`` at this optimizer's Θ, tensor count, working dtype and device. S first: the knee's
+    slots while ``room`` holds that many slots of a useful size (min(Θ, MIN_OVERLAP_BUCKET)), fewer otherwise;
+    then β: min(room // S, the knee's bucket at that S).
+    """
+    from boundpass import cost_model
+    params = [oa._local(p) for opt in adamws for g in opt.param_groups for p in g["params"]]
+    theta = max(1, sum(p.numel() for p in params))
+    device = params[0].device.type if params else "cpu"
+    costs = cost_model.costs_for(device)
+    hi = max(1, min(theta, MAX_BUCKET))
+    lo = min(cost_model.OPT_MIN_BUCKET, hi)
+    model = dict(Theta=theta, tensors=len(params), b=b, costs=costs, lo=lo, hi=hi)
+    s_knob = Knob("optimizer_slots", sym.S, lo=1, hi=cost_model.OPT_MAX_SLOTS, arg="staging_slots", ops=(),
+                  user=slots)
+    b_knob = Knob("optimizer_bucket", sym.beta, lo=1, hi=hi, arg="bucket_params", ops=(), user=bucket)
+    knee_beta, knee_slots = cost_model.offload_adamw_knee(beta=bucket, S=slots, **model)
+    s_knob.knee = knee_slots
+    s_knob.widest_fitting = max(1, min(s_knob.hi, room // min(theta, MIN_OVERLAP_BUCKET)))
+    if slots is not None:
+        s_knob.value, s_knob.why = slots, "user"
+    elif knee_slots <= s_knob.widest_fitting:
+        s_knob.value, s_knob.why = knee_slots, "knee"
+    else:
+        s_knob.value, s_knob.why = s_knob.widest_fitting, "budget"
+    if s_knob.value != knee_slots and bucket is None:  # the budget took slots: the bucket's knee at the slots left
+        knee_beta, _ = cost_model.offload_adamw_knee(S=s_knob.value, **model)
+    b_knob.knee = knee_beta
+    b_knob.widest_fitting = max(1, min(hi, room // s_knob.value))
+    if bucket is not None:
+        b_knob.value, b_knob.why = bucket, "user"
+    elif knee_beta <= b_knob.widest_fitting:
+        b_knob.value, b_knob.why = knee_beta, "knee"
+    else:
+        b_knob.value, b_knob.why = b_knob.widest_fitting, "budget"
+    return [b_knob, s_knob]
+
+
+def narrow_bucket(knob: Knob, widest: int) -> int:
+    """The bucket once the step's graph shows what the optimizer phase really leaves (``widest`` elements per
+    slot): min(widest, knee) by the same rule, never wider than before; the user's value is kept."""
+    knob.widest_fitting = max(1, min(knob.widest_fitting or knob.hi, widest))
+    if knob.user is None and knob.widest_fitting < knob.value:
+        knob.value, knob.why = knob.widest_fitting, "budget"
+    return knob.value
 
 
 def _kept_terms(phase: OptimizerPhase) -> list[BoundTerm]:
