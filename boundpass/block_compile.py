@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import sympy
+import torch
 import torch.nn as nn
 
 from boundpass.bounds import BoundTerm, BudgetTable, raise_infeasible
@@ -105,6 +106,8 @@ class CompiledBlocks(BoundedModule):
         self.block_units = [u for u in self.units if any(under(u, p) for p in self.block_paths)]
         # the gradients each block's backward leaves reduced on this rank (its units' local shards)
         self.block_grads = [sum(u.sharded_grads for u in self.units if under(u, p)) for p in self.block_paths]
+        if not self.units:  # not FSDP2-wrapped: a block's backward leaves its parameters' whole gradients
+            self.block_grads = [sum(_local_bytes(p) for p in b.parameters() if p.requires_grad) for b in blocks]
         self.held_units = [u for u in self.units if not u.resharded and u not in self.block_units]
         # units whose backward runs after every block's (the embedding, the root): their reduce-scatter ends the step's
         # backward, when no block holds anything; the others outside the blocks (the head's) run before the blocks'
@@ -120,6 +123,17 @@ class CompiledBlocks(BoundedModule):
         self.graph_rows: list[list[BoundTerm]] = []  # per graph: the carry rows its certificate holds
         self.graph_cert: list[int | None] = []  # per graph: its index in self.certificates (None: no backward)
         self.first_input = 0               # the first block's input, held for its backward through the step
+        # SCO across the blocks (one runtime for every block graph; boundpass/passes/sco_pass.find_block_sco): the
+        # first ``sco_count`` blocks (forward order) offload their input boundary to the host pool
+        # a block graph's input and output are the trunk's hidden states, which the caller passes from block to block
+        # and does not hold through backward: the graph analysis counts them as the graph sees them, the rows below
+        # count them as the other blocks' (step_peak.analyze_graphs ctx["per_block"])
+        self.per_block = True
+        self.sco_runtime = None
+        self.sco_count = 0
+        self.sco_ok = True                 # False once a block graph could not be rewritten: no block is planned off
+        self.boundary = 0                  # bytes of one block's boundary (its input hidden states)
+        self.hidden = 0                    # bytes of a block graph's first input (the hidden states it is passed)
 
     # ------------------------------------------------------------------------------------------- backend
     def backend(self, gm, example_inputs):
@@ -131,6 +145,13 @@ class CompiledBlocks(BoundedModule):
         before = len(self.certificates)
         compiled = self._backend(gm, example_inputs)
         self.graph_cert.append(before if len(self.certificates) > before else None)  # inference: nothing planned
+        plan = self.sco_plans[-1]
+        if plan.dynamic and plan.eligible and self.graph_cert[-1] is not None:
+            if plan.rewritten:
+                self.sco_count = max(self.sco_count, plan.offloaded)
+            else:
+                self.sco_ok = False
+            self.sco_runtime.set_offload_count(self.sco_count if self.sco_ok else 0)
         self.recheck()
         return _counting(compiled, self, index)
 
@@ -139,8 +160,39 @@ class CompiledBlocks(BoundedModule):
         return self.block_modules[min(len(self.runs), self.num_blocks - 1)]
 
     def begin_step(self) -> None:
-        """A training step starts: no block has run yet."""
+        """A training step starts: no block has run yet (nor offloaded anything)."""
         self.runs.clear()
+        if self.sco_runtime is not None:
+            self.sco_runtime.offloaded = [False] * self.num_blocks
+
+    def _find_sco(self, gm, host_pool: int | None):
+        """Every block graph shares one SCO runtime; the host pool takes a forward prefix of the blocks."""
+        from boundpass.passes import sco_pass
+        from boundpass.runtime import sco as sco_rt
+        if self.sco_runtime is None and self.sco is not False:
+            self.sco_runtime = sco_rt.BlockSCO(self.num_blocks, 0, sco_pass._boundary_device(gm),
+                                               current_block=lambda: len(self.runs) - 1)
+        first = next((n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"), None)
+        if isinstance(first, torch.Tensor) and first.is_floating_point():
+            # the block's first argument: the trunk's hidden states, block i-1's output (see _block_rows)
+            self.hidden = max(self.hidden, first.numel() * first.element_size())
+        plan = sco_pass.find_block_sco(gm, self.sco, runtime=self.sco_runtime, most=0)
+        if plan.eligible:
+            self.boundary = max(self.boundary, plan.eligible[0].boundary_bytes)
+            pool = host_pool if host_pool is not None else self.num_blocks * self.boundary
+            self.sco_runtime.host_budget = pool
+            plan.host_pool = host_pool
+            plan.most = sco_rt.planned_offloaded_layers([self.boundary] * self.num_blocks, pool)
+        return plan
+
+    def offloaded_blocks(self, trial: int | None = None) -> list[bool]:
+        """Per block, whether its boundary is on the host this step: what the runtime did for the blocks that ran,
+        the plan (the first ``sco_count`` blocks, or ``trial`` while a graph's planner tries more) for the rest."""
+        n, ran = self.num_blocks, min(len(self.runs), self.num_blocks)
+        if self.sco_runtime is None:
+            return [False] * n
+        planned = max(self.sco_count, trial or 0) if self.sco_ok else 0
+        return [self.sco_runtime.offloaded[j] if j < ran else j < planned for j in range(n)]
 
     # --------------------------------------------------------------------------------------- composition
     def _gather_rows(self) -> list[BoundTerm]:
@@ -179,24 +231,62 @@ class CompiledBlocks(BoundedModule):
                         self._gloo_row()]
         return table
 
-    def _block_rows(self, graph: int, own_saved: int) -> list[BoundTerm]:
+    def _block_rows(self, graph: int, own_saved: int, trial: int | None = None) -> list[BoundTerm]:
         """The other blocks while block i runs its forward or backward: the saved tensors of the blocks before it and
         the reduced gradients of the blocks after it (and of the head), for the worst block i that may run ``graph``
         (a block that already ran it this step, or any block still to run). Blocks still to run save at most what
-        the widest graph known saves."""
+        the widest graph known saves.
+
+        SCO: block j's saved bytes include its output, block j+1's boundary. An offloaded boundary of a block before
+        block i is on the host while block i runs (the first block's input likewise), except the one block i's
+        backward prefetches: block i-1's, copied back while block i's backward runs."""
         ran = len(self.runs)
         widest = max([own_saved, *self.graph_saved])
         saved = [self.graph_saved[g] for g in self.runs[:self.num_blocks]] + [widest] * (self.num_blocks - ran)
         head = sum(u.sharded_grads for u in self.head_units)
+        off = self.offloaded_blocks(trial)
         candidates = [i for i, g in enumerate(self.runs[:self.num_blocks]) if g == graph]
         candidates += list(range(min(ran, self.num_blocks), self.num_blocks))
-        worst = max(candidates or [0], key=lambda i: sum(saved[:i]) + sum(self.block_grads[i + 1:]))
-        before, after = sum(saved[:worst]), sum(self.block_grads[worst + 1:]) + head
-        return [BoundTerm("the first block's input (the embedding's output, held for that block's backward)",
-                          sympy.Integer(self.first_input), self.first_input, kind="transient", knob=KNOB),
+
+        def rows_of(i: int):
+            # block 0 counts its own input; block i > 0 counts its input, which is also block i-1's output (in
+            # saved[i-1]): counted once, by block i's graph
+            first = 0 if i == 0 or off[0] else self.first_input
+            on_host = sum(off[1:i]) * self.boundary + (min(self.hidden, saved[i - 1]) if i > 0 else 0)
+            prefetch = self.boundary if i > 0 and off[i - 1] else 0
+            return first, sum(saved[:i]) - on_host, prefetch, sum(self.block_grads[i + 1:]) + head, sum(off[1:i])
+        worst = max(candidates or [0], key=lambda i: sum(rows_of(i)[:4]))
+        first, before, prefetch, after, hosted = rows_of(worst)
+        rows = [BoundTerm("the first block's input (the embedding's output, held for that block's backward)"
+                          + ("; on the host (SCO)" if worst > 0 and off[0] else "")
+                          + ("; counted by this graph" if worst == 0 else ""),
+                          sympy.Integer(first), first, kind="transient", knob=KNOB),
                 BoundTerm(f"saved tensors of the {worst} block(s) before block {worst} (the worst block that may run "
-                          "this graph)", sympy.Integer(before), before, kind="transient", knob=KNOB),
-                _grads_row(after, f"the head's and those of the {self.num_blocks - 1 - worst} block(s) after it")]
+                          "this graph" + (f"; its input, block {worst - 1}'s output, counted by the graph" if worst
+                                          else "") + ")"
+                          + (f", {hosted} boundaries of them on the host (SCO)" if hosted else ""),
+                          sympy.Integer(before), before, kind="transient", knob=KNOB)]
+        if self.sco_runtime is not None and self.sco_ok and any(off):
+            # each block's forward saves an 8-byte token (int64) in place of its boundary; the graphs count their own
+            # and earlier blocks' while they are saved, autograd may release the running block's a little later
+            tokens = 8 * self.num_blocks
+            rows.append(BoundTerm(f"SCO tokens (one int64 per block, {self.num_blocks} blocks)",
+                                  sympy.Integer(tokens), tokens, kind="transient", knob=KNOB))
+        if prefetch:
+            rows.append(BoundTerm(f"SCO prefetch of block {worst - 1}'s boundary (block {worst}'s backward copies it "
+                                  "back)", sympy.Integer(prefetch), prefetch, kind="transient", knob=KNOB))
+        rows.append(_grads_row(after, f"the head's and those of the {self.num_blocks - 1 - worst} block(s) after it"))
+        return rows
+
+    def _sco_host_rows(self, trial: int | None = None) -> list[BoundTerm]:
+        """The SCO host pool: one buffer per offloaded block, reused across steps."""
+        from boundpass.runtime import sco as sco_rt
+        count = max(self.sco_count, trial or 0) if self.sco_ok and self.sco_runtime is not None else 0
+        if not count:
+            return []
+        return [BoundTerm(f"SCO boundary pool on host (the first {count} of {self.num_blocks} blocks)",
+                          sco_rt.sco_host_bound(), count * self.boundary, kind="host",
+                          knob="--boundpass.host_budget <larger> or --boundpass.sco off")]
 
     def carry_terms(self, peak, backed: dict) -> list[BoundTerm]:
         own = _int_or_hint(peak.saved_bytes, backed)
@@ -204,7 +294,12 @@ class CompiledBlocks(BoundedModule):
         inputs = sum(_int_or_hint(st.nbytes, backed) for st in peak.storages
                      if st.kind == "input" and not st.name.startswith("tangents"))
         self.first_input = max(self.first_input, inputs)
-        rows = self._block_rows(self._compiling, own) + self._gather_rows()
+        plan = self.sco_plans[-1] if self.sco_plans else None
+        trial = plan.offloaded if plan is not None and plan.dynamic and plan.rewritten else None
+        if plan is not None and plan.dynamic and plan.eligible and not plan.rewritten:
+            trial = None
+            self.sco_ok = False  # this graph saves its boundary as usual: no block is counted off the device
+        rows = self._block_rows(self._compiling, own, trial) + self._gather_rows() + self._sco_host_rows(trial)
         self.graph_rows[self._compiling] = rows
         return rows
 
@@ -217,10 +312,12 @@ class CompiledBlocks(BoundedModule):
             table = cert.table
             table.terms = [t for t in table.terms if all(t is not o for o in old)]
             # the check is for the last block that may run this graph: the runs so far, the rest at the widest
-            rows = self._block_rows(graph, self.graph_saved[graph]) + self._gather_rows()
+            rows = self._block_rows(graph, self.graph_saved[graph]) + self._gather_rows() + self._sco_host_rows()
             old[:] = rows
             table.terms += rows
-            cert.planner.carry = sum(t.value for t in rows)
+            cert.planner.carry = sum(t.value for t in rows if t.kind != "host")
+            if not table.host_fits():
+                raise_infeasible(table, max((t for t in table.terms if t.kind == "host"), key=lambda t: t.value))
             if not table.fits():
                 _raise_step_infeasible(self, cert, cert.planner.knobs, self.sco_plans[graph])
 
@@ -234,10 +331,16 @@ class CompiledBlocks(BoundedModule):
     def head_carry_terms(self) -> list[BoundTerm]:
         """The rows the head's certificate adds: every block's saved tensors, the head's units (held unsharded,
         reduce-scattered after its backward); its backward is the step's first, so nothing is reduced before it."""
-        saved = self.trunk_saved()
-        return [BoundTerm("the first block's input (the embedding's output, held for that block's backward)",
-                          sympy.Integer(self.first_input), self.first_input, kind="transient", knob=KNOB),
-                BoundTerm(f"saved tensors of the {self.num_blocks} blocks (held through the head)",
+        off = self.offloaded_blocks()
+        hosted = sum(off[1:])  # block j's saved bytes hold block j+1's boundary; the last block's output is the head's
+        # the last block's output is the head's input, which the head's graph counts
+        saved = max(self.trunk_saved() - hosted * self.boundary - self.hidden, 0)
+        first = 0 if off[0] else self.first_input
+        return [BoundTerm("the first block's input (the embedding's output, held for that block's backward)"
+                          + ("; on the host (SCO)" if off[0] else ""),
+                          sympy.Integer(first), first, kind="transient", knob=KNOB),
+                BoundTerm(f"saved tensors of the {self.num_blocks} blocks (held through the head)"
+                          + (f", {hosted} boundaries of them on the host (SCO)" if hosted else ""),
                           sympy.Integer(saved), saved, kind="transient", knob=KNOB),
                 _scatter_row(self.head_units), self._gloo_row()] + self._held_rows()
 
@@ -252,6 +355,11 @@ class CompiledBlocks(BoundedModule):
             binding = max((t for t in self.tail.terms if t.counted), key=lambda t: t.value)
             raise_infeasible(self.tail, binding, detail="(the end of the backward: every gradient reduced, the "
                              "embedding's reduce-scatter in flight)")
+
+
+def _local_bytes(t) -> int:
+    t = getattr(t, "_local_tensor", t)
+    return t.numel() * t.element_size()
 
 
 def _grads_row(nbytes: int, which: str) -> BoundTerm:

@@ -203,7 +203,7 @@ class BoundedModule(nn.Module):
         knobs = self._vocab_knobs(regions, ring_size) + self._dispatch_knobs(dispatch_regions)
         optimizer_host = sum(t.value for t in self.state_terms if t.counted and t.kind == "host")
         host_pool = None if self.host_budget is None else max(self.host_budget - optimizer_host, 0)
-        sco_plan = report.sco = sco_pass.find_sco(gm, self.sco, host_pool=host_pool)
+        sco_plan = report.sco = self._find_sco(gm, host_pool)
         self.sco_plans.append(sco_plan)
         gm.recompile()
         partitioner = _PlanningPartitioner(self, report, knobs, sco_plan, gm)
@@ -225,6 +225,10 @@ class BoundedModule(nn.Module):
                 return sco_pass.eager_callable(graph)  # boxed: saved tensors die at their last use
             # aot_autograd is required even for eager kernels: torchtitan's MoE mutates a buffer in forward.
             return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partitioner)(gm, example_inputs)
+
+    def _find_sco(self, gm: torch.fx.GraphModule, host_pool: int | None):
+        """SCO's plan for this graph (boundpass/passes/sco_pass.py); per-block compile overrides it."""
+        return sco_pass.find_sco(gm, self.sco, host_pool=host_pool)
 
     def _vocab_knobs(self, regions, ring_size: int) -> list[Knob]:
         """Set each vocab op's branch from N_max (a launch fact) and open its strip width C for the planner."""
@@ -332,7 +336,8 @@ class _PlanningPartitioner:
         base = min_cut_rematerialization_partition if owner.inner == "inductor" else default_partition
         static = set(kwargs.get("static_lifetime_input_indices") or ())
         outputs = kwargs["num_fwd_outputs"]
-        ctx = {"max_tokens_per_rank": owner.max_tokens_per_rank or owner.ring_n_max or None}
+        ctx = {"max_tokens_per_rank": owner.max_tokens_per_rank or owner.ring_n_max or None,
+               "per_block": getattr(owner, "per_block", False)}  # step_peak.analyze_graphs: the caller's lifetimes
         timing = {"analysis": 0.0}
         begun = time.perf_counter()
 
@@ -341,7 +346,13 @@ class _PlanningPartitioner:
             fw, bw = base(joint, joint_inputs, **kwargs)
             saved_tensors_before_opaque(fw, bw, outputs)
             held = []
-            if plan.eligible:
+            if plan.dynamic:  # per-block: the input boundary always goes through the shared runtime
+                if plan.eligible:
+                    sco_pass.apply_count(plan, count)
+                    if owner.inner == "inductor":
+                        plan.runtime.offload_waits = True  # see CompiledSCO.offload_waits
+                    sco_pass.rewrite_block_boundary(plan, joint, fw, bw, outputs)
+            elif plan.eligible:
                 sco_pass.apply_count(plan, count)
                 if count:
                     if owner.inner == "inductor":
@@ -357,7 +368,8 @@ class _PlanningPartitioner:
             # what the rest of the step holds while this graph runs (other graphs' saved tensors, ...): the owner's
             terms = owner.carry_terms(peak, backed)
             if terms is not None:
-                planner.carry_terms, planner.carry = terms, sum(t.value for t in terms)
+                # host rows (SCO's pool across blocks) are checked against the host budget, not carried on the device
+                planner.carry_terms, planner.carry = terms, sum(t.value for t in terms if t.kind != "host")
             return fw, bw, peak
 
         held: list = []
@@ -392,7 +404,8 @@ class _PlanningPartitioner:
         planner.choose(peak)
         _agree_on_caps(self.knobs)
         values = planner.values(**{k.name: k.value for k in self.knobs})
-        extra = [sco_pass.host_term(plan)] if plan.offloaded else []
+        # per-block SCO: the host pool of every block is one row of the composition (block_compile.carry_terms)
+        extra = [sco_pass.host_term(plan)] if plan.offloaded and not plan.dynamic else []
         cert = planner.certify(peak, values, extra_terms=extra, sco_count=plan.offloaded)
         cert.sco_trials = trials
         cert.analysis_s = timing["analysis"]                   # the graph walks (every SCO candidate)

@@ -307,6 +307,12 @@ def analyze_schedules(fw_sched: Schedule, bw_sched: Schedule | None, fw: fx.Grap
     result.saved_bytes = live.total - sum((live.live[k].nbytes for k in caller_inputs if k in live.live),
                                           sympy.Integer(0))
     keep = set(user_keys) | caller_inputs | persistent
+    if ctx.get("per_block"):  # the caller drops the block's input and passes its output on (step_peak.analyze_graphs)
+        keep = set(persistent)
+        result.caller_bytes = sympy.Integer(0)
+        for key in list(live.live):
+            if key in (user_keys | caller_inputs) and key not in saved_keys:
+                live.free(key)
     bw_input_keys: dict[str, object] = {}
     for ph in bw_placeholders:
         if ph.name in saved_by_fx_name and saved_by_fx_name[ph.name] is not None:

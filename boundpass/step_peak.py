@@ -330,6 +330,16 @@ def analyze_graphs(fw: fx.GraphModule, bw: fx.GraphModule | None, *, static_inpu
         if s.kind == "activation":
             s.kind = "saved"
     result.saved_bytes = walk.total - sum((s.nbytes for s in inputs.values()), sympy.Integer(0))
+    caller_held = user_keys | set(inputs)
+    if ctx.get("per_block"):
+        # one block of a per-block compile: the caller (the trunk's loop) passes the output on to the next block
+        # and drops the input; in backward only what this graph saved is left of them (the composition counts the
+        # output as this block's saved bytes while later blocks run: boundpass/block_compile.py)
+        caller_held = set()
+        result.caller_bytes = sympy.Integer(0)
+        for key in list(walk.live):
+            if key in (user_keys | set(inputs)) and key not in saved_keys:
+                walk.free(key)
     bw_out = bw.graph.find_nodes(op="output")[0]
     bw_probe = GraphAliasTracker(list(bw.graph.nodes))
     grad_keys = set()
@@ -340,7 +350,7 @@ def analyze_graphs(fw: fx.GraphModule, bw: fx.GraphModule | None, *, static_inpu
             if i in static_inputs:
                 result.gradient_bytes += sum((_storage_bytes(k) for k in keys), sympy.Integer(0))
     # bw placeholders carry the same fake tensors as the forward outputs they are (the partitioner copies meta)
-    keep = grad_keys | user_keys | set(inputs)
+    keep = grad_keys | caller_held
     for ph in bw_placeholders:  # autograd's engine holds the incoming gradients until backward returns
         if ph.name.startswith("tangents"):
             for key in bw_probe.get_fresh_allocations(ph):

@@ -57,7 +57,10 @@ class BoundpassConfig:
     budget: str | None = None
     """Per-rank device budget ("2GiB", "700MiB", bytes). None: boundpass off (stock torchtitan)."""
     host_budget: str | None = None
-    """Per-rank host budget for offloaded optimizer state (None: unchecked)."""
+    """Per-rank host budget for offloaded optimizer state and SCO's boundary pool (None: unchecked)."""
+    sco: Literal["auto", "true", "false"] = "auto"
+    """SCO of the blocks' checkpoint boundaries (per-block compile with activation checkpointing): auto (the fewest
+    blocks, a forward prefix, whose offload makes the step fit), true (every block the host pool takes), false."""
     vocab: bool = True
     """Ring-DTP vocab rewrite of lm_head -> cross-entropy (replaces ChunkedLossWrapper by its inner CE loss)."""
     vocab_block: int | None = None
@@ -240,7 +243,7 @@ class BoundpassTrainer(Trainer):
             self.blocks = CompiledBlocks(
                 model, list(model.layers.values()), budget=self.bounded.budget, host_budget=self.bounded.host_budget,
                 state_terms=self.bounded.state_terms, optimizer_plan=plan, inner=self.block_inner,
-                max_tokens_per_rank=bp.max_tokens_per_rank)
+                max_tokens_per_rank=bp.max_tokens_per_rank, sco={"auto": "auto", "true": True, "false": False}[bp.sco])
             self.blocks.check_tail()  # the backward's tail needs no graph: checked here, before step 1
             self.block_backend.target = self.blocks
             self.bounded.trunk = self.blocks  # the head runs with every block's saved tensors held

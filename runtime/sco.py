@@ -393,7 +393,7 @@ class CompiledSCO(SCOHandle):
             if ref() is not None and self._handles.get(layer) is ref():
                 del self._handles[layer]
 
-    def reload(self, layer: int) -> Tensor:
+    def reload(self, layer: int, token: Tensor | None = None) -> Tensor:
         handle = self._handles.pop(layer, None)
         if handle is None:
             raise BoundpassInputError(f"SCO: no offloaded boundary waits for layer {layer}'s backward (a second "
@@ -401,6 +401,57 @@ class CompiledSCO(SCOHandle):
         restored = self._restore(handle)
         self._prefetch(layer - 1)
         return restored
+
+
+class BlockSCO(CompiledSCO):
+    """SCO across the block graphs of a per-block compile (torchtitan's ``apply_compile``; boundpass/block_compile.py).
+
+    Each block graph's boundary is its own input (the previous block's output, which the caller drops once the block
+    has run), and one graph serves every block of the same structure, so which block runs — and whether its boundary
+    is offloaded — is known only at run time: the graph's ops carry layer = -1 and this runtime takes the block index
+    from ``current_block()`` (the block whose forward is running) and the decision from ``plan`` (a forward-order
+    prefix of ``offload_count`` blocks, set by the composition). A kept block's boundary is held here, on the device,
+    until its backward reads it; an offloaded one is copied to its host buffer. The token a forward saves maps back to
+    its block in backward. One runtime for all blocks is what makes the prefetch cross graphs: block l's reload starts
+    block l-1's copy while block l's backward runs.
+    """
+
+    def __init__(self, num_blocks: int, host_budget: int, device: torch.device, current_block):
+        super().__init__([False] * num_blocks, host_budget, device)
+        self.current_block = current_block
+        self._kept: dict[int, Tensor] = {}        # layer -> boundary held on the device for its backward
+        self._token_layer: dict[int, int] = {}    # data_ptr of a saved token -> its layer
+
+    @property
+    def offload_count(self) -> int:
+        return sum(self.plan)
+
+    def set_offload_count(self, count: int) -> None:
+        """Offload the boundaries of the first ``count`` blocks (forward order) from their next forward on."""
+        self.plan = [layer < count for layer in range(len(self.plan))]
+
+    def offload(self, x: Tensor, layer: int, offload: bool) -> Tensor:
+        if layer < 0:
+            layer = self.current_block()
+            offload = self.plan[layer]
+        self.offloaded[layer] = offload
+        token = super().offload(x, layer, offload)
+        if not offload:
+            self._kept[layer] = x.detach()
+        self._token_layer[token.untyped_storage().data_ptr()] = layer
+        return token
+
+    def reload(self, layer: int, token: Tensor | None = None) -> Tensor:
+        if layer < 0:
+            layer = self._token_layer.pop(token.untyped_storage().data_ptr(), None)
+            if layer is None:
+                raise BoundpassInputError("SCO: a block's backward reads a boundary no forward of this runtime saved "
+                                          "(a second backward through the same graph needs retain_graph without SCO)")
+        kept = self._kept.pop(layer, None)
+        if kept is not None:
+            self._prefetch(layer - 1)  # the previous block may be offloaded: its copy overlaps this backward
+            return kept
+        return super().reload(layer)
 
 
 def _compiled(sco_id: int) -> CompiledSCO:
@@ -423,7 +474,7 @@ def _(x, sco_id, layer, offload):
 @torch.library.custom_op("boundpass::sco_reload", mutates_args=())
 def sco_reload(token: Tensor, after: list[Tensor], sco_id: int, layer: int, shape: list[int], stride: list[int],
                dtype: torch.dtype) -> Tensor:
-    return _compiled(sco_id).reload(layer)
+    return _compiled(sco_id).reload(layer, token)
 
 
 @sco_reload.register_fake

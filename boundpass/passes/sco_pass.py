@@ -58,6 +58,7 @@ class SCORegion:
     offloaded: bool = False
     reason: str = ""                # why it is kept / skipped ("" for an offloaded one)
     joint_name: str = ""            # the boundary's node name in the joint / partitioned graphs (stage 2)
+    input_index: int = -1           # the boundary is the graph's input at this position (per-block graphs)
 
     @property
     def eligible(self) -> bool:
@@ -77,6 +78,9 @@ class SCOPlan:
     rewrite_notes: list[str] = field(default_factory=list)
     most: int = 0                    # boundaries the host pool can take (a prefix); the planner picks how many
     device: torch.device | None = None
+    # per-block compile (find_block_sco): the boundary is the graph's input, one graph serves several blocks, and
+    # the shared runtime (BlockSCO) decides per block at run time; ``offloaded`` is the blocks' prefix count
+    dynamic: bool = False
 
     @property
     def eligible(self) -> list[SCORegion]:
@@ -110,9 +114,14 @@ def _is_param_placeholder(node) -> bool:
                                                                        or "_buffers_" in node.name)
 
 
-def find_checkpoint_regions(gm: fx.GraphModule) -> list[SCORegion]:
-    """Checkpointed blocks of a Dynamo graph in forward order, with their boundaries (or why not eligible)."""
+def find_checkpoint_regions(gm: fx.GraphModule, *, input_boundary: bool = False) -> list[SCORegion]:
+    """Checkpointed blocks of a Dynamo graph in forward order, with their boundaries (or why not eligible).
+
+    ``input_boundary``: the graph is one block of a per-block compile, whose boundary is the graph's input; the
+    caller (the trunk's loop) drops it once the block has run, so offloading it does free the device copy.
+    """
     regions = []
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not torch.ops.higher_order.tag_activation_checkpoint:
             continue
@@ -133,9 +142,13 @@ def find_checkpoint_regions(gm: fx.GraphModule) -> list[SCORegion]:
         region.boundary_bytes = val.numel() * val.element_size()
         if not val.is_floating_point():
             region.reason = f"boundary is {val.dtype}, not a floating activation"
-        elif boundary.op == "placeholder":
+        elif boundary.op == "placeholder" and not input_boundary:
             region.reason = "boundary is a graph input: the caller holds it, offloading would free nothing"
+        elif boundary.op != "placeholder" and input_boundary:
+            region.reason = ("the boundary is computed inside the block graph: per-block SCO offloads a block's "
+                             "input (its checkpoint wraps the whole block)")
         else:
+            region.input_index = inputs.index(boundary) if boundary.op == "placeholder" else -1
             region.layer = sum(r.eligible for r in regions)
     return regions
 
@@ -168,8 +181,40 @@ def find_sco(gm: fx.GraphModule, mode, *, host_pool: int | None) -> SCOPlan:
     return plan
 
 
+def find_block_sco(gm: fx.GraphModule, mode, *, runtime: sco_rt.BlockSCO, most: int) -> SCOPlan:
+    """SCO of one block graph of a per-block compile: its one checkpoint boundary is the graph's input.
+
+    ``runtime`` is shared by every block graph of the model; ``most`` is how many blocks (a forward prefix) the host
+    pool takes. The graph is rewritten whatever is offloaded (the runtime decides per block at run time); how many
+    blocks are offloaded is the composition's choice (boundpass/block_compile.py), the planner's scan of
+    ``1..most`` included.
+    """
+    plan = SCOPlan(mode=mode, dynamic=True)
+    if mode is False:
+        plan.reason = "off (sco=False)"
+        return plan
+    plan.regions = find_checkpoint_regions(gm, input_boundary=True)
+    if not plan.regions:
+        plan.reason = ("the block graph has no checkpoint (apply activation checkpointing: "
+                       "--activation_checkpoint.mode full or selective)")
+        return plan
+    if len(plan.eligible) != 1:
+        plan.reason = f"{len(plan.eligible)} offloadable boundaries in one block graph (per-block SCO expects one)"
+        for region in plan.eligible:
+            region.layer, region.reason = -1, plan.reason
+        return plan
+    plan.host_pool, plan.most, plan.runtime = runtime.host_budget, most, runtime
+    plan.device = runtime.device
+    return plan
+
+
 def apply_count(plan: SCOPlan, count: int) -> None:
     """Offload the first ``count`` eligible boundaries (a forward-order prefix); build the runtime for them."""
+    if plan.dynamic:  # per-block: ``count`` is the blocks' prefix; the shared runtime is set by the composition
+        plan.offloaded = count
+        plan.reason = "" if count else ("not needed: the device budget fits with every boundary on the device "
+                                        "(sco='auto')" if plan.most else "the host pool takes no boundary")
+        return
     plan.offloaded = count
     plan.rewritten, plan.rewrite_notes = False, []
     for region in plan.eligible:
@@ -390,6 +435,61 @@ def rewrite_partitioned(plan: SCOPlan, joint, fw: fx.GraphModule, bw: fx.GraphMo
                           list(val.shape), list(val.stride()), val.dtype)
         placeholder.replace_all_uses_with(reload, delete_user_cb=lambda user: user is not reload)
     stable_topological_sort(bw.graph)
+    for gm in (fw, bw):
+        gm.graph.lint()
+        gm.recompile()
+    plan.rewritten = True
+
+
+def rewrite_block_boundary(plan: SCOPlan, joint, fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int):
+    """Per-block SCO: the block graph's input boundary is saved as a token, read back in backward.
+
+        forward   token = sco_offload(x, sco_id, -1, True)     saved instead of x (the runtime offloads it, or keeps
+                                                               it on the device, for the block that runs)
+        backward  x = sco_reload(token, [], sco_id, -1, ...)   before x's first use; starts the previous block's
+                                                               prefetch (the next graph to run backward)
+    Graph inputs are the joint graph's primals in Dynamo's placeholder order. Nothing else in the graph changes.
+    """
+    region = plan.eligible[0]
+    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
+    why = ""
+    if not 0 <= region.input_index < len(primals):
+        why = "its input is not among the joint graph's primals"
+    else:
+        primal = primals[region.input_index]
+        val = _val(primal)
+        if not isinstance(val, Tensor) or tuple(val.shape) != tuple(region.shape) or val.dtype != region.dtype:
+            why = f"the joint graph's input {primal.name} is not the boundary ({tuple(region.shape)} {region.dtype})"
+        else:
+            node = next((n for n in fw.graph.nodes if n.op == "placeholder" and n.name == primal.name), None)
+            placeholder = next((n for n in bw.graph.nodes if n.op == "placeholder" and n.name == primal.name), None)
+            out_node = fw.graph.find_nodes(op="output")[0]
+            outputs = list(out_node.args[0])
+            slots = [i for i, o in enumerate(outputs) if o is node]
+            if node is None or placeholder is None or len(slots) != 1 or slots[0] < num_fwd_outputs:
+                why = "the partitioner does not save the boundary exactly once for backward"
+    if why:
+        plan.rewrite_notes.append(f"{region.module_path or 'block'}: kept on device, {why}")
+        plan.rewritten = False
+        return
+    region.joint_name = primal.name
+    runtime = plan.runtime
+    fake_mode = next(_val(n) for n in fw.graph.nodes if isinstance(_val(n), Tensor)).fake_mode
+    last_input = [n for n in fw.graph.nodes if n.op == "placeholder"][-1]
+    with fw.graph.inserting_after(last_input):
+        token = _add(fw.graph, fake_mode, torch.ops.boundpass.sco_offload.default, node, runtime.sco_id, -1, True)
+    outputs[slots[0]] = token
+    out_node.args = (tuple(outputs),)
+    placeholder.meta["val"] = token.meta["val"]
+    # backward's saved inputs are matched to forward's outputs by name (boundpass.step_peak): the placeholder now
+    # receives the token; with the old name the analysis would keep the forward's input alive into backward
+    placeholder._rename(token.name)
+    users = list(placeholder.users)
+    first = min(users, key=_order(bw.graph)) if users else None
+    with bw.graph.inserting_before(first) if first is not None else bw.graph.inserting_after(placeholder):
+        reload = _add(bw.graph, fake_mode, torch.ops.boundpass.sco_reload.default, placeholder, [], runtime.sco_id, -1,
+                      list(val.shape), list(val.stride()), val.dtype)
+    placeholder.replace_all_uses_with(reload, delete_user_cb=lambda user: user is not reload)
     for gm in (fw, bw):
         gm.graph.lint()
         gm.recompile()
