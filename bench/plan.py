@@ -1,6 +1,11 @@
-"""Longest context that fits, baseline vs boundpass, for 120B-, 240B- and 670B-class torchtitan MoE models.
+"""Longest context that fits, baseline vs boundpass, for every torchtitan MoE family's largest flavor.
 
-For gpt_oss 120b, qwen3 235B-A22B and deepseek_v3 671B (torchtitan's real configs) on W = 16, 32 and 64 ranks,
+Families: every torchtitan.models package with a model registry that has MoE flavors and plans
+(recipes/families.py: deepseek_v3, gpt_oss, kimi_k2_7, qwen3 with torchtitan 0.3.0; the others are listed
+with the reason they are refused). First, for each family's largest flavor, one plan at a fixed launch
+(W = 64, E_p = 8, 128K context, all four operators) timed from a cold process state (meta build, block traces,
+compose, trace at N; target < 10 s each). Then for gpt_oss 120b, qwen3 235B-A22B, deepseek_v3 671B and
+kimi_k2_7 Kimi-K2.5 (torchtitan's real configs) on W = 16, 32 and 64 ranks,
 139 GiB of device memory per rank and a 2 TiB host per 8 ranks (256 GiB per rank), global batch 1 sequence
 split over all W ranks (N = context / W), E_p = 8 (one node), bf16 weights/activations, fp32 optimizer state:
 
@@ -25,6 +30,7 @@ Writes docs/results/plan.json and plan.md.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 import warnings
@@ -36,8 +42,11 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from bench.common import fmt_bytes, fmt_seconds, markdown_table, publish, run_metadata, targets_section
 from boundpass.composed import OPERATORS
 from boundpass.plan import plan
+from boundpass.recipes import families
 
-MODELS = [("120B-class", "gpt_oss", "120b"), ("240B-class", "qwen3", "235B-A22B"), ("670B-class", "deepseek_v3", "671B")]
+TIMED_LAUNCH = dict(ranks=64, ep=8, context=1 << 17, budget="139GiB", host_budget="256GiB")
+PLAN_SECONDS_TARGET = 10.0
+MODELS: list = []  # (class label, family, largest flavor), from the families found (run())
 RANKS = (16, 32, 64)
 PAPER_PAIRS = {("120B-class", 16), ("240B-class", 32), ("670B-class", 64)}  # the paper's model / rank pairings
 BUDGET, HOST_PER_RANK, EP = "139GiB", "256GiB", 8
@@ -69,7 +78,50 @@ def _at(model: str, flavor: str, ranks: int, context: int, variant: dict, trace:
             "trace_notes": r.trace_notes}
 
 
+def _class(params: int) -> str:
+    return f"{params / 1e12:.0f}T-class" if params >= 1e12 else f"{round(params / 1e9, -1):.0f}B-class"
+
+
+def _families() -> dict:
+    """Every family (recipes/families.py): its largest MoE flavor planned once at TIMED_LAUNCH, timed cold."""
+    out = {"launch": TIMED_LAUNCH, "planned": [], "refused": []}
+    start = time.perf_counter()
+    survey = families.survey()
+    out["survey_seconds"] = time.perf_counter() - start
+    for family, s in survey.items():
+        if s["refused"]:
+            out["refused"].append({"family": family, "moe_flavors": list(s["moe_flavors"]), "reason": s["refused"]})
+            continue
+        flavor = families.largest_moe_flavor(family)
+        start = time.perf_counter()
+        r = plan(family, flavor, **TIMED_LAUNCH, do_trace=True)   # cold: nothing of this model cached yet
+        cold = time.perf_counter() - start
+        start = time.perf_counter()
+        plan(family, flavor, **TIMED_LAUNCH, do_trace=True)      # warm: shape and block traces kept
+        warm = time.perf_counter() - start
+        bind = r.table.binding()
+        out["planned"].append({"family": family, "flavor": flavor, "moe_flavors": list(s["moe_flavors"]),
+                               "params": r.shape.params, "layers": r.shape.layers, "experts": r.shape.experts,
+                               "fits": r.fits, "device_peak_bytes": r.table.total, "binding_term": bind.name,
+                               "block_terms": r.trace_notes[0], "plan_seconds": cold, "plan_seconds_warm": warm})
+        print(f"family {family} {flavor}: {'fits' if r.fits else 'does not fit'}, plan {cold:.1f} s cold, "
+              f"{warm:.1f} s warm", flush=True)
+    # what a CLI run pays before its plan starts: torch + torchtitan's model package imported in a fresh process
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import boundpass.plan, boundpass.recipes.families as f; "
+                    "f._package('deepseek_v3')"], check=True, capture_output=True)
+    out["fresh_process_import_seconds"] = time.perf_counter() - start
+    return out
+
+
+def _models(fams: dict) -> list:
+    rows = sorted(fams["planned"], key=lambda f: f["params"])
+    return [(_class(f["params"]), f["family"], f["flavor"]) for f in rows]
+
+
 def run(quick: bool) -> dict:
+    fams = _families()
+    MODELS[:] = _models(fams)
     rows = []
     for label, model, flavor in MODELS:
         for ranks in (RANKS[:1] if quick else RANKS):
@@ -101,7 +153,7 @@ def run(quick: bool) -> dict:
             searches.append({"class": label, "model": model, "flavor": flavor, "ranks": ranks,
                              "context": SEARCH_CONTEXT, "search": r.search, "seconds": time.perf_counter() - start})
             print(f"search {label} W={ranks}: {r.search['best'] and r.search['best']['knobs']}", flush=True)
-    return {"rows": rows, "searches": searches}
+    return {"families": fams, "rows": rows, "searches": searches}
 
 
 def _targets(rows: list[dict]) -> list[dict]:
@@ -111,6 +163,7 @@ def _targets(rows: list[dict]) -> list[dict]:
     reach = [(r["class"], r["ranks"], r["variants"]["boundpass (all four)"]["context"]) for r in rows]
     fig = lambda items, f: "; ".join(f"{c} W={w}: {f(v)}" for c, w, v in items)  # noqa: E731
     return [
+        *_family_targets(),
         {"target": ">= 8x the baseline's reach at the paper's pairings (balanced-routing baseline; inf where the "
                    "baseline fits nothing)",
          "figures": fig(ratios, lambda v: "inf" if v is None else f"{v:.1f}x"),
@@ -120,6 +173,37 @@ def _targets(rows: list[dict]) -> list[dict]:
     ]
 
 
+_FAMILIES: dict = {}
+
+
+def _family_targets() -> list:
+    planned = _FAMILIES.get("planned", [])
+    return [{"target": f"every MoE family's largest flavor plans in < {PLAN_SECONDS_TARGET:.0f} s (cold, in process)",
+             "figures": "; ".join(f"{f['family']} {f['flavor']}: {f['plan_seconds']:.1f} s" for f in planned),
+             "met": bool(planned) and all(f["plan_seconds"] < PLAN_SECONDS_TARGET for f in planned)}]
+
+
+def _render_families(fams: dict) -> list:
+    md = ["## Every torchtitan MoE family (found from torchtitan's registries: recipes/families.py)", "",
+          f"Each planned family's largest MoE flavor, planned once at W = {fams['launch']['ranks']}, E_p = "
+          f"{fams['launch']['ep']}, context {fams['launch']['context']:,}, {fams['launch']['budget']} device, "
+          f"{fams['launch']['host_budget']} host per rank, all four operators, traced (`do_trace=True`). `cold`: the "
+          f"first plan of that model in the process (meta build, its blocks' graphs traced at symbolic N, "
+          f"compose, the trace at N), torch already imported; `warm`: the same plan again (shape and block traces "
+          f"kept). A fresh `python -m boundpass plan` also pays the imports: "
+          f"{fams['fresh_process_import_seconds']:.1f} s here (torch + torchtitan's model package).", ""]
+    rows = [[f["family"], f["flavor"], f"{f['params'] / 1e9:,.1f}B", str(f["layers"]), str(f["experts"]),
+             "FITS" if f["fits"] else "DOES NOT FIT", fmt_bytes(f["device_peak_bytes"]), f["binding_term"],
+             f"{f['plan_seconds']:.1f} s", f"{f['plan_seconds_warm']:.1f} s"] for f in fams["planned"]]
+    md += [markdown_table(["family", "largest flavor", "params", "blocks", "experts", "verdict", "device peak",
+                           "binding term", "plan (cold)", "plan (warm)"], rows), ""]
+    md += ["MoE flavors planned: " + "; ".join(f"{f['family']}: {', '.join(f['moe_flavors'])}" for f in fams["planned"]),
+           "", "Refused (`boundpass plan` says why):", ""]
+    md += [markdown_table(["family", "MoE flavors", "reason"],
+                          [[r["family"], ", ".join(r["moe_flavors"]) or "-", r["reason"]] for r in fams["refused"]]), ""]
+    return md
+
+
 def render(data: dict) -> str:
     m = data["meta"]
     md = ["# Longest context that fits: baseline vs boundpass (`bench/plan.py`)", "",
@@ -127,6 +211,7 @@ def render(data: dict) -> str:
           f"measurement). {BUDGET} device and {HOST_PER_RANK} host per rank (2 TiB per 8 ranks), E_p = {EP}, "
           f"global batch 1 sequence split over all W ranks, bf16. torch {m['torch']}, {m['processor']}, "
           f"{m['date_utc']}; wall {data['wall_seconds']:.0f} s.", "",
+          *_render_families(data["families"]),
           "## Longest context (tokens per sequence)", ""]
     names = list(VARIANTS)
     table = []
@@ -200,6 +285,7 @@ def main() -> dict:
     start = time.perf_counter()
     data = {"meta": run_metadata(), "budget": BUDGET, "host_budget_per_rank": HOST_PER_RANK, "ep": EP}
     data.update(run(args.quick))
+    _FAMILIES.update(data["families"])
     data["targets"] = _targets(data["rows"])
     return publish("plan", data, render, start)
 

@@ -17,8 +17,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m boundpass")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="does this model fit per-rank memory at this launch (and what does)")
-    p.add_argument("model", help="torchtitan model package: deepseek_v3, qwen3, gpt_oss")
-    p.add_argument("flavor", help="e.g. 671B, 235B-A22B, 120b, debugmodel")
+    p.add_argument("model", help="torchtitan model package with a model_registry (recipes/families.py): "
+                                 "deepseek_v3, qwen3, gpt_oss, kimi_k2_7, ...")
+    p.add_argument("flavor", help="a MoE flavor of its registry, e.g. 671B, 235B-A22B, 120b, Kimi-K2.5, debugmodel")
     p.add_argument("--ranks", "-W", type=int, required=True, help="ranks W")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree E_p (divides W and E)")
     p.add_argument("--ring", "-P", type=int, default=None, help="Ring-DTP ring degree P (default W)")

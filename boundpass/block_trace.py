@@ -375,8 +375,9 @@ def _max(values) -> sympy.Expr:
 
 
 # ------------------------------------------------------------------------------------------- torchtitan blocks
-# families whose plan takes its block activations from this trace (plan's names and the recipes' qwen3_moe)
-TRACED_FAMILIES = ("deepseek_v3", "qwen3", "qwen3_moe", "gpt_oss")
+# families whose plan takes its block activations from this trace (plan's names and the recipes' qwen3_moe);
+# kimi_k2_7's blocks are deepseek_v3's DeepSeekV3TransformerBlock (MLA + MoE), its ModelSpec name kimi_k2_5
+TRACED_FAMILIES = ("deepseek_v3", "qwen3", "qwen3_moe", "gpt_oss", "kimi_k2_7", "kimi_k2_5")
 
 
 def untraced_reason(family: str, weight_bytes: int) -> str | None:
@@ -473,9 +474,13 @@ class _Head(torch.nn.Module):
     CrossEntropyLoss (full logits), or the Ring-DTP op boundpass's vocab pass rewrites that region into (one
     rank: no ring; the strip width stays the symbol C in its declared workspace)."""
 
-    def __init__(self, norm: torch.nn.Module, lm_head: torch.nn.Module, ring_dtp: bool):
+    def __init__(self, norm: torch.nn.Module, lm_head: torch.nn.Module, ring_dtp: bool, loss_fn=None):
         super().__init__()
         self.norm, self.lm_head, self.ring_dtp = norm, lm_head, ring_dtp
+        if loss_fn is None:  # the default model source's loss (torchtitan's CrossEntropyLoss)
+            from boundpass.model_source import default_source
+            loss_fn = default_source().loss
+        self.loss_fn = loss_fn
 
     def forward(self, h):
         # the labels made here (one token symbol with h; the batch's labels, counted as the head holds them)
@@ -487,20 +492,20 @@ class _Head(torch.nn.Module):
             weight = self.lm_head.weight
             return ring_dtp_loss(x.reshape(-1, x.shape[-1]), weight, labels.reshape(-1),
                                  vocab_size=weight.shape[0]) / tokens
-        from boundpass.recipes.models import torchtitan_loss
-        loss = torchtitan_loss()(self.lm_head(x), labels, tokens)
+        loss = self.loss_fn()(self.lm_head(x), labels, tokens)
         return loss[0] if isinstance(loss, tuple) else loss
 
 
 HEADS = ("full_logits", "ring_dtp")
 
 
-def trace_torchtitan_head(net: torch.nn.Module, *, progress=None) -> tuple:
+def trace_torchtitan_head(net: torch.nn.Module, *, progress=None, loss_fn=None) -> tuple:
     """(("head", "full_logits" / "ring_dtp", sympy bytes in N), ...): the loss head of a torchtitan Decoder
     (final norm + lm_head + CrossEntropyLoss, and the same region as the Ring-DTP op on one rank) traced forward +
     backward at symbolic N through the step analysis. Its input (the last block's output, which the norm saves)
     and the labels are counted, and the head's weight gradients as its backward writes them (the composed budget
-    then leaves its grad_head term out: composed._traced_head)."""
+    then leaves its grad_head term out: composed._traced_head). loss_fn: makes the loss (None: the default
+    model source's, boundpass/model_source.py)."""
     import boundpass.passes.vocab_pass  # noqa: F401  (registers Ring-DTP's workspace with the step analysis)
     weight = net.lm_head.weight
     h = torch.empty(1, 8, weight.shape[1], dtype=weight.dtype, device="meta", requires_grad=True)
@@ -508,7 +513,7 @@ def trace_torchtitan_head(net: torch.nn.Module, *, progress=None) -> tuple:
     for head in HEADS:
         if progress:
             progress(f"tracing the loss head ({head.replace('_', ' ')}) at symbolic N")
-        trace = _trace(_Head(net.norm, net.lm_head, head == "ring_dtp"), (h,), symbolic_tokens=True,
+        trace = _trace(_Head(net.norm, net.lm_head, head == "ring_dtp", loss_fn), (h,), symbolic_tokens=True,
                        token_dim=1, loss_fn=None, weight_grads=True, count_inputs=True, kwargs={}, tags={},
                        stand_in={}, ctx={})
         out.append(("head", head, sympy.nsimplify(trace.peak_expr())))

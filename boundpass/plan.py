@@ -7,11 +7,13 @@ holds beside the bounds. Tracing covers one dense block (if the model has one), 
 (final norm + lm_head + torchtitan's CrossEntropyLoss) on one rank; the model is composed from them by layer
 count. The trace runs torchtitan's own schedule on one rank (all experts local, every head, full logits, SDPA's
 CPU kernel), so its figures are the *reference* working sets of a layer and of the head, not the rewritten ones.
+
+Models come from a model source (boundpass/model_source.py): by default torchtitan's, found from its own model
+registries (recipes/families.py); this module imports nothing of boundpass.recipes.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import time
@@ -21,8 +23,8 @@ import torch
 
 from boundpass import composed, textwidth
 from boundpass.composed import Launch, ModelShape
-from boundpass.plan_input import (DTYPE_BYTES, MODELS, OPERATORS, CostModel, PlanInput,  # noqa: F401
-                                  make_input)
+from boundpass.model_source import ModelSource, default_source
+from boundpass.plan_input import DTYPE_BYTES, OPERATORS, CostModel, PlanInput, make_input  # noqa: F401
 from boundpass.units import format_bytes, parse_bytes
 
 @dataclass
@@ -116,18 +118,11 @@ def launch_of(inp: PlanInput, tokens_per_rank: int | None = None) -> Launch:
 
 
 # ------------------------------------------------------------------------------------------- the model
-def model_config(model: str, flavor: str, *, seq_len: int | None = None):
-    """torchtitan's model config of (model, flavor) with causal SDPA attention (the CPU-traceable kernel)."""
-    from boundpass.recipes.models import apply_cpu_device_fix
-    apply_cpu_device_fix()
-    package = importlib.import_module(f"torchtitan.models.{model}")
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    cfg = package.model_registry(flavor).model
-    for layer in cfg.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-        if seq_len is not None:
-            layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=seq_len)
-    return cfg
+def model_config(model: str, flavor: str, *, seq_len: int | None = None, source: ModelSource | None = None):
+    """The source's decoder config of (model, flavor) with causal SDPA attention (the CPU-traceable kernel);
+    BoundpassInputError when the flavor cannot be planned (no MoE block, a missing kernel package, an attention
+    kind the composed budget does not model), with the reason."""
+    return (source or default_source()).config(model, flavor, seq_len=seq_len)
 
 
 def _is_routed(name: str) -> bool:
@@ -135,19 +130,21 @@ def _is_routed(name: str) -> bool:
 
 
 def model_shape(model: str, flavor: str, *, dtype_bytes: int = 4, trace: bool | None = None,
-                progress=None) -> ModelShape:
+                progress=None, source: ModelSource | None = None) -> ModelShape:
     """Read the composed budget's ModelShape off torchtitan's real model, built on meta (< 3 s at 671B), its
     floating weights and buffers at ``dtype_bytes`` (4: fp32, 2: bf16): the width its blocks are traced at.
     progress: called with one line per step (model build, each traced block), e.g. the CLI's stderr printer.
 
     The result is kept for the rest of the process (ModelShape is frozen; its block traces do not depend on the
     launch): a second plan of the same model, as --solve sweeps and tests make, does not build and trace again."""
-    key = (model, flavor, dtype_bytes, trace)
+    source = source or default_source()
+    model = source.resolve(model)
+    key = (model, flavor, dtype_bytes, trace, id(source))
     if key in _SHAPES:
         if progress:
             progress(f"{model} {flavor}: shape and block traces already made in this process")
         return _SHAPES[key]
-    cfg = model_config(model, flavor)
+    cfg = model_config(model, flavor, source=source)
     if progress:
         progress(f"building {model} {flavor} on meta ({len(cfg.layers)} blocks)")
     with torch.device("meta"):
@@ -157,21 +154,22 @@ def model_shape(model: str, flavor: str, *, dtype_bytes: int = 4, trace: bool | 
         net = net._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)  # complex RoPE stays complex
     shape = shape_of_module(net, name=f"{model} {flavor}", heads_config=cfg.layers[-1].attention,
                             top_k=max((l.moe.router.top_k for l in cfg.layers if getattr(l, "moe", None)), default=0),
-                            trace=trace, progress=progress)
+                            trace=trace, progress=progress, loss_fn=source.loss)
     _SHAPES[key] = shape
     return shape
 
 
-_SHAPES: dict = {}   # (model, flavor, dtype_bytes, trace) -> ModelShape, see model_shape
+_SHAPES: dict = {}   # (model, flavor, dtype_bytes, trace, source) -> ModelShape, see model_shape
 
 
 def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int,
-                    trace: bool | None = None, progress=None) -> ModelShape:
+                    trace: bool | None = None, progress=None, loss_fn=None) -> ModelShape:
     """ModelShape of a built torchtitan Decoder (meta or real): parameter counts per block, experts, heads.
 
     trace (None: for the families in block_trace.TRACED_FAMILIES): also trace one block of each kind forward +
     backward at symbolic N (boundpass/block_trace.py) so that the composed budget takes those blocks'
-    activations from their graphs on one rank (composed.uses_trace)."""
+    activations from their graphs on one rank (composed.uses_trace). loss_fn: a callable returning the head's
+    loss (None: the default model source's, torchtitan's CrossEntropyLoss)."""
     H = net.tok_embeddings.weight.shape[1]
     V = net.lm_head.weight.shape[0]
     blocks = list(net.layers.values())
@@ -203,7 +201,7 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
         trace = block_trace.untraced_reason(name.split()[0], weight_bytes) is None and not any(
             hasattr(p, "_local_tensor") for p in net.parameters())
     traced = block_trace.trace_torchtitan_blocks(net, heads_config, progress=progress) + \
-        block_trace.trace_torchtitan_head(net, progress=progress) if trace else ()
+        block_trace.trace_torchtitan_head(net, progress=progress, loss_fn=loss_fn) if trace else ()
     a = heads_config
     heads = a.n_heads
     kv_heads = getattr(a, "n_kv_heads", None) or heads
@@ -233,7 +231,8 @@ def _buffer_bytes(net: torch.nn.Module) -> int:
     return total
 
 
-def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2, progress=None) -> tuple[dict, list[str]]:
+def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2, progress=None,
+          source: ModelSource | None = None) -> tuple[dict, list[str]]:
     """Trace torchtitan's real blocks and head at `tokens` tokens under FakeTensorMode (nothing allocated).
 
     Returns {"boundary": bytes a checkpointed block keeps (its input), "dense_block" / "moe_block": forward +
@@ -248,9 +247,10 @@ def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2, progres
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from boundpass.memtrack import LiveStorageTracker
-    from boundpass.recipes.models import torchtitan_loss
 
-    cfg = model_config(model, flavor, seq_len=tokens)
+    source = source or default_source()
+    torchtitan_loss = source.loss
+    cfg = model_config(model, flavor, seq_len=tokens, source=source)
     dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
     moe_at = next((i for i, l in enumerate(cfg.layers) if getattr(l, "moe", None) is not None), None)
     dense_at = next((i for i, l in enumerate(cfg.layers) if getattr(l, "moe", None) is None), None)
@@ -310,7 +310,7 @@ def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None =
          host_budget=None, operators=OPERATORS, dtype: str = "bf16", chunk_cap: int | None = None,
          vocab_block: int | None = None, bucket: int | None = None, slots: int = 2, routing: str = "worst",
          do_trace: bool = True, solve: bool = False, search: CostModel | bool | None = None,
-         progress=None) -> PlanResult:
+         progress=None, source: ModelSource | None = None, trace_blocks: bool | None = None) -> PlanResult:
     """Compose the per-rank budget of (model, flavor) at this launch, trace it, and say whether it fits.
 
     budget / host_budget: per-rank bytes ("139GiB"; host None = unlimited). operators: any of ring_dtp,
@@ -318,20 +318,30 @@ def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None =
     solve: also find the largest context (or N) that fits. do_trace: trace torchtitan's blocks (fake tensors).
     search: True or a CostModel: choose (E_p, P, c, β, S, SCO subset) at the least predicted step time.
     progress: None, or called with one line per step (the CLI prints them to stderr).
+    source: where (model, flavor) come from (boundpass/model_source.py; None: torchtitan's registries). A flavor
+    that cannot be planned (no MoE block, a kernel package missing, an attention kind the budget does not model)
+    raises BoundpassInputError with the reason. trace_blocks: trace the blocks' graphs at symbolic N for the block
+    terms (None: where block_trace supports the family; False: the hand-written block terms, a few seconds faster
+    per block kind at full scale).
     """
     start = time.perf_counter()
     inp = make_input(model, flavor, ranks=ranks, ep=ep, ring=ring, tokens_per_rank=tokens_per_rank,
                      context=context, global_batch=global_batch, budget=budget, host_budget=host_budget,
                      operators=operators, dtype=dtype, chunk_cap=chunk_cap, vocab_block=vocab_block, bucket=bucket,
-                     slots=slots, routing=routing)
+                     slots=slots, routing=routing, source=source)
+    source = source or default_source()
+    model = inp.model  # the canonical family name (an alias resolved)
     # the blocks are traced in the launch's dtype
-    shape = model_shape(model, flavor, dtype_bytes=DTYPE_BYTES[dtype], progress=progress)
+    shape = model_shape(model, flavor, dtype_bytes=DTYPE_BYTES[dtype], trace=trace_blocks, progress=progress,
+                        source=source)
     launch = launch_of(inp)
     table = composed.compose(shape, launch, budget=inp.budget, host_budget=inp.host_budget)  # checks degrees
     result = PlanResult(inp, shape, table)
     result.trace_notes.append(block_terms_note(shape, launch, model))
+    result.trace_notes += source.notes(model, flavor)
     if do_trace:
-        traced, notes = trace(model, flavor, inp.tokens_per_rank, dtype_bytes=DTYPE_BYTES[dtype], progress=progress)
+        traced, notes = trace(model, flavor, inp.tokens_per_rank, dtype_bytes=DTYPE_BYTES[dtype], progress=progress,
+                              source=source)
         result.trace_notes += notes
         _attach_trace(result, traced)
     if solve:

@@ -2,8 +2,10 @@
 
 Every argument error a user can make without the model being built (unknown model or flavor, degrees that do
 not divide W, a bad unit, an unknown operator, a bad cost-model input) is raised here, before torch, sympy or
-torchtitan are imported: the CLI refuses a typo in well under a second. What needs the model (E_p must divide
-its expert count) is checked once the model is built on meta (boundpass/composed.py).
+torchtitan are imported: the CLI refuses a typo in well under a second. The model names and flavors come from
+the model source (boundpass/model_source.py; torchtitan's: recipes/families.py, which finds the packages and reads
+their registries' flavors without importing them). What needs the model (it has MoE blocks, an attention kind the
+budget models, E_p divides its expert count) is checked once its config is read or it is built on meta.
 """
 from __future__ import annotations
 
@@ -11,17 +13,12 @@ import math
 from dataclasses import dataclass
 
 from boundpass.errors import BoundpassInputError
+from boundpass.model_source import ModelSource, default_source
 from boundpass.units import parse_bytes
 
 # the bounded operators a launch can switch on (boundpass/composed.py composes their terms)
 OPERATORS = ("ring_dtp", "pipelined_llep", "sco", "offload_adamw")
 
-# torchtitan package -> its flavor table (read from the package at use; these are the MoE flavors we support)
-MODELS = {
-    "deepseek_v3": ("deepseekv3_configs", ("debugmodel", "16B", "236B", "671B")),
-    "qwen3": ("qwen3_configs", ("debugmodel_moe", "30B-A3B", "235B-A22B")),
-    "gpt_oss": ("gptoss_configs", ("debugmodel", "20b", "120b")),
-}
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
 
 
@@ -48,10 +45,15 @@ class PlanInput:
 
 
 # ------------------------------------------------------------------------------------------- inputs
-def _flavors(model: str) -> tuple[str, ...]:
-    if model not in MODELS:
-        raise BoundpassInputError(f"unknown model {model!r}; known torchtitan MoE models: {', '.join(MODELS)}")
-    return MODELS[model][1]
+def check_model(model: str, flavor: str, source: ModelSource | None = None) -> str:
+    """The canonical family name of ``model``; BoundpassInputError for an unknown model, or for a flavor its
+    registry does not have (when the source can list them without importing the family)."""
+    source = source or default_source()
+    family = source.resolve(model)
+    known = source.flavors(family)
+    if known is not None and flavor not in known:
+        raise BoundpassInputError(f"unknown flavor {flavor!r} of {family}; known: {', '.join(known)}")
+    return family
 
 
 def _positive_int(name: str, value) -> int:
@@ -64,10 +66,10 @@ def make_input(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | 
                tokens_per_rank: int | None = None, context: int | None = None, global_batch: int = 1,
                budget="139GiB", host_budget=None, operators=OPERATORS, dtype: str = "bf16",
                chunk_cap: int | None = None, vocab_block: int | None = None, bucket: int | None = None,
-               slots: int = 2, routing: str = "worst") -> PlanInput:
-    """Validate and normalise plan inputs (raises BoundpassInputError naming what to change; builds nothing)."""
-    if flavor not in _flavors(model):
-        raise BoundpassInputError(f"unknown flavor {flavor!r} of {model}; known: {', '.join(_flavors(model))}")
+               slots: int = 2, routing: str = "worst", source: ModelSource | None = None) -> PlanInput:
+    """Validate and normalise plan inputs (raises BoundpassInputError naming what to change; builds nothing).
+    The model is given by its family name in the model source (an alias resolved: PlanInput.model is canonical)."""
+    model = check_model(model, flavor, source)
     ranks = _positive_int("ranks (W)", ranks)
     ep = _positive_int("ep (E_p)", ep)
     ring = ranks if ring is None else _positive_int("ring (P)", ring)

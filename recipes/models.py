@@ -12,12 +12,9 @@ import importlib
 
 import torch
 
-MODELS = {
-    # name: (torchtitan package, config-registry function)
-    "deepseek_v3": ("deepseek_v3", "deepseek_v3_debugmodel"),
-    "qwen3_moe": ("qwen3", "qwen3_moe_debug"),
-    "gpt_oss": ("gpt_oss", "gpt_oss_debugmodel"),
-}
+from boundpass.recipes import families
+# name: (torchtitan package, config-registry function): the recipes' debug trainer configs (recipes/families.py)
+from boundpass.recipes.families import RECIPE_CONFIGS as MODELS
 
 
 def apply_cpu_device_fix() -> None:
@@ -27,8 +24,14 @@ def apply_cpu_device_fix() -> None:
         torch_utils._get_available_device_type = lambda: "cpu"
 
 
+def _recipe_name(name: str) -> str:
+    """The recipes' name of a family given by its package name or the recipes' name (qwen3 -> qwen3_moe)."""
+    return next((n for n, (package, _) in MODELS.items() if name in (n, package)), name)
+
+
 def debug_moe_config(name: str = "deepseek_v3", *, vocab_size: int | None = None, seq_len: int = 128):
     """torchtitan Trainer.Config of a debug MoE model, SDPA attention, optional enlarged vocabulary."""
+    name = _recipe_name(name)
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {sorted(MODELS)}")
     apply_cpu_device_fix()
@@ -50,10 +53,20 @@ def debug_moe_config(name: str = "deepseek_v3", *, vocab_size: int | None = None
 
 def build_debug_moe(name: str = "deepseek_v3", *, vocab_size: int | None = None, seq_len: int = 128,
                     dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
-    """A freshly initialised torchtitan debug MoE model on CPU in training mode (same seed, same weights)."""
-    cfg = debug_moe_config(name, vocab_size=vocab_size, seq_len=seq_len)
+    """A freshly initialised torchtitan debug MoE model on CPU in training mode (same seed, same weights).
+
+    A family without a recipe trainer config (kimi_k2_7, ...) is built from its registry's debug MoE flavor
+    (recipes/families.py: debug_moe_flavor), SDPA attention, RoPE at seq_len positions."""
+    if _recipe_name(name) in MODELS:
+        model_cfg = debug_moe_config(name, vocab_size=vocab_size, seq_len=seq_len).model_spec.model
+    else:
+        model_cfg = families.config(name, families.debug_moe_flavor(name), seq_len=seq_len)
+        if vocab_size is not None:
+            model_cfg.vocab_size = vocab_size
+            model_cfg.tok_embeddings.num_embeddings = vocab_size
+            model_cfg.lm_head.out_features = vocab_size
     with torch.device("meta"):
-        model = cfg.model_spec.model.build()
+        model = model_cfg.build()
     model.to_empty(device="cpu")
     torch.manual_seed(seed)
     model.init_weights(buffer_device=None)
@@ -62,7 +75,4 @@ def build_debug_moe(name: str = "deepseek_v3", *, vocab_size: int | None = None,
     return model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t).train()
 
 
-def torchtitan_loss():
-    """torchtitan's own CrossEntropyLoss (sum over tokens / global valid tokens, ignore_index=-100)."""
-    from torchtitan.components.loss import CrossEntropyLoss
-    return CrossEntropyLoss.Config().build()
+torchtitan_loss = families.loss  # torchtitan's own CrossEntropyLoss (sum over tokens / global valid tokens)

@@ -37,6 +37,8 @@ def _widest(text: str) -> int:
 @pytest.mark.parametrize("argv,match", [
     (["nosuch", "1B", "-W", "8", "--context", "8"], "unknown model 'nosuch'"),
     (["deepseek_v3", "700B", "-W", "8", "--context", "8"], "unknown flavor '700B'"),
+    (["kimi_k2_7", "K3", "-W", "8", "--context", "8"], "unknown flavor 'K3' of kimi_k2_7; known: debugmodel,"),
+    (["qwen3_moe", "9B", "-W", "8", "--context", "8"], "unknown flavor '9B' of qwen3"),  # the recipes' alias
     (["deepseek_v3", "671B", "-W", "6", "--ep", "4", "--context", "12"], "E_p = 4 does not divide W = 6"),
     (["deepseek_v3", "671B", "-W", "8", "--context", "8", "--budget", "12XB"], "unknown unit"),
     (["deepseek_v3", "671B", "-W", "8", "--context", "12"], "do not split evenly over W = 8"),
