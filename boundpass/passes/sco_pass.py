@@ -91,6 +91,16 @@ class SCOPlan:
         return sum(r.boundary_bytes for r in self.regions if r.offloaded)
 
     def lines(self) -> list[str]:
+        if self.dynamic and self.eligible and self.runtime is not None:
+            r, total = self.eligible[0], len(self.runtime.plan)
+            count = self.runtime.offload_count
+            pool = "unchecked (no host_budget)" if self.host_pool is None else format_bytes(self.host_pool)
+            what = (f"blocks 0..{count - 1} of {total} OFFLOADED, the rest kept" if count else
+                    f"none of {total} blocks offloaded ({self.reason or 'not needed'})")
+            out = [f"  SCO       per-block (mode={self.mode!r}): boundary = the block graph's input {tuple(r.shape)} "
+                   f"{r.dtype} {format_bytes(r.boundary_bytes)}; {what}; host pool {pool} (holds {self.most})"
+                   + ("" if self.rewritten else "; NOT rewritten")]
+            return out + [f"    note: {n}" for n in self.rewrite_notes]
         head = (f"  SCO       mode={self.mode!r}: {len(self.eligible)} checkpointed blocks, {self.offloaded} "
                 f"boundaries offloaded ({format_bytes(self.offloaded_bytes)}), host pool "
                 + ("unchecked (no host_budget)" if self.host_pool is None else format_bytes(self.host_pool)))
