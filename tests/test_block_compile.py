@@ -115,15 +115,20 @@ def _per_block_run(rank, world, tmp, assets):
         if trainer.step == 2:  # from step 3 on every token picks experts 0..k-1, all on EP rank 0
             route_all_to(trainer.model_parts[0], range(3))
         return out
+    _train_with(trainer, train_step)
+    return {"summary": trainer.summary(), "peaks": trainer.peaks, "certified": certified,
+            "losses": _losses(ours) if rank == 0 else None, "stock": _losses(stock) if rank == 0 else None,
+            "graphs": len(trainer.blocks.graph_saved), "runs": list(trainer.blocks.runs),
+            "reordered": aot_workarounds.applied, "grad_rel": _rel_diffs(grads, stock_grads)}
+
+
+def _train_with(trainer, train_step) -> None:
+    """Train with ``train_step`` in place of the trainer's own (it wraps it), then close the trainer."""
     trainer.train_step = train_step
     try:
         trainer.train()
     finally:
         trainer.close()
-    return {"summary": trainer.summary(), "peaks": trainer.peaks, "certified": certified,
-            "losses": _losses(ours) if rank == 0 else None, "stock": _losses(stock) if rank == 0 else None,
-            "graphs": len(trainer.blocks.graph_saved), "runs": list(trainer.blocks.runs),
-            "reordered": aot_workarounds.applied, "grad_rel": _rel_diffs(grads, stock_grads)}
 
 
 def _first_step_grads(trainer) -> dict:
@@ -204,11 +209,7 @@ def _sco_run(rank, world, tmp, assets, sco):
         runtime = trainer.blocks.sco_runtime
         offloads.append([e.layer for e in runtime.events if e.kind == "offload"] if runtime is not None else [])
         return out
-    trainer.train_step = train_step
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    _train_with(trainer, train_step)
     tables = trainer._tables()
     return {"summary": trainer.summary(), "peaks": trainer.peaks, "device": trainer.certified_peak(),
             "head_saved": [t.value for c in trainer.bounded.certificates for t in c.table.terms

@@ -130,23 +130,23 @@ def choose_knobs(adamws, *, room: int, bucket: int | None, slots: int | None, b:
     knee_beta, knee_slots = cost_model.offload_adamw_knee(beta=bucket, S=slots, **model)
     s_knob.knee = knee_slots
     s_knob.widest_fitting = max(1, min(s_knob.hi, room // min(theta, MIN_OVERLAP_BUCKET)))
-    if slots is not None:
-        s_knob.value, s_knob.why = slots, "user"
-    elif knee_slots <= s_knob.widest_fitting:
-        s_knob.value, s_knob.why = knee_slots, "knee"
-    else:
-        s_knob.value, s_knob.why = s_knob.widest_fitting, "budget"
+    _settle(s_knob, slots, knee_slots)
     if s_knob.value != knee_slots and bucket is None:  # the budget took slots: the bucket's knee at the slots left
         knee_beta, _ = cost_model.offload_adamw_knee(S=s_knob.value, **model)
     b_knob.knee = knee_beta
     b_knob.widest_fitting = max(1, min(hi, room // s_knob.value))
-    if bucket is not None:
-        b_knob.value, b_knob.why = bucket, "user"
-    elif knee_beta <= b_knob.widest_fitting:
-        b_knob.value, b_knob.why = knee_beta, "knee"
-    else:
-        b_knob.value, b_knob.why = b_knob.widest_fitting, "budget"
+    _settle(b_knob, bucket, knee_beta)
     return [b_knob, s_knob]
+
+
+def _settle(knob: Knob, user, knee: int) -> None:
+    """The knee rule (docs/knobs.md): the user's value, else the knee, else (the budget binds) the widest that fits."""
+    if user is not None:
+        knob.value, knob.why = user, "user"
+    elif knee <= knob.widest_fitting:
+        knob.value, knob.why = knee, "knee"
+    else:
+        knob.value, knob.why = knob.widest_fitting, "budget"
 
 
 def narrow_bucket(knob: Knob, widest: int) -> int:
