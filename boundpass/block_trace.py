@@ -413,7 +413,8 @@ def _one_rank_attention(block: torch.nn.Module, attention_config) -> dict:
     return {"attention.inner_attention": SeqToHeadAttention(inner, None)}
 
 
-def trace_torchtitan_blocks(net: torch.nn.Module, heads_config, *, wide: bool = True, progress=None) -> tuple:
+def trace_torchtitan_blocks(net: torch.nn.Module, heads_config, *, wide: bool = True, one_rank: bool = True,
+                            progress=None) -> tuple:
     """((kind, sub-phase, sympy bytes in N), ...) for the first dense and the first MoE block of a torchtitan
     Decoder (meta or real weights: nothing is read or allocated), traced on one rank at symbolic N with the
     weights' dtype; the block's input left out (the boundary term); its weights' gradients in, as backward
@@ -423,21 +424,27 @@ def trace_torchtitan_blocks(net: torch.nn.Module, heads_config, *, wide: bool = 
     without their weights' gradients (under ZeRO-3 the block's unsharded gradients are FSDP2's, hand-written
     by phase in the composed budget) and, in a MoE block, with the routed experts stood in (``stand_in``: the rows
     a rank receives under EP depend on the routing; their routing-independent bound stays hand-written).
+    one_rank: the kinds "dense" / "moe" (W = 1); False with wide: only the wide kinds (a launch at W > 1 reads
+    nothing else: composed.uses_wide_trace), one MoE graph fewer to capture.
     progress: None, or called with a line before each block is traced."""
     out, wide_out = [], []
     for kind, block in _first_blocks(net):
         x = torch.empty(1, 8, net.tok_embeddings.weight.shape[1], dtype=next(block.parameters()).dtype,
                         device="meta", requires_grad=True)
-        if progress:
-            progress(f"tracing the first {kind} block at symbolic N")
-        captured = _capture_block(block, x, heads_config, routed_stand_in=False)
-        out += _phases_of(kind, _analyze(captured, weight_grads=True, count_inputs=False, ctx=None, split=True),
-                          PHASES)
+        captured = None
+        if one_rank or kind == "dense":  # a dense block's wide form is the same graph
+            if progress:
+                progress(f"tracing the first {kind} block at symbolic N")
+            captured = _capture_block(block, x, heads_config, routed_stand_in=False)
+        if one_rank:
+            out += _phases_of(kind, _analyze(captured, weight_grads=True, count_inputs=False, ctx=None, split=True),
+                              PHASES)
         if not wide:
             continue
         if kind == "moe":  # the wide form stands in for the routed experts: another graph
             if progress:
-                progress("tracing the first moe block at symbolic N again, its routed experts stood in (W > 1)")
+                progress("tracing the first moe block at symbolic N" + (" again" if one_rank else "")
+                         + ", its routed experts stood in (W > 1)")
             captured = _capture_block(block, x, heads_config, routed_stand_in=True)
         # a dense block's wide form is the same graph without its weights' gradients counted: analysed again
         wide_out += _phases_of(kind + "_wide", _analyze(captured, weight_grads=False, count_inputs=False, ctx=None,

@@ -130,16 +130,17 @@ def _is_routed(name: str) -> bool:
 
 
 def model_shape(model: str, flavor: str, *, dtype_bytes: int = 4, trace: bool | None = None,
-                progress=None, source: ModelSource | None = None) -> ModelShape:
+                progress=None, source: ModelSource | None = None, traces: str = "all") -> ModelShape:
     """Read the composed budget's ModelShape off torchtitan's real model, built on meta (< 3 s at 671B), its
     floating weights and buffers at ``dtype_bytes`` (4: fp32, 2: bf16): the width its blocks are traced at.
     progress: called with one line per step (model build, each traced block), e.g. the CLI's stderr printer.
 
     The result is kept for the rest of the process (ModelShape is frozen; its block traces do not depend on the
-    launch): a second plan of the same model, as --solve sweeps and tests make, does not build and trace again."""
+    launch): a second plan of the same model, as --solve sweeps and tests make, does not build and trace again.
+    traces: which block traces to make (shape_of_module): "all", "one_rank" (W = 1's) or "wide" (W > 1's)."""
     source = source or default_source()
     model = source.resolve(model)
-    key = (model, flavor, dtype_bytes, trace, id(source))
+    key = (model, flavor, dtype_bytes, trace, id(source), traces)
     if key in _SHAPES:
         if progress:
             progress(f"{model} {flavor}: shape and block traces already made in this process")
@@ -154,22 +155,26 @@ def model_shape(model: str, flavor: str, *, dtype_bytes: int = 4, trace: bool | 
         net = net._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)  # complex RoPE stays complex
     shape = shape_of_module(net, name=f"{model} {flavor}", heads_config=cfg.layers[-1].attention,
                             top_k=max((l.moe.router.top_k for l in cfg.layers if getattr(l, "moe", None)), default=0),
-                            trace=trace, progress=progress, loss_fn=source.loss)
+                            trace=trace, progress=progress, loss_fn=source.loss, traces=traces)
     _SHAPES[key] = shape
     return shape
 
 
-_SHAPES: dict = {}   # (model, flavor, dtype_bytes, trace, source) -> ModelShape, see model_shape
+_SHAPES: dict = {}   # (model, flavor, dtype_bytes, trace, source, traces) -> ModelShape, see model_shape
 
 
 def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int,
-                    trace: bool | None = None, progress=None, loss_fn=None) -> ModelShape:
+                    trace: bool | None = None, progress=None, loss_fn=None, traces: str = "all") -> ModelShape:
     """ModelShape of a built torchtitan Decoder (meta or real): parameter counts per block, experts, heads.
 
     trace (None: for the families in block_trace.TRACED_FAMILIES): also trace one block of each kind forward +
     backward at symbolic N (boundpass/block_trace.py) so that the composed budget takes those blocks'
     activations from their graphs on one rank (composed.uses_trace). loss_fn: a callable returning the head's
-    loss (None: the default model source's, torchtitan's CrossEntropyLoss)."""
+    loss (None: the default model source's, torchtitan's CrossEntropyLoss). traces: "all" (default), "one_rank"
+    (the blocks and the head as a W = 1 launch reads them: composed.uses_trace) or "wide" (the blocks without their
+    routed experts, all a W > 1 launch reads: composed.uses_wide_trace; no head trace)."""
+    if traces not in ("all", "one_rank", "wide"):
+        raise ValueError(f"traces must be 'all', 'one_rank' or 'wide', got {traces!r}")
     H = net.tok_embeddings.weight.shape[1]
     V = net.lm_head.weight.shape[0]
     blocks = list(net.layers.values())
@@ -200,8 +205,12 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
     if trace is None:  # a parallelized model (DTensor weights) is traced by its one-rank schedule only unsharded
         trace = block_trace.untraced_reason(name.split()[0], weight_bytes) is None and not any(
             hasattr(p, "_local_tensor") for p in net.parameters())
-    traced = block_trace.trace_torchtitan_blocks(net, heads_config, progress=progress) + \
-        block_trace.trace_torchtitan_head(net, progress=progress, loss_fn=loss_fn) if trace else ()
+    traced = ()
+    if trace:
+        traced = block_trace.trace_torchtitan_blocks(net, heads_config, progress=progress, wide=traces != "one_rank",
+                                                     one_rank=traces != "wide")
+        if traces != "wide":
+            traced += block_trace.trace_torchtitan_head(net, progress=progress, loss_fn=loss_fn)
     a = heads_config
     heads = a.n_heads
     kv_heads = getattr(a, "n_kv_heads", None) or heads
@@ -332,8 +341,10 @@ def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None =
     source = source or default_source()
     model = inp.model  # the canonical family name (an alias resolved)
     # the blocks are traced in the launch's dtype
+    # only the block traces this launch's budget reads (one rank: the blocks and the head; W > 1: the blocks
+    # without their routed experts); --solve and --search keep W, so they read the same ones
     shape = model_shape(model, flavor, dtype_bytes=DTYPE_BYTES[dtype], trace=trace_blocks, progress=progress,
-                        source=source)
+                        source=source, traces="one_rank" if inp.ranks == 1 else "wide")
     launch = launch_of(inp)
     table = composed.compose(shape, launch, budget=inp.budget, host_budget=inp.host_budget)  # checks degrees
     result = PlanResult(inp, shape, table)
