@@ -190,15 +190,15 @@ def test_per_block_compile_at_ep2_fsdp2(tmp_path, assets):
         assert certified[0] <= 1.25 * max(steady), (result["peaks"], certified[0])
 
 
-def _sco_run(rank, world, tmp, assets, sco):
+def _sco_run(rank, world, tmp, assets, sco, tag="", extra=()):
     os.environ["BOUNDPASS_ASSETS"] = assets
     from boundpass.recipes.train import build_in_process
-    losses = os.path.join(tmp, f"sco_{sco}.jsonl")
+    losses = os.path.join(tmp, f"sco_{sco}{tag}.jsonl")
     trainer = build_in_process(["--module", "boundpass.recipes", "--config", "qwen3_moe_debug_ep2", *SHORT,
                                 "--training.steps", "3", "--dump_folder", f"{tmp}/sco_{sco}", "--compile.enable",
                                 "--compile.backend", "aot_eager", "--boundpass.budget", "2GiB",
                                 "--boundpass.host_budget", "4GiB", "--boundpass.sco", sco,
-                                "--boundpass.measure_peak", "--boundpass.record_losses", losses])
+                                "--boundpass.measure_peak", "--boundpass.record_losses", losses, *extra])
     offloads = []
     step = trainer.train_step
 
@@ -228,11 +228,17 @@ def test_sco_across_blocks_in_torchtitans_trainer(tmp_path, assets):
     block's boundary (sco=true) through the shared runtime; the losses equal the run with SCO off bitwise; the
     head's certificate counts every block's saved tensors but the boundaries on the host; every steady
     step's allocator peak stays under the certified device + host peak (on CPU the host pool is the same memory).
-    At this shape the step's peak is elsewhere (FSDP2's units and gradients dwarf the 64 KiB boundaries), so the
+    A trainer resuming from step 2's checkpoint continues bitwise. At this shape the step's peak is elsewhere (FSDP2's units and gradients dwarf the 64 KiB boundaries), so the
     certified step peak does not move: sco=auto would offload nothing here."""
     from boundpass.testing.distributed import run_on_ranks
-    on = run_on_ranks(_sco_run, 2, str(tmp_path), assets, "true", timeout_s=900)
+    on = run_on_ranks(_sco_run, 2, str(tmp_path), assets, "true", "",
+                      ("--checkpoint.enable", "--checkpoint.interval", "2"), timeout_s=900)
     off = run_on_ranks(_sco_run, 2, str(tmp_path), assets, "false", timeout_s=900)
+    # save -> resume: a new trainer loads step 2's checkpoint (model, OffloadStreamAdamW's state, data position)
+    resumed = run_on_ranks(_sco_run, 2, str(tmp_path), assets, "true", "_resumed",
+                           ("--checkpoint.enable", "--checkpoint.load_step", "2"), timeout_s=900)
+    assert resumed[0]["losses"] and set(resumed[0]["losses"]) == {3}, resumed[0]["losses"]
+    assert resumed[0]["losses"][3] == on[0]["losses"][3], (resumed[0]["losses"], on[0]["losses"])  # bitwise
     first = on[0]
     blocks = first["blocks"]
     assert first["count"] == blocks and first["boundary"] > 0, first["summary"]
