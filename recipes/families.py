@@ -115,8 +115,9 @@ def _package(family: str):
         raise BoundpassInputError(
             f"{family}: torchtitan.models.{family} cannot be imported here: it needs the package {err.name!r}, "
             f"which is not installed (torchtitan does not install its models' optional dependencies)") from err
-    except ImportError as err:
-        raise BoundpassInputError(f"{family}: torchtitan.models.{family} cannot be imported here: {err}") from err
+    except Exception as err:  # noqa: BLE001 (ImportError, or a package that fails while it imports)
+        raise BoundpassInputError(f"{family}: torchtitan.models.{family} cannot be imported here: "
+                                  f"{type(err).__name__}: {err}") from err
 
 
 _NOTES: dict = {}

@@ -106,6 +106,20 @@ def test_largest_flavor_plans_at_full_scale_and_gives_a_verdict(family):
         assert r.shape.params > 1e12
 
 
+def test_every_moe_flavor_of_every_family_plans(survey):
+    """All 14 MoE flavors of torchtitan 0.3.0 (W = 8, E_p = 1, 32K context, hand-written block terms: ~0.1-1 s
+    each): a verdict each; 236B / 671B / Kimi-K2.5 do not fit on 8 ranks (Θ/W alone), the others do."""
+    verdicts = {}
+    for family, s in survey.items():
+        for flavor in s["moe_flavors"]:
+            r = plan(family, flavor, ranks=8, ep=1, context=1 << 15, do_trace=False, trace_blocks=False)
+            assert r.shape.moe_layers > 0 and r.table.binding().name
+            verdicts[(family, flavor)] = r.fits
+    assert len(verdicts) == 14
+    assert {k for k, fits in verdicts.items() if not fits} == {
+        ("deepseek_v3", "236B"), ("deepseek_v3", "671B"), ("kimi_k2_7", "Kimi-K2.5")}
+
+
 def test_kimi_debug_blocks_are_traced_like_deepseek_v3():
     """kimi_k2_7's blocks are deepseek_v3's (MLA + MoE): plan traces their graphs for the block terms."""
     r = plan("kimi_k2_7", "debugmodel", ranks=1, tokens_per_rank=512, budget="64GiB", do_trace=False)
