@@ -23,7 +23,7 @@ block's saved tensors held (``head_carry_terms``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 import torch
@@ -47,12 +47,17 @@ class FSDPUnit:
     reduce: int          # the unsharded gradients in FSDP2's reduce dtype (the reduce-scatter input)
     sharded_grads: int   # the gradients it leaves on this rank (its parameters' local shards)
     resharded: bool      # freed after forward (False: held from forward to backward)
+    aliases: list = field(default_factory=list)  # other module paths sharing this group
+
+    def covers(self, path: str) -> bool:
+        """True when ``path`` is this unit's module (or one sharing its group) or inside one."""
+        return any(p.split("[")[0] == path or p.startswith(path + ".") for p in [self.path, *self.aliases])
 
 
 def fsdp_units(model: nn.Module) -> list[FSDPUnit]:
     """The FSDP2 units of ``model`` (empty when it is not FSDP2-wrapped)."""
     from torch.distributed.fsdp import FSDPModule
-    out = []
+    out, seen = [], {}
     for path, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -61,7 +66,14 @@ def fsdp_units(model: nn.Module) -> list[FSDPUnit]:
         groups = getattr(state, "_fsdp_param_groups", None)
         groups = list(groups) if groups is not None else [state._fsdp_param_group]
         for i, group in enumerate(g for g in groups if g is not None):
-            out.append(_unit(f"{path}[{i}]" if len(groups) > 1 else path, group))
+            name = f"{path}[{i}]" if len(groups) > 1 else path
+            if id(group) in seen:
+                # one group shared by several modules (torchtitan's fully_shard([norm, lm_head])): one unit, one
+                # all-gather, one reduce-scatter; counted once, under the first module's path
+                seen[id(group)].aliases.append(name)
+                continue
+            seen[id(group)] = unit = _unit(name, group)
+            out.append(unit)
     return out
 
 
@@ -102,7 +114,7 @@ class CompiledBlocks(BoundedModule):
         self.units = fsdp_units(model)
         by_module = {id(m): p for p, m in model.named_modules()}
         self.block_paths = [by_module.get(id(b), "") for b in blocks]
-        under = lambda u, p: u.path.split("[")[0] == p or u.path.startswith(p + ".")  # noqa: E731
+        under = lambda u, p: u.covers(p)  # noqa: E731
         self.block_units = [u for u in self.units if any(under(u, p) for p in self.block_paths)]
         # the gradients each block's backward leaves reduced on this rank (its units' local shards)
         self.block_grads = [sum(u.sharded_grads for u in self.units if under(u, p)) for p in self.block_paths]
@@ -115,7 +127,7 @@ class CompiledBlocks(BoundedModule):
             b is m or any(b is c for c in m.modules()) for b in blocks)), default=0)
         before = {name for i, (name, _) in enumerate(model.named_children()) if i < first_block}
         self.input_units = [u for u in self.units if u not in self.block_units
-                            and (u.path == "" or u.path.split(".")[0].split("[")[0] in before)]
+                            and any(p == "" or p.split(".")[0].split("[")[0] in before for p in [u.path, *u.aliases])]
         self.head_units = [u for u in self.units if u not in self.block_units and u not in self.input_units]
         self.tail = self._tail_table()
         self.graph_saved: list[int] = []   # per compiled block graph: what one block's forward leaves for backward
@@ -217,7 +229,8 @@ class CompiledBlocks(BoundedModule):
         if not held:
             return []
         return [BoundTerm("FSDP2 units held unsharded from forward to backward ("
-                          + ", ".join(u.path or "root" for u in self.held_units) + ")",
+                          + ", ".join("+".join(p or "root" for p in [u.path, *u.aliases]) for u in self.held_units)
+                          + ")",
                           sympy.Integer(held), held, kind="transient",
                           knob="--parallelism.fsdp_reshard_after_forward always")]
 
