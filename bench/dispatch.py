@@ -299,7 +299,7 @@ def run_simulated(cfg: dict, ranks: tuple) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- report
-def check_targets(real: list[dict], sim: dict) -> list[dict]:
+def check_targets(real: list[dict], sim: dict, cfg: dict | None = None) -> list[dict]:
     targets = []
     ratios = {}
     for kind in ("zipf", "adversarial"):
@@ -337,6 +337,13 @@ def check_targets(real: list[dict], sim: dict) -> list[dict]:
             order.append((f"P={sec['world']} {kind}", t["pipelined"] / t["pipelined_consecutive"]))
     targets.append({"target": "real tensors: strided time <= consecutive time",
                     "figures": ", ".join(f"{n}: {x:.2f}x" for n, x in order), "met": all(x <= 1.0 for _, x in order)})
+    if cfg is not None:
+        knee = [(f"P={sec['world']} {kind}", t_k / t_w, b_w - b_k) for sec in real
+                for kind, (t_k, t_w, b_k, b_w) in knee_rows(sec, cfg).items()]
+        targets.append({"target": "real tensors: no slower at the knee than at the widest c (within 5% noise), "
+                                  "memory saved",
+                        "figures": ", ".join(f"{n}: {x:.2f}x ({fmt_bytes(m)} less bound)" for n, x, m in knee),
+                        "met": all(x <= 1.05 for _, x, _ in knee)})
     return targets
 
 
@@ -457,12 +464,47 @@ def curve_section(sec: dict, cfg: dict) -> list[str]:
     model = cost_model.pipelined_llep_knee(lo=1, hi=cfg["T"], N=cfg["T"], H=cfg["H"], I=cfg["I"], E=cfg["E"],
                                            E_p=sec["world"], k=cfg["k"])
     K = [str(num_chunks(cfg["T"], int(c))) for c in caps]
+    at, widest = knee_point(sec, cfg)
+    saved = [[kind, f"{fmt_seconds(t_knee)} / {fmt_seconds(t_wide)} = {t_knee / t_wide:.2f}",
+              f"{fmt_bytes(b_knee)} vs {fmt_bytes(b_wide)}: {fmt_bytes(b_wide - b_knee)} less"]
+             for kind, (t_knee, t_wide, b_knee, b_wide) in knee_rows(sec, cfg).items()]
     return [f"Time against the chunk cap c ({sec['world']} ranks, PipelinedLLEP strided, median fwd+bwd through the "
             f"custom op, rank 0; in brackets: / LLEP's median from the table above; K = {', '.join(K)}). Knee: the "
             f"smallest c within {cost_model.KNEE_TOLERANCE:.0%} of the best measured time; the time model's knee "
             f"(`cost_model.pipelined_llep_knee`, what `boundpass.compile` stops c at, over powers of two): {model}.",
             "",
-            markdown_table(["routing"] + [f"c = {c}" for c in caps] + ["measured knee"], rows), ""]
+            markdown_table(["routing"] + [f"c = {c}" for c in caps] + ["measured knee"], rows), "",
+            f"At the knee against the widest c ({sec['world']} ranks): the curve's c nearest the model's knee "
+            f"(c = {at}) against c = {widest} (one chunk: what the budget alone allows when it is loose); the sympy bound "
+            "per rank (`pipelined_llep_bound`) at each.", "",
+            markdown_table(["routing", "time at the knee / at the widest c", "bound at the knee vs the widest c"],
+                           saved), ""]
+
+
+def knee_point(sec: dict, cfg: dict) -> tuple[int, int]:
+    """(the curve's c nearest the time model's knee, the widest c on the curve)."""
+    from boundpass import cost_model
+    model = cost_model.pipelined_llep_knee(lo=1, hi=cfg["T"], N=cfg["T"], H=cfg["H"], I=cfg["I"], E=cfg["E"],
+                                           E_p=sec["world"], k=cfg["k"])
+    caps = sorted(int(c) for c in cfg["curve"])
+    return min(caps, key=lambda c: (abs(c - model), c)), caps[-1]
+
+
+def knee_rows(sec: dict, cfg: dict) -> dict:
+    """Per routing: (time at the knee, time at the widest c, bound at the knee, bound at the widest c)."""
+    at, widest = knee_point(sec, cfg)
+    dt = cfg.get("dtype", torch.float32)  # the real-tensor runs are fp32
+    mixed = torch.empty((), dtype=dt).element_size() < 4
+    common = dict(N=cfg["T"], H=cfg["H"], I=cfg["I"], E=cfg["E"], E_p=sec["world"], k=cfg["k"])
+
+    def bound(c):
+        return sym.evaluate(pipelined_llep_bound(mixed_precision=mixed),
+                            bound_values(dt, **common, c=c, s_b=cfg["E"] // sec["world"]))
+    out = {}
+    for kind, row in sec["routings"].items():
+        curve = {int(c): t for c, t in row["curve_seconds_rank0"].items()}
+        out[kind] = (curve[at], curve[widest], bound(at), bound(widest))
+    return out
 
 
 def overlap_section(sec: dict) -> list[str]:
@@ -531,7 +573,7 @@ def main(argv=None) -> dict:
     data = {"meta": run_metadata(), "quick": args.quick, "real_config": {k: v for k, v in cfg.items()},
             "sim_config": dict(PAPER, dtype=str(PAPER["dtype"]).replace("torch.", "")), "plan_args": PLAN,
             "real": real, "simulated": sim, "proxy_check": proxy_check, "load_average": [load0, os.getloadavg()[0]]}
-    data["targets"] = check_targets(real, sim)
+    data["targets"] = check_targets(real, sim, cfg)
     return publish("dispatch", data, render, start)
 
 
