@@ -28,6 +28,9 @@ class MeasurementError(BoundpassError, RuntimeError):
 # The real wait_tensor returns its input (same memory) but the FakeTensor impl returns a fresh storage and the
 # schema has no alias annotation, so a naive tracker counts every collective output twice.
 _WAIT_OPS = {torch.ops._c10d_functional.wait_tensor.default}
+# Frees (or grows) its argument's storage in place and returns nothing: FSDP2 and runtime/seq_to_head free buffers
+# with it, so the tracker re-reads that storage's size after it.
+_RESIZE_OPS = {torch.ops.inductor.resize_storage_bytes_.default}
 if hasattr(torch.ops, "c10d_functional") and hasattr(torch.ops.c10d_functional, "wait_tensor"):
     _WAIT_OPS.add(torch.ops.c10d_functional.wait_tensor.default)
 
@@ -194,6 +197,9 @@ class LiveStorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = self._run(func, args, kwargs)
+        if func in _RESIZE_OPS and (st := _storage(args[0])) is not None \
+                and (alloc := self._by_key.get(st._cdata)) is not None:
+            self._resized(st, alloc)
         inputs = [(t, st) for t in _leaf_tensors((args, kwargs)) if (st := _storage(t)) is not None]
         in_keys = {st._cdata for _, st in inputs}
         in_ptrs = {p for _, st in inputs if (p := _ptr(st))}

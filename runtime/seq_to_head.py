@@ -84,18 +84,70 @@ def sdpa_blnh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """Even all-to-all over dim 0, differentiable (the functional op's registered autograd: the backward is the
-    same exchange). The raw op + an immediate wait, not funcol's AsyncCollectiveTensor wrapper, so that no
-    buffer outlives the exchange (measured: the wrapper kept one receive buffer alive until backward)."""
+    same exchange). Used while compiling (Inductor owns the buffers there); eager runs ``_Relayout``."""
     world = dist.get_world_size(group)
     splits = [x.shape[0] // world] * world
     out = torch.ops._c10d_functional.all_to_all_single(x, splits, splits, group.group_name)
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
+def _release(t: torch.Tensor) -> None:
+    """Free a finished exchange buffer's bytes now. Why: ProcessGroupGloo's worker threads (two by default) drop
+    their reference to a finished collective asynchronously, so each could keep one earlier exchange's send and
+    receive buffers alive into a later one (measured: one or two such pairs, timing dependent). The collective
+    has completed (it waited), so nothing reads the bytes any more; the backend's late reference then holds an
+    empty storage, and the op's peak no longer depends on thread timing."""
+    torch.ops.inductor.resize_storage_bytes_(t, 0)
+
+
+def _exchange(x: torch.Tensor, to_heads: bool, world: int, group) -> torch.Tensor:
+    """One relayout, eager: copy into a send buffer this function owns, exchange, copy the receive buffer into the
+    result, freeing each buffer as soon as it is done with. Peak beside the input: send + receive, then
+    receive + result.
+
+    to_heads: [B, N/W, A, D] (my tokens, all heads) -> [B, N, A/W, D] (all tokens, my heads); else the inverse."""
+    if to_heads:
+        B, n, A, D = x.shape
+        view = x.reshape(B, n, world, A // world, D).permute(2, 0, 1, 3, 4)        # [W_dst, B, n, a, D]
+    else:
+        B, L, a, D = x.shape
+        view = x.reshape(B, world, L // world, a, D).permute(1, 0, 2, 3, 4)        # [W_dst, B, n, a, D]
+    send = torch.empty(view.shape, dtype=x.dtype, device=x.device)  # owned: never an alias of the caller's x
+    send.copy_(view)
+    recv = torch.empty_like(send)                                                  # [W_src, B, n, a, D]
+    dist.all_to_all_single(recv, send, group=group)
+    _release(send)
+    W, B, n, a, D = recv.shape
+    if to_heads:
+        out = torch.empty((B, W, n, a, D), dtype=x.dtype, device=x.device)
+        out.copy_(recv.permute(1, 0, 2, 3, 4))
+        out = out.view(B, W * n, a, D)
+    else:
+        out = torch.empty((B, n, W, a, D), dtype=x.dtype, device=x.device)
+        out.copy_(recv.permute(1, 2, 0, 3, 4))
+        out = out.view(B, n, W * a, D)
+    _release(recv)
+    return out
+
+
+class _Relayout(torch.autograd.Function):
+    """The sequence-to-head relayout (or its inverse) with its exact inverse as the backward: data movement only."""
+
+    @staticmethod
+    def forward(ctx, x, to_heads, world, group):
+        ctx.to_heads, ctx.world, ctx.group = to_heads, world, group
+        return _exchange(x, to_heads, world, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, not ctx.to_heads, ctx.world, ctx.group), None, None, None
+
+
 def _seq_to_head(x: torch.Tensor, world: int, group) -> torch.Tensor:
     """[B, N/W, A, D] (my tokens, all heads) -> [B, N, A/W, D] (all tokens, my heads)."""
+    if not torch.compiler.is_compiling():
+        return _Relayout.apply(x, True, world, group)
     B, n, A, D = x.shape
-    # the send buffer is only referenced by the call, so it is freed as soon as the exchange completes
     recv = _all_to_all(x.reshape(B, n, world, A // world, D).permute(2, 0, 1, 3, 4).contiguous(),  # [W_dst, ...]
                        group)                                                                        # [W_src, ...]
     return recv.permute(1, 0, 2, 3, 4).reshape(B, world * n, A // world, D)
@@ -103,6 +155,8 @@ def _seq_to_head(x: torch.Tensor, world: int, group) -> torch.Tensor:
 
 def _head_to_seq(x: torch.Tensor, world: int, group) -> torch.Tensor:
     """[B, N, A/W, D] (all tokens, my heads) -> [B, N/W, A, D] (my tokens, all heads)."""
+    if not torch.compiler.is_compiling():
+        return _Relayout.apply(x, False, world, group)
     B, L, a, D = x.shape
     recv = _all_to_all(x.reshape(B, world, L // world, a, D).permute(1, 0, 2, 3, 4).contiguous(),  # [W_dst, ...]
                        group)                                                                       # [W_src, ...]
@@ -232,11 +286,11 @@ def seq_to_head_bound(*, count_io: bool = True, part: str = "peak", caller_keeps
     Counted (measured op by op, see docs/mop.md): the caller's q/k/v, output, incoming output gradient and the
     q/k/v gradients (``count_io=False`` leaves these to a budget that counts them as the surrounding layer's
     activations); the gathered q/k/v and output the kernel saves for backward (a flash-style kernel: O(N)
-    per head, no N x N score matrix) and its log-sum-exp; the kernel's dq/dk/dv; per exchange a send
-    buffer, a receive buffer and the re-laid-out result, plus the send and receive buffers of the previous
-    exchange, which the backend may still hold (gloo's worker thread drops its reference to a finished
-    exchange asynchronously: measured, timing dependent). Not counted: the fused kernel's internal tile
-    workspace (not visible as tensors; on-chip on GPUs).
+    per head, no N x N score matrix) and its log-sum-exp; the kernel's dq/dk/dv; per exchange two of its send
+    buffer, receive buffer and re-laid-out result (``_exchange`` frees each when done, so no earlier exchange
+    outlives its call whatever the backend's threads do). Not counted: the fused kernel's internal tile
+    workspace (not visible as tensors; on-chip on GPUs). Eager only: under torch.compile the exchange is traced
+    as functional collectives and Inductor plans those buffers (W > 1 compiled is not measured here).
 
     W = 1 (factor ``x = Min(1, W - 1)`` = 0): nothing is exchanged, so no exchange buffers and no gathered copies:
     the kernel runs on the caller's q/k/v (or, with ``equalize_head_dims``, on a zero-padded copy of the narrower
@@ -262,8 +316,9 @@ def seq_to_head_bound(*, count_io: bool = True, part: str = "peak", caller_keeps
     q = N * A_q * D_h * b                  # this rank's query / output / their gradients, either layout
     kv_in = N * A_kv * D_h * b             # one of k/v (or its gradient) before the exchange
     kv = N * sympy.Max(A_kv, W) * D_h * b  # one of k/v after replication (A_kv < W) and exchange
-    # the largest tensor one all-to-all moves is q-sized: A_q >= A_kv and A_q >= W (check_head_counts)
-    exchange, held = x * 3 * q, x * 2 * q  # send + receive + result in flight; the previous one still held
+    # one exchange: send + receive, then receive + result (each buffer freed when done: ``_exchange``); the
+    # largest one moves q-sized tensors (A_q >= A_kv and A_q >= W: check_head_counts)
+    exchange = x * 2 * q
     lse = N * A_q * b_acc
     keep = 1 if count_io else 0
     inputs, output, grad_output, input_grads = keep * (q + 2 * kv_in), keep * q, keep * q, keep * (q + 2 * kv_in)
@@ -276,11 +331,11 @@ def seq_to_head_bound(*, count_io: bool = True, part: str = "peak", caller_keeps
     # the caller's q/k/v in backward: kept by the caller, or (W = 1) the kernel's own (inputs or padded copies)
     inputs_bwd = inputs if caller_keeps_inputs else (1 - x) * inputs
     # forward: saved tensors + the output's exchange (its result is the output); W = 1: the padded copy + output
-    forward = inputs + x * (gathered + exchange + held) + (1 - x) * (kv + output) + lse
+    forward = inputs + x * (gathered + exchange) + (1 - x) * (kv + output) + lse
     # backward in the kernel: + the gathered output gradient and the kernel's grads (W = 1: the kernel's q/k/v
     # are the inputs or their padded copies, its output the caller's, one output gradient)
-    backward_kernel = inputs_bwd + output + x * (grad_output + gathered + held) + lse + q + kernel_grads + copies
+    backward_kernel = inputs_bwd + output + x * (grad_output + gathered) + lse + q + kernel_grads + copies
     # backward exchanges after the kernel freed what it saved: kernel grads not yet sent back, the input grads
     # being written (together at most the kernel grads + the replicated dk/dv before it is summed), one exchange
-    backward_exchange = inputs_bwd + output + grad_output + kernel_grads + kv + exchange + held
+    backward_exchange = inputs_bwd + output + grad_output + kernel_grads + kv + exchange
     return sympy.Max(forward, backward_kernel, x * backward_exchange)

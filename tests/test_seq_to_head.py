@@ -129,11 +129,11 @@ def test_rope_needs_global_positions(ranks):
     assert max(res["local_positions"][1] for res in results) > 1e-3
 
 
-# bound / measured allowed: 1.25 (the project's tightness standard) for a caller that keeps its tensors; for one
-# that drops them (the composed budget's case) the bound is 1.30-1.46x the measurement at W = 2 and 4 (measured):
-# it still counts the previous exchange's send/receive pair, which gloo's worker may hold (timing dependent), and
-# what is left is mostly that pair and the exchange buffers, so they weigh more
-TIGHTNESS = {"bound": 1.25, "bound_dropping": 1.5}
+# bound / measured allowed: the project's 1.25 for one op at its own scale. Measured (6 repeats, every rank): the
+# peaks are the same every time (the exchange frees its buffers, so gloo's worker threads cannot keep an earlier
+# exchange alive); a caller that keeps its tensors is measured at the bound (1.08x for unequal head dims: the
+# zero-padded v), one that drops them at 1.09-1.23x (its projections' transients, which the bound does not see)
+TIGHTNESS = {"bound": 1.25, "bound_dropping": 1.25}
 
 
 @pytest.mark.parametrize("caller", ["bound", "bound_dropping"], ids=["caller-keeps", "caller-drops"])
