@@ -47,6 +47,9 @@ class FSDPUnit:
     reduce: int          # the unsharded gradients in FSDP2's reduce dtype (the reduce-scatter input)
     sharded_grads: int   # the gradients it leaves on this rank (its parameters' local shards)
     resharded: bool      # freed after forward (False: held from forward to backward)
+    releasing: bool = False  # reduce-scatters through boundpass.gloo_reduce_scatter (no gloo clone, none held)
+    copy_in: int = 0     # FSDP2's copy-in temporary: the gradients concatenated in their own dtype, when the
+                         # reduce dtype differs (torch._chunk_cat into an fp32 buffer from bf16 gradients)
     aliases: list = field(default_factory=list)  # other module paths sharing this group
 
     def covers(self, path: str) -> bool:
@@ -79,7 +82,7 @@ def fsdp_units(model: nn.Module) -> list[FSDPUnit]:
 
 def _unit(path: str, group) -> FSDPUnit:
     """One FSDP2 parameter group's unsharded bytes (its all-gather output) and its gradients' (reduce-scatter input)."""
-    gathered = reduce = sharded = 0
+    gathered = reduce = sharded = copy_in = 0
     for fp in group.fsdp_params:
         mesh = fp.mesh_info
         shards = getattr(mesh, "shard_mesh_size", None) or mesh.mesh.size()
@@ -88,10 +91,14 @@ def _unit(path: str, group) -> FSDPUnit:
         dtype = group.mp_policy.param_dtype or fp.sharded_param.dtype
         gathered += numel * dtype.itemsize
         if fp.sharded_param.requires_grad:
-            reduce += numel * (group.mp_policy.reduce_dtype or dtype).itemsize
+            reduce_dtype = group.mp_policy.reduce_dtype or dtype
+            reduce += numel * reduce_dtype.itemsize
+            copy_in += numel * dtype.itemsize if reduce_dtype != dtype else 0
             local = getattr(fp.sharded_param, "_local_tensor", fp.sharded_param)
             sharded += local.numel() * local.element_size()
-    return FSDPUnit(path, gathered, reduce, sharded, group.post_forward_mesh_info is not None)
+    from boundpass.gloo_reduce_scatter import uses_releasing_reduce_scatter
+    return FSDPUnit(path, gathered, reduce, sharded, group.post_forward_mesh_info is not None,
+                    releasing=uses_releasing_reduce_scatter(group), copy_in=copy_in)
 
 
 class CompiledBlocks(BoundedModule):
@@ -130,6 +137,8 @@ class CompiledBlocks(BoundedModule):
                             and any(p == "" or p.split(".")[0].split("[")[0] in before for p in [u.path, *u.aliases])]
         self.head_units = [u for u in self.units if u not in self.block_units and u not in self.input_units]
         self.tail = self._tail_table()
+        self.head_reduce: BudgetTable | None = None  # built with the head's certificate (head_carry_terms)
+        self.reduce_tables: dict[int, BudgetTable] = {}  # block graph -> its reduce-scatter phase (sync_reduce)
         self.graph_saved: list[int] = []   # per compiled block graph: what one block's forward leaves for backward
         self.runs: list[int] = []          # this step: the graph each block forward ran, in order
         self.graph_rows: list[list[BoundTerm]] = []  # per graph: the carry rows its certificate holds
@@ -207,22 +216,52 @@ class CompiledBlocks(BoundedModule):
         return [self.sco_runtime.offloaded[j] if j < ran else j < planned for j in range(n)]
 
     # --------------------------------------------------------------------------------------- composition
-    def _gather_rows(self) -> list[BoundTerm]:
+    @property
+    def sync_reduce(self) -> bool:
+        """Every FSDP2 unit reduce-scatters through boundpass.gloo_reduce_scatter: synchronously, between two graphs,
+        its buffers freed in the call. Then a reduce-scatter never overlaps a graph's workspace, and each block's
+        (and the head's) is a phase of its own. Otherwise (NCCL: FSDP2's reduce-scatter stream runs beside the next
+        block's backward; stock gloo: copies held by worker threads) it is counted inside every graph's table."""
+        return bool(self.units) and all(u.releasing for u in self.units)
+
+    def _gather_rows(self, scatter: bool = True) -> list[BoundTerm]:
         largest = max((u.gathered for u in self.block_units), default=0)
         # FSDP2 copies a unit out of its flat all-gather buffer into the unsharded parameters (2x while it does),
         # and prefetches the next unit while one computes: the running unit + the next one being copied out
-        return [BoundTerm("FSDP2 all-gathered block units (the running unit + the next, copied out of its buffer)",
-                          sympy.Integer(3 * largest), 3 * largest, kind="transient", knob=SHARD),
-                _scatter_row(self.block_units), self._gloo_row()] + self._held_rows()
+        return ([BoundTerm("FSDP2 all-gathered block units (the running unit + the next, copied out of its buffer)",
+                           sympy.Integer(3 * largest), 3 * largest, kind="transient", knob=SHARD)]
+                + ([_scatter_row(self.block_units)] if scatter else []) + self._gloo_row() + self._held_rows())
 
-    def _gloo_row(self) -> BoundTerm:
+    def _passed_row(self) -> BoundTerm:
+        passed = 2 * self.hidden
+        return BoundTerm("the gradient passed to the block before (and its input's, while FSDP2's hook runs)",
+                         sympy.Integer(passed), passed, kind="transient", knob=KNOB)
+
+    def _block_reduce_table(self, graph: int, own_saved: int, trial: int | None = None) -> BudgetTable:
+        """Right after the backward of the worst block that may run ``graph``, while its units reduce-scatter
+        (``sync_reduce``): the same rows as its graph's table, the graph's own workspace replaced by the gradient
+        it passes on, plus the reduce-scatter."""
+        table = BudgetTable(budget=self.budget, host_budget=self.host_budget)
+        table.terms += ([t for t in self.state_terms] + self._block_rows(graph, own_saved, trial)
+                        + [self._passed_row()] + self._gather_rows(scatter=True) + self._sco_host_rows(trial))
+        return table
+
+    def _check_reduce_table(self, table: BudgetTable, which: str) -> None:
+        if not table.fits():
+            binding = max((t for t in table.terms if t.counted), key=lambda t: t.value)
+            raise_infeasible(table, binding, detail=f"({which}: its FSDP2 units' gradients reduce-scattered)")
+
+    def _gloo_row(self) -> list[BoundTerm]:
         """ProcessGroupGloo's reduce_scatter runs on a copy of its input, which its worker thread releases after the
         collective; measured on 2 ranks: up to two such copies of earlier reduce-scatters still live at a later one
         (timing-dependent). Counted as the two largest units' reduce buffers (NCCL makes no copy: a GPU run
-        measures 0 here and the row could go; bench/gpu_check.sh)."""
-        sizes = sorted((u.reduce for u in self.units), reverse=True)[:2]
-        return BoundTerm("gloo's copies of up to two earlier reduce-scatter inputs, not yet released",
-                         sympy.Integer(sum(sizes)), sum(sizes), kind="transient", knob=SHARD)
+        measures 0 here and the row could go; bench/gpu_check.sh). A unit that reduce-scatters through
+        boundpass.gloo_reduce_scatter (the recipe installs it on gloo) makes no copy and leaves none held."""
+        sizes = sorted((u.reduce for u in self.units if not u.releasing), reverse=True)[:2]
+        if not sizes:
+            return []
+        return [BoundTerm("gloo's copies of up to two earlier reduce-scatter inputs, not yet released",
+                          sympy.Integer(sum(sizes)), sum(sizes), kind="transient", knob=SHARD)]
 
     def _held_rows(self) -> list[BoundTerm]:
         held = sum(u.gathered for u in self.held_units)
@@ -241,7 +280,7 @@ class CompiledBlocks(BoundedModule):
         table.terms += [t for t in self.state_terms]
         reduced = sum(u.sharded_grads for u in self.units)
         table.terms += [_grads_row(reduced, "every unit's"), _scatter_row(self.input_units, output_counted=True),
-                        self._gloo_row()]
+                        *self._gloo_row()]
         return table
 
     def _block_rows(self, graph: int, own_saved: int, trial: int | None = None) -> list[BoundTerm]:
@@ -312,8 +351,13 @@ class CompiledBlocks(BoundedModule):
         if plan is not None and plan.dynamic and plan.eligible and not plan.rewritten:
             trial = None
             self.sco_ok = False  # this graph saves its boundary as usual: no block is counted off the device
-        rows = self._block_rows(self._compiling, own, trial) + self._gather_rows() + self._sco_host_rows(trial)
+        sync = self.sync_reduce
+        rows = (self._block_rows(self._compiling, own, trial) + self._gather_rows(scatter=not sync)
+                + self._sco_host_rows(trial))
         self.graph_rows[self._compiling] = rows
+        if sync:
+            self.reduce_tables[self._compiling] = table = self._block_reduce_table(self._compiling, own, trial)
+            self._check_reduce_table(table, f"after a backward of block graph {self._compiling}")
         return rows
 
     def recheck(self) -> None:
@@ -325,8 +369,13 @@ class CompiledBlocks(BoundedModule):
             table = cert.table
             table.terms = [t for t in table.terms if all(t is not o for o in old)]
             # the check is for the last block that may run this graph: the runs so far, the rest at the widest
-            rows = self._block_rows(graph, self.graph_saved[graph]) + self._gather_rows() + self._sco_host_rows()
+            sync = self.sync_reduce
+            rows = (self._block_rows(graph, self.graph_saved[graph]) + self._gather_rows(scatter=not sync)
+                    + self._sco_host_rows())
             old[:] = rows
+            if sync:
+                self.reduce_tables[graph] = reduce = self._block_reduce_table(graph, self.graph_saved[graph])
+                self._check_reduce_table(reduce, f"after a backward of block graph {graph}")
             table.terms += rows
             cert.planner.carry = sum(t.value for t in rows if t.kind != "host")
             if not table.host_fits():
@@ -342,8 +391,18 @@ class CompiledBlocks(BoundedModule):
         return sum(self.graph_saved[g] for g in self.runs) + (self.num_blocks - len(self.runs)) * widest
 
     def head_carry_terms(self) -> list[BoundTerm]:
-        """The rows the head's certificate adds: every block's saved tensors, the head's units (held unsharded,
-        reduce-scattered after its backward); its backward is the step's first, so nothing is reduced before it."""
+        """The rows the head's certificate adds while its graph runs: every block's saved tensors and the head's units
+        held unsharded; its backward is the step's first, so nothing is reduced before it. The head's units are
+        reduce-scattered after its graph (FSDP2's post-backward fires once the group's gradients exist): that
+        phase is its own table (``head_reduce``), built and checked here too, before the head runs."""
+        if not self.sync_reduce:
+            return self._head_held_rows() + [_scatter_row(self.head_units)] + self._gloo_row() + self._held_rows()
+        self.head_reduce = self._head_reduce_table()
+        self._check_reduce_table(self.head_reduce, "after the head's backward, every block's saved tensors held")
+        return self._head_held_rows() + self._gloo_row() + self._held_rows()
+
+    def _head_held_rows(self) -> list[BoundTerm]:
+        """The first block's input and every block's saved tensors (those SCO put on the host excepted)."""
         off = self.offloaded_blocks()
         hosted = sum(off[1:])  # block j's saved bytes hold block j+1's boundary; the last block's output is the head's
         # the last block's output is the head's input, which the head's graph counts
@@ -354,12 +413,26 @@ class CompiledBlocks(BoundedModule):
                           sympy.Integer(first), first, kind="transient", knob=KNOB),
                 BoundTerm(f"saved tensors of the {self.num_blocks} blocks (held through the head)"
                           + (f", {hosted} boundaries of them on the host (SCO)" if hosted else ""),
-                          sympy.Integer(saved), saved, kind="transient", knob=KNOB),
-                _scatter_row(self.head_units), self._gloo_row()] + self._held_rows()
+                          sympy.Integer(saved), saved, kind="transient", knob=KNOB)]
+
+    def _head_reduce_table(self) -> BudgetTable:
+        """Right after the head's backward: state, every block's saved tensors, the gradient the head passes to the
+        last block (and, while the final norm's backward runs, the norm's input gradient beside it), the head's
+        units held unsharded, and their reduce-scatter. The head graph's own workspace is gone by then."""
+        table = BudgetTable(budget=self.budget, host_budget=self.host_budget)
+        table.terms += [t for t in self.state_terms] + self._head_held_rows()
+        table.terms += [self._passed_row(), _scatter_row(self.head_units)] + self._gloo_row() + self._held_rows()
+        return table
+
+    def phase_tables(self) -> list[BudgetTable]:
+        """The tables of the step's phases outside any graph: with ``sync_reduce`` each block graph's and the head's
+        reduce-scatter (once compiled), and the backward's tail."""
+        return (list(self.reduce_tables.values()) + ([self.head_reduce] if self.head_reduce is not None else [])
+                + [self.tail])
 
     def certified_peak(self) -> int:
-        """The largest of the block graphs' totals and the backward's tail (bytes)."""
-        return max([c.table.total for c in self.certificates] + [self.tail.total])
+        """The largest of the block graphs' totals and the phases outside them (bytes)."""
+        return max([c.table.total for c in self.certificates] + [t.total for t in self.phase_tables()])
 
     def check_tail(self) -> None:
         """Raise before anything runs if the backward's tail (state + gradients + the embedding's reduce-scatter)
@@ -381,10 +454,12 @@ def _grads_row(nbytes: int, which: str) -> BoundTerm:
 
 
 def _scatter_row(units: list[FSDPUnit], output_counted: bool = False) -> BoundTerm:
-    """The largest reduce-scatter among ``units``: its unsharded gradient (param dtype), the reduce-dtype input
-    buffer, the copy gloo's reduce_scatter makes of that input (ProcessGroupGloo; seen under torch's profiler),
-    and the sharded output (unless a gradients row counts it)."""
-    cost = lambda u: u.gathered + 2 * u.reduce + (0 if output_counted else u.sharded_grads)  # noqa: E731
+    """The largest reduce-scatter among ``units``: its unsharded gradient (param dtype), FSDP2's copy-in temporary
+    (the gradients concatenated in their dtype before the cast, when the reduce dtype differs), the reduce-dtype input
+    buffer, the copy gloo's reduce_scatter makes of that input (ProcessGroupGloo; seen under torch's profiler; none
+    through boundpass.gloo_reduce_scatter), and the sharded output (unless a gradients row counts it)."""
+    cost = lambda u: (u.gathered + u.copy_in + (1 if u.releasing else 2) * u.reduce  # noqa: E731
+                      + (0 if output_counted else u.sharded_grads))
     widest = max(units, key=cost, default=None)
     nbytes = cost(widest) if widest is not None else 0
     return BoundTerm(f"FSDP2 gradient reduce-scatter of the largest unit ({widest.path if widest else '-'})",

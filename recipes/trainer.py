@@ -240,6 +240,10 @@ class BoundpassTrainer(Trainer):
         plan = self.bounded.optimizer_plan
         if self.block_backend is not None:
             from boundpass.block_compile import CompiledBlocks
+            from boundpass.gloo_reduce_scatter import install_releasing_reduce_scatter
+            # gloo's reduce-scatter keeps clones alive on its worker threads (timing dependent): replace it with
+            # one whose buffers die with the call, so the step's peak is the one the composition counts
+            released = install_releasing_reduce_scatter(model) if self.fsdp_wrapped else 0
             self.blocks = CompiledBlocks(
                 model, list(model.layers.values()), budget=self.bounded.budget, host_budget=self.bounded.host_budget,
                 state_terms=self.bounded.state_terms, optimizer_plan=plan, inner=self.block_inner,
@@ -248,7 +252,9 @@ class BoundpassTrainer(Trainer):
             self.block_backend.target = self.blocks
             self.bounded.trunk = self.blocks  # the head runs with every block's saved tensors held
             logger.info(f"[boundpass] blocks: {self.block_compile_note}; {self.blocks.num_blocks} blocks, "
-                        f"{len(self.blocks.units)} FSDP2 units")
+                        f"{len(self.blocks.units)} FSDP2 units"
+                        + (f"; {released} FSDP2 group(s) reduce-scatter through boundpass.gloo_reduce_scatter "
+                           f"(gloo: no clone held by its worker threads)" if released else ""))
         if plan is not None and list(self.optimizers.optimizers) != before:
             self._repoint_at_swapped_optimizers()
         self.metrics_processor.optimizers = self.optimizers
@@ -451,10 +457,11 @@ class BoundpassTrainer(Trainer):
         return out
 
     def _tables(self) -> list:
-        """Every budget table boundpass checked for this step: the head's, each block graph's, the backward's tail."""
+        """Every budget table boundpass checked for this step: the head's, each block graph's, the head's
+        reduce-scatter and the backward's tail."""
         tables = [c.table for c in self.bounded.certificates] if self.bounded is not None else []
         if self.blocks is not None:
-            tables += [c.table for c in self.blocks.certificates] + [self.blocks.tail]
+            tables += [c.table for c in self.blocks.certificates] + self.blocks.phase_tables()
         return tables
 
     def certified_host(self) -> int:

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from boundpass.aot_workarounds import saved_tensors_before_opaque
+from boundpass.testing.distributed import run_on_ranks
 
 
 from torch._opaque_base import OpaqueBase  # noqa: E402
@@ -163,7 +164,6 @@ def assets(tmp_path_factory):
 @pytest.mark.torchtitan
 @pytest.mark.distributed
 def test_per_block_compile_at_ep2_fsdp2(tmp_path, assets):
-    from boundpass.testing.distributed import run_on_ranks
     results = run_on_ranks(_per_block_run, 2, str(tmp_path), assets, timeout_s=900)
     first = results[0]
     # every MoE block's dispatch went through the pass: one graph serves blocks 1..5 (block 0 is dense)
@@ -183,11 +183,52 @@ def test_per_block_compile_at_ep2_fsdp2(tmp_path, assets):
     for result in results:
         certified = result["certified"]
         assert len(set(certified)) == 1, f"the certified peak moved with the routing: {certified}"
-        steady = [peak for step, peak in result["peaks"] if step >= 2]
-        assert steady and max(steady) <= certified[0], (result["peaks"], certified[0])
-        # tight: the worst steady step within 1.25x (gloo's reduce-scatter copies are released at a time its worker
-        # thread decides, so a short run may not show the step the bound covers: docs/recipe.md)
-        assert certified[0] <= 1.25 * max(steady), (result["peaks"], certified[0])
+        _sound_and_tight(result["peaks"], certified[0])
+
+
+def _sound_and_tight(peaks, certified) -> None:
+    """Every steady step (step >= 2) at most the certified peak, which is at most 1.10x the worst of them. The
+    reduce-scatter goes through boundpass.gloo_reduce_scatter (no gloo clone left to a worker thread's timing),
+    so the steady steps measure the same within a few KiB (measured: 1.035-1.037x at 2 ranks, 1.040-1.042x at
+    4; docs/recipe.md)."""
+    steady = [peak for step, peak in peaks if step >= 2]
+    assert steady and max(steady) <= certified, (peaks, certified)
+    assert certified <= 1.10 * max(steady), (peaks, certified)
+
+
+def _bound_run(rank, world, tmp, assets):
+    os.environ["BOUNDPASS_ASSETS"] = assets
+    from boundpass.recipes.train import build_in_process
+    from boundpass.testing.routing import route_all_to
+    trainer = build_in_process(["--module", "boundpass.recipes", "--config", "deepseek_v3_debug_ep2", *SHORT,
+                                "--training.steps", "3", "--dump_folder", f"{tmp}/bp{world}", "--compile.enable",
+                                "--compile.backend", "aot_eager", "--boundpass.budget", "2GiB",
+                                "--boundpass.measure_peak"])
+    certified = []
+    step = trainer.train_step
+
+    def train_step(data_iterator):
+        out = step(data_iterator)
+        certified.append(trainer.certified_peak())
+        if trainer.step == 2:  # step 3: every token picks experts 0..k-1, all on EP rank 0
+            route_all_to(trainer.model_parts[0], range(3))
+        return out
+    _train_with(trainer, train_step)
+    return {"peaks": trainer.peaks, "certified": certified, "summary": trainer.summary(),
+            "phases": len(trainer.blocks.phase_tables())}
+
+
+@pytest.mark.torchtitan
+@pytest.mark.distributed
+def test_per_block_bound_both_ways_on_4_ranks(tmp_path, assets):
+    """deepseek_v3 debug on 4 gloo ranks (FSDP2 over 4, EP = 2), per-block compile: every steady step's measured
+    peak (torch's allocator) within [certified / 1.10, certified], the certificate unmoved by all-to-one routing.
+    The reduce-scatters are phases of their own (one per block graph, the head's, the tail)."""
+    results = run_on_ranks(_bound_run, 4, str(tmp_path), assets, timeout_s=900)
+    for result in results:
+        assert len(set(result["certified"])) == 1, f"the certified peak moved with the routing: {result['certified']}"
+        assert result["phases"] == 2 + 1 + 1, result["summary"]  # 2 block graphs' reduce-scatters, head's, tail
+        _sound_and_tight(result["peaks"], result["certified"][0])
 
 
 def _sco_run(rank, world, tmp, assets, sco, tag="", extra=()):
@@ -230,7 +271,6 @@ def test_sco_across_blocks_in_torchtitans_trainer(tmp_path, assets):
     step's allocator peak stays under the certified device + host peak (on CPU the host pool is the same memory).
     A trainer resuming from step 2's checkpoint continues bitwise. At this shape the step's peak is elsewhere (FSDP2's units and gradients dwarf the 64 KiB boundaries), so the
     certified step peak does not move: sco=auto would offload nothing here."""
-    from boundpass.testing.distributed import run_on_ranks
     on = run_on_ranks(_sco_run, 2, str(tmp_path), assets, "true", "",
                       ("--checkpoint.enable", "--checkpoint.interval", "2"), timeout_s=900)
     off = run_on_ranks(_sco_run, 2, str(tmp_path), assets, "false", timeout_s=900)

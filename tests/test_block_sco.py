@@ -112,7 +112,7 @@ def _certified_and_measured(model, blocks, x):
     # the test holds x and w (its batch); the loss head's two scalars and the input's scale (the loss, its gradient,
     # the leaf) are not the trunk's
     peak -= sum(t.numel() * t.element_size() for t in x) + 3 * 4
-    host = max(t.host_total for t in [c.table for c in blocks.certificates] + [blocks.tail])
+    host = max(t.host_total for t in [c.table for c in blocks.certificates] + blocks.phase_tables())
     return blocks.certified_peak(), host, peak
 
 

@@ -85,6 +85,21 @@ def test_resize_and_out_resize_are_tracked():
     assert tr.live_bytes() == 0
 
 
+def test_storage_freed_in_place_is_tracked():
+    """resize_storage_bytes_(t, 0) frees a storage that other references keep (a collective's late reference,
+    FSDP2's buffers): the tracker counts the bytes gone at once, not when the last reference dies."""
+    with LiveStorageTracker() as tr:
+        buf = torch.empty(1024)
+        keep = buf.view(32, 32)  # another reference, as a gloo work's would be
+        assert tr.live_bytes() == 1024 * F32
+        torch.ops.inductor.resize_storage_bytes_(buf, 0)
+        assert tr.live_bytes() == 0 and tr.peak_bytes() == 1024 * F32
+        torch.ops.inductor.resize_storage_bytes_(buf, 64 * F32)  # and grown again
+        assert tr.live_bytes() == 64 * F32
+    del buf, keep
+    assert tr.live_bytes() == 0
+
+
 # ---- fake tensors ---------------------------------------------------------------------------------------
 def test_fake_storage_identity_and_finalizer():
     with FakeTensorMode():
