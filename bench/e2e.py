@@ -16,9 +16,13 @@ Sections:
          compile time, which also counts as not fitting). Then, at the stock trainer's longest length, the
          median step time of steps 2-4 without the tracker, for both variants.
 
-Writes docs/results/e2e.json and e2e.md.
+  blocks the per-block path (every TransformerBlock through boundpass as torchtitan's compile backend) against
+         stock and the control, 20 steps in one process group, with every step's measured peak against the
+         certified one: docs/results/e2e_blocks.json and .md.
 
-    python bench/e2e.py [--quick] [--sections curve,reach] [--budget 1.25GiB]
+Writes docs/results/e2e.json and e2e.md (curve, reach).
+
+    python bench/e2e.py [--quick] [--sections curve,reach,blocks] [--budget 1.25GiB]
 """
 from __future__ import annotations
 
@@ -61,8 +65,12 @@ def _curve_job(rank, world, tmp, assets, steps, seq, budget, names):
             "resumed": [*on, "--training.steps", str(steps), "--checkpoint.load_step", str(half)],
             # control: stock torchtitan with a rounding-level change of its own (4 loss chunks instead of 8)
             "stock, 4 loss chunks": ["--training.steps", str(steps), "--loss.num_chunks", "4",
-                                     "--dump_folder", f"{tmp}/control"]}
-    walls, summaries = {}, {}
+                                     "--dump_folder", f"{tmp}/control"],
+            # every block through boundpass as the backend of torchtitan's per-block compile (aot_eager: Inductor's
+            # cold C++ builds of the block graphs on two ranks would dominate), each step's peak measured
+            BLOCKS_RUN: ["--boundpass.budget", budget, "--compile.enable", "--compile.backend", "aot_eager",
+                         "--boundpass.measure_peak", "--training.steps", str(steps), "--dump_folder", f"{tmp}/blocks"]}
+    walls, summaries, peaks = {}, {}, {}
     for name, extra in runs.items():
         if name not in names:
             continue
@@ -70,17 +78,20 @@ def _curve_job(rank, world, tmp, assets, steps, seq, budget, names):
         trainer = train_in_process([*common, *extra, "--boundpass.record_losses", f"{tmp}/{name}.jsonl"])
         walls[name] = time.perf_counter() - start
         summaries[name] = trainer.summary()
-    return walls, summaries
+        if name == BLOCKS_RUN:
+            peaks[name] = dict(measured=trainer.peaks, certified=trainer.certified_peak())
+    return walls, summaries, peaks
 
 
 CURVE_RUNS = ("stock", "boundpass", "resumed", "stock, 4 loss chunks")
+BLOCKS_RUN = "boundpass, per-block compile"
 
 
 def run_curve(steps: int, seq: int, budget: str, assets: str, previous: dict | None = None) -> dict:
     """All four runs, or (previous = an earlier result of this function) only the control run, merged in."""
     names = CURVE_RUNS if previous is None else ("stock, 4 loss chunks",)
     with tempfile.TemporaryDirectory(prefix="bp_e2e_curve_") as tmp:
-        walls, summaries = run_on_ranks(_curve_job, 2, tmp, assets, steps, seq, budget, names, timeout_s=3600)[0]
+        walls, summaries, _ = run_on_ranks(_curve_job, 2, tmp, assets, steps, seq, budget, names, timeout_s=3600)[0]
         losses = {}
         for name in names:
             with open(f"{tmp}/{name}.jsonl") as f:
@@ -108,6 +119,69 @@ def run_curve(steps: int, seq: int, budget: str, assets: str, previous: dict | N
                 max_control_rel_diff=max(r["control_rel_diff"] for r in rows),
                 resumed_from=half, resume_identical=all(r["resumed_equal"] for r in rows if r["step"] > half),
                 wall_seconds_per_run=walls, boundpass_summary=summaries["boundpass"])
+
+
+def run_blocks_curve(steps: int, seq: int, budget: str, assets: str) -> dict:
+    """Stock, the per-block boundpass run and the rounding control, side by side in one process group: per-step
+    losses, and the per-block run's measured peak of every step (each rank) against its certified peak."""
+    names = ("stock", BLOCKS_RUN, "stock, 4 loss chunks")
+    with tempfile.TemporaryDirectory(prefix="bp_e2e_blocks_") as tmp:
+        per_rank = run_on_ranks(_curve_job, 2, tmp, assets, steps, seq, budget, names, timeout_s=3600)
+        losses = {}
+        for name in names:
+            with open(f"{tmp}/{name}.jsonl") as f:
+                losses[name] = {row["step"]: row["loss"] for row in map(json.loads, f)}
+    walls, summaries, _ = per_rank[0]
+    stock, ours, control = (losses[n] for n in names)
+    rows = [dict(step=step, stock=stock[step], boundpass=ours[step], rel_diff=abs(ours[step] - stock[step]) /
+                 abs(stock[step]), control=control[step],
+                 control_rel_diff=abs(control[step] - stock[step]) / abs(stock[step])) for step in sorted(stock)]
+    memory = []
+    for rank, (_, _, peaks) in enumerate(per_rank):
+        certified = peaks[BLOCKS_RUN]["certified"]
+        steady = [p for step, p in peaks[BLOCKS_RUN]["measured"] if step >= 2]
+        memory.append(dict(rank=rank, certified=certified, steady_min=min(steady), steady_max=max(steady),
+                           step1=dict(peaks[BLOCKS_RUN]["measured"]).get(1), ratio_worst=certified / max(steady)))
+    return dict(steps=steps, seq_len=seq, batch_per_rank=2, ranks=2, ep=2, budget=budget, rows=rows,
+                max_rel_diff=max(r["rel_diff"] for r in rows), max_control_rel_diff=max(r["control_rel_diff"]
+                                                                                      for r in rows),
+                early_max=max(r["rel_diff"] for r in rows if r["step"] <= EARLY_STEPS), memory=memory,
+                wall_seconds_per_run=walls, summary=summaries[BLOCKS_RUN])
+
+
+def render_blocks(data: dict) -> str:
+    c = data["blocks"]
+    md = ["# Per-block compile end to end (CPU): loss curve and every step's peak", "",
+          f"Run: {data['meta']['date_utc']}, torch {data['meta']['torch']}, {data['meta']['nproc']} cores "
+          f"({data['meta']['processor']}), {data['wall_seconds']:.0f} s.", "",
+          f"2 gloo ranks, EP = 2 + FSDP2 (torchtitan's parallelize), deepseek_v3 debug recipe, {c['steps']} steps, "
+          f"{c['batch_per_rank']}x{c['seq_len']} tokens per rank, same seed and data, one process group. "
+          f"`{BLOCKS_RUN}`: `--compile.enable --compile.backend aot_eager --boundpass.budget {c['budget']} "
+          "--boundpass.measure_peak` (every TransformerBlock graph through boundpass's passes: dispatch -> "
+          "PipelinedLLEP, SCO across blocks when the budget needs it; the head through Ring-DTP). Control: stock "
+          "with `--loss.num_chunks 4` (the same function summed in another order). `python bench/e2e.py "
+          "--sections blocks`.", "",
+          markdown_table(["step", "stock loss", "per-block loss", "rel. diff", "control rel. diff"],
+                         [[r["step"], f"{r['stock']:.6f}", f"{r['boundpass']:.6f}", f"{r['rel_diff']:.1e}",
+                           f"{r['control_rel_diff']:.1e}"] for r in c["rows"]]), "",
+          "Peak of every step at torch's allocator (`--boundpass.measure_peak`) against the certified step peak:", "",
+          markdown_table(["rank", "certified", "step 1", "steady steps (2..)", "certified / worst steady"],
+                         [[m["rank"], fmt_bytes(m["certified"]), fmt_bytes(m["step1"]),
+                           f"{fmt_bytes(m['steady_min'])} - {fmt_bytes(m['steady_max'])}",
+                           f"{m['ratio_worst']:.3f}"] for m in c["memory"]]), "",
+          "Wall time per run (s, the whole run including compiles): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in c["wall_seconds_per_run"].items()), ""]
+    targets = [dict(target=f"per-block loss within {CURVE_TOL:.0e} relative of stock, steps 1-{EARLY_STEPS}",
+                    figures=f"max {c['early_max']:.1e}", met=c["early_max"] <= CURVE_TOL),
+               dict(target=f"per-block curve within {CONTROL_FACTOR:.0f}x torchtitan's own rounding control",
+                    figures=f"max {c['max_rel_diff']:.1e} vs control {c['max_control_rel_diff']:.1e}",
+                    met=c["max_rel_diff"] <= CONTROL_FACTOR * c["max_control_rel_diff"]),
+               dict(target="every steady step's measured peak <= certified <= 1.10x measured (each rank)",
+                    figures=", ".join(f"rank {m['rank']}: {m['ratio_worst']:.3f}" for m in c["memory"]),
+                    met=all(1.0 <= m["ratio_worst"] <= 1.10 for m in c["memory"]))]
+    md += targets_section(targets)
+    md += ["boundpass's report for the per-block run (rank 0):", "", "```", c["summary"], "```", ""]
+    return "\n".join(md)
 
 
 # ------------------------------------------------------------------------------------------------ reach
@@ -410,6 +484,12 @@ def main(argv=None) -> int:
             data["curve_measured_utc"] = old.get("curve_measured_utc", old["meta"]["date_utc"])
         data["curve"] = run_curve(6 if args.quick else 20, 256, args.curve_budget, assets, previous)
         publish("e2e", data, render, started)  # after each section: a later failure keeps what was measured
+    if "blocks" in sections:
+        publish("e2e_blocks", {**data, "blocks": run_blocks_curve(6 if args.quick else 20, 256, args.curve_budget,
+                                                                  assets)}, render_blocks, started)
+        sections.remove("blocks")
+        if not sections:
+            return 0
     if "reach" in sections:
         seqs = [int(s) for s in args.seqs.split(",")] if args.seqs else (
             [512, 1024] if args.quick else [512, 1024, 2048, 4096, 8192])

@@ -14,9 +14,13 @@ The budget each block graph is checked against is the whole step's, composed fro
   a new graph appears every earlier graph is checked again with what is now known (``recheck``), before the
   blocks that run it execute again: nothing runs whose memory was not checked.
 - FSDP2's parameter units: the unit of the block running, unsharded, and the next unit prefetched, each held
-  twice while it is copied out of the all-gather buffer, plus the reduce-scatter buffer of one unit's gradients
-  (``fsdp_units``); units that are not resharded after forward (torchtitan's last unit) stay gathered through the
-  step.
+  twice while it is copied out of the all-gather buffer (``fsdp_units``); units that are not resharded after
+  forward (torchtitan's last unit) stay gathered through the step.
+- the reduce-scatter of one unit's gradients. With every unit on ``boundpass.gloo_reduce_scatter`` (the recipe
+  installs it on gloo: synchronous, its buffers freed in the call) each reduce-scatter runs between two graphs
+  and is a phase of its own (``sync_reduce``: ``reduce_tables`` per block graph, ``head_reduce``, the tail);
+  otherwise (FSDP2's own, NCCL's reduce-scatter stream beside the next block's backward) the largest one is
+  counted inside every graph's table, with gloo's held clones where the group is gloo.
 - the parameters, gradients and optimizer state of the whole model (``boundpass.compiler._state_terms``).
 The head (lm_head -> loss, compiled by ``boundpass.compile(VocabHead(model), ...)``) is checked with every
 block's saved tensors held (``head_carry_terms``).

@@ -495,12 +495,20 @@ class BoundpassTrainer(Trainer):
                 lines.append(f"    {r.describe()}")
             if report.sco is not None:
                 lines += [f"  {line}" for line in report.sco.lines()]
+        phases = [("after block graph " + str(g) + "'s backward (its reduce-scatter)", t)
+                  for g, t in blocks.reduce_tables.items()]
+        phases += ([("after the head's backward (its reduce-scatter)", blocks.head_reduce)]
+                   if blocks.head_reduce is not None else [])
+        phases += [("the backward's tail (the embedding's reduce-scatter)", blocks.tail)]
+        for name, table in phases:
+            lines.append(f"  phase {name}: {format_bytes(table.total)}")
         lines.append(f"  composed step budget: certified peak {format_bytes(self.certified_peak())} of "
-                     f"{self.config.boundpass.budget} (the largest graph total: state + the other blocks' saved "
-                     "tensors + FSDP2 units + the graph's own peak)")
-        worst = max((c for c in blocks.certificates), key=lambda c: c.table.total, default=None)
+                     f"{self.config.boundpass.budget} (the largest total: each block graph with state, the other "
+                     "blocks' saved tensors and FSDP2's units; the head's; the phases outside the graphs)")
+        worst = max([c.table for c in blocks.certificates] + [t for _, t in phases], key=lambda t: t.total,
+                    default=None)
         if worst is not None:
-            lines.append(worst.table.render())
+            lines.append(worst.render())
         return lines
 
     def summary(self) -> str:
