@@ -364,7 +364,9 @@ class _PlanningPartitioner:
             timing["analysis"] += time.perf_counter() - start
             if shape_env is not None:  # partitioning may add symbols (e.g. a saved RNG state's size)
                 backed.update(shape_env.backed_var_to_val)
-                backed.update(_data_dependent_sizes(shape_env, peak, (fw, bw), backed, self.knobs))
+                upper = _data_dependent_sizes(shape_env, peak, (fw, bw), backed, self.knobs)
+                backed.update(upper)
+                peak.bind(upper)  # the bound holds for any routing: those sizes at their largest, from here on
             # what the rest of the step holds while this graph runs (other graphs' saved tensors, ...): the owner's
             terms = owner.carry_terms(peak, backed)
             if terms is not None:

@@ -80,6 +80,20 @@ class GraphPeak:
     saved_bytes: sympy.Expr = sympy.Integer(0)      # live when forward returns (saved for backward + outputs)
     caller_bytes: sympy.Expr = sympy.Integer(0)     # the batch and the returned outputs: held through the step
 
+    def bind(self, values: dict) -> None:
+        """Put ``values`` (symbol -> int) into every byte expression, in place: the data-dependent sizes at their
+        upper bound (``compiler._data_dependent_sizes``). Why before any Max is built: those symbols carry no
+        sign assumption for sympy, so ``max_of`` cannot prune by dominance and sympy.Max compares the program
+        points pairwise (measured: minutes for a plain-PyTorch MoE whose eight expert batches are data-dependent)."""
+        if not values:
+            return
+        for p in self.points:
+            p.live, p.workspace = sympy.sympify(p.live).xreplace(values), sympy.sympify(p.workspace).xreplace(values)
+        for st in self.storages:
+            st.nbytes = sympy.sympify(st.nbytes).xreplace(values)
+        self.gradient_bytes, self.saved_bytes, self.caller_bytes = (
+            sympy.sympify(e).xreplace(values) for e in (self.gradient_bytes, self.saved_bytes, self.caller_bytes))
+
     def peak_expr(self) -> sympy.Expr:
         """Max over program points of the live bytes (persistent state excluded), pruned of dominated terms."""
         return max_of(p.live for p in self.points)
