@@ -63,24 +63,16 @@ class FSDPUnit:
 
 def fsdp_units(model: nn.Module) -> list[FSDPUnit]:
     """The FSDP2 units of ``model`` (empty when it is not FSDP2-wrapped)."""
-    from torch.distributed.fsdp import FSDPModule
+    from boundpass.gloo_reduce_scatter import fsdp_param_groups
     out, seen = [], {}
-    for path, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
+    for name, group in fsdp_param_groups(model):
+        if id(group) in seen:
+            # one group shared by several modules (torchtitan's fully_shard([norm, lm_head])): one unit, one
+            # all-gather, one reduce-scatter; counted once, under the first module's path
+            seen[id(group)].aliases.append(name)
             continue
-        state = module._get_fsdp_state()
-        # several groups per module when parameters live on different meshes (torchtitan's EP experts)
-        groups = getattr(state, "_fsdp_param_groups", None)
-        groups = list(groups) if groups is not None else [state._fsdp_param_group]
-        for i, group in enumerate(g for g in groups if g is not None):
-            name = f"{path}[{i}]" if len(groups) > 1 else path
-            if id(group) in seen:
-                # one group shared by several modules (torchtitan's fully_shard([norm, lm_head])): one unit, one
-                # all-gather, one reduce-scatter; counted once, under the first module's path
-                seen[id(group)].aliases.append(name)
-                continue
-            seen[id(group)] = unit = _unit(name, group)
-            out.append(unit)
+        seen[id(group)] = unit = _unit(name, group)
+        out.append(unit)
     return out
 
 
@@ -355,13 +347,19 @@ class CompiledBlocks(BoundedModule):
         if plan is not None and plan.dynamic and plan.eligible and not plan.rewritten:
             trial = None
             self.sco_ok = False  # this graph saves its boundary as usual: no block is counted off the device
-        sync = self.sync_reduce
-        rows = (self._block_rows(self._compiling, own, trial) + self._gather_rows(scatter=not sync)
-                + self._sco_host_rows(trial))
+        rows = self._compose(self._compiling, own, trial)
         self.graph_rows[self._compiling] = rows
+        return rows
+
+    def _compose(self, graph: int, own_saved: int, trial: int | None = None) -> list[BoundTerm]:
+        """The rows a block graph's certificate carries; with ``sync_reduce`` also its reduce-scatter phase, built
+        and checked here (raises before the graph runs)."""
+        sync = self.sync_reduce
+        rows = (self._block_rows(graph, own_saved, trial) + self._gather_rows(scatter=not sync)
+                + self._sco_host_rows(trial))
         if sync:
-            self.reduce_tables[self._compiling] = table = self._block_reduce_table(self._compiling, own, trial)
-            self._check_reduce_table(table, f"after a backward of block graph {self._compiling}")
+            self.reduce_tables[graph] = table = self._block_reduce_table(graph, own_saved, trial)
+            self._check_reduce_table(table, f"after a backward of block graph {graph}")
         return rows
 
     def recheck(self) -> None:
@@ -373,13 +371,8 @@ class CompiledBlocks(BoundedModule):
             table = cert.table
             table.terms = [t for t in table.terms if all(t is not o for o in old)]
             # the check is for the last block that may run this graph: the runs so far, the rest at the widest
-            sync = self.sync_reduce
-            rows = (self._block_rows(graph, self.graph_saved[graph]) + self._gather_rows(scatter=not sync)
-                    + self._sco_host_rows())
+            rows = self._compose(graph, self.graph_saved[graph])
             old[:] = rows
-            if sync:
-                self.reduce_tables[graph] = reduce = self._block_reduce_table(graph, self.graph_saved[graph])
-                self._check_reduce_table(reduce, f"after a backward of block graph {graph}")
             table.terms += rows
             cert.planner.carry = sum(t.value for t in rows if t.kind != "host")
             if not table.host_fits():
@@ -428,11 +421,16 @@ class CompiledBlocks(BoundedModule):
         table.terms += [self._passed_row(), _scatter_row(self.head_units)] + self._gloo_row() + self._held_rows()
         return table
 
+    def phases(self) -> list[tuple[str, BudgetTable]]:
+        """(name, table) of the step's phases outside any graph: with ``sync_reduce`` each block graph's and the
+        head's reduce-scatter (once compiled), and the backward's tail."""
+        out = [(f"after block graph {g}'s backward (its reduce-scatter)", t) for g, t in self.reduce_tables.items()]
+        if self.head_reduce is not None:
+            out.append(("after the head's backward (its reduce-scatter)", self.head_reduce))
+        return out + [("the backward's tail (the embedding's reduce-scatter)", self.tail)]
+
     def phase_tables(self) -> list[BudgetTable]:
-        """The tables of the step's phases outside any graph: with ``sync_reduce`` each block graph's and the head's
-        reduce-scatter (once compiled), and the backward's tail."""
-        return (list(self.reduce_tables.values()) + ([self.head_reduce] if self.head_reduce is not None else [])
-                + [self.tail])
+        return [table for _, table in self.phases()]
 
     def certified_peak(self) -> int:
         """The largest of the block graphs' totals and the phases outside them (bytes)."""

@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-__all__ = ["ReleasingReduceScatter", "install_releasing_reduce_scatter", "uses_releasing_reduce_scatter"]
+__all__ = ["ReleasingReduceScatter", "fsdp_param_groups", "install_releasing_reduce_scatter",
+           "uses_releasing_reduce_scatter"]
 
 
 class ReleasingReduceScatter(ReduceScatter):
@@ -41,18 +42,19 @@ class ReleasingReduceScatter(ReduceScatter):
         return None
 
 
-def _param_groups(model: nn.Module):
+def fsdp_param_groups(model: nn.Module):
+    """(name, FSDP2 parameter group) for every FSDP2 module of ``model``, in module order: ``path``, or
+    ``path[i]`` when a module has several groups (parameters on different meshes: torchtitan's EP experts). A group
+    shared by several modules (torchtitan's ``fully_shard([norm, lm_head])``) comes once per module."""
     from torch.distributed.fsdp import FSDPModule
-    seen = set()
-    for module in model.modules():
+    for path, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
         state = module._get_fsdp_state()
         groups = getattr(state, "_fsdp_param_groups", None)
-        for group in (list(groups) if groups is not None else [state._fsdp_param_group]):
-            if group is not None and id(group) not in seen:
-                seen.add(id(group))
-                yield group
+        groups = [g for g in (list(groups) if groups is not None else [state._fsdp_param_group]) if g is not None]
+        for i, group in enumerate(groups):
+            yield (f"{path}[{i}]" if len(groups) > 1 else path), group
 
 
 def install_releasing_reduce_scatter(model: nn.Module) -> int:
@@ -60,14 +62,13 @@ def install_releasing_reduce_scatter(model: nn.Module) -> int:
     returns how many. Set per group: ``FSDPModule.set_custom_reduce_scatter`` refuses modules with several groups
     (torchtitan's EP experts), because a mesh-specific comm would be ambiguous; this one uses the group it is
     called with, so it is right for each."""
-    count = 0
-    for group in _param_groups(model):
-        pg = group.mesh_info.shard_process_group
-        if dist.get_backend(pg) != "gloo":
+    done = set()
+    for _, group in fsdp_param_groups(model):
+        if id(group) in done or dist.get_backend(group.mesh_info.shard_process_group) != "gloo":
             continue
         group._reduce_scatter_comm = ReleasingReduceScatter()
-        count += 1
-    return count
+        done.add(id(group))
+    return len(done)
 
 
 def uses_releasing_reduce_scatter(param_group) -> bool:

@@ -495,11 +495,7 @@ class BoundpassTrainer(Trainer):
                 lines.append(f"    {r.describe()}")
             if report.sco is not None:
                 lines += [f"  {line}" for line in report.sco.lines()]
-        phases = [("after block graph " + str(g) + "'s backward (its reduce-scatter)", t)
-                  for g, t in blocks.reduce_tables.items()]
-        phases += ([("after the head's backward (its reduce-scatter)", blocks.head_reduce)]
-                   if blocks.head_reduce is not None else [])
-        phases += [("the backward's tail (the embedding's reduce-scatter)", blocks.tail)]
+        phases = blocks.phases()
         for name, table in phases:
             lines.append(f"  phase {name}: {format_bytes(table.total)}")
         lines.append(f"  composed step budget: certified peak {format_bytes(self.certified_peak())} of "
