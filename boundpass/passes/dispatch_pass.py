@@ -53,12 +53,13 @@ class DispatchRegion:
     dtype: torch.dtype | None = None
     compute_dtype: torch.dtype | None = None
     cap: int = 0                     # c chosen by the budget
+    form: str = "token dispatch -> grouped experts -> combine"   # what was matched (torchtitan's, or by structure)
     op_node: fx.Node | None = field(default=None, repr=False)
 
     def describe(self) -> str:
         if not self.rewritten:
             return f"SKIPPED   dispatch {self.module_path}: {self.reason}"
-        return (f"REWRITTEN dispatch {self.module_path}: token dispatch -> grouped experts -> combine => "
+        return (f"REWRITTEN dispatch {self.module_path}: {self.form} => "
                 f"boundpass::pipelined_llep (T={self.tokens}, H={self.hidden}, I={self.inter}, E={self.experts}, "
                 f"k={self.top_k}, E_p={self.ep_size}, {self.dtype}, experts in {self.compute_dtype}, c={self.cap})")
 
@@ -197,9 +198,16 @@ def rewrite_dispatch_regions(gm: fx.GraphModule, root: torch.nn.Module) -> list[
     """Rewrite every eligible routed-experts region (cap left at 0; the compiler sets it); return all found."""
     try:
         routed_cls = _routed_experts_classes()
-    except ImportError:  # no torchtitan: no torchtitan MoE regions to find, only the ones we cannot rewrite
-        return _unmatched_routing(gm, None)
-    unmatched = _unmatched_routing(gm, routed_cls)  # before the rewrite replaces torchtitan's regions
+    except ImportError:  # no torchtitan: no torchtitan MoE regions to find, only the ones found by structure
+        routed_cls = None
+    # routed experts outside torchtitan's RoutedExperts, found by what they compute; before torchtitan's rewrite
+    # below, which replaces the nodes this tells apart from them
+    unmatched = _routed_by_structure(gm, routed_cls)
+    if routed_cls is None:
+        for graph_module in _graphs(gm):
+            graph_module.graph.lint()
+            graph_module.recompile()
+        return unmatched
     # group by the module itself: one module can appear under several stack paths (wrappers, local_map)
     groups: dict[object, list[tuple[fx.GraphModule, str, object, list[fx.Node]]]] = {}
     for graph_module in list(_graphs(gm)):
@@ -243,13 +251,19 @@ _ROUTING_METHODS = {"index_add_", "index_add", "scatter_add_", "scatter_add", "n
                     "bincount", "histc"}
 
 
-def _unmatched_routing(gm: fx.GraphModule, routed_cls) -> list[DispatchRegion]:
-    """A SKIPPED region for every top-k whose results route tokens (grouped by expert, then combined) outside
-    torchtitan's RoutedExperts: a MoE block this pass does not rewrite (a Mixtral-style block in plain PyTorch,
-    another library's), so the user is told its dispatch is not bounded by PipelinedLLEP."""
+def _routed_by_structure(gm: fx.GraphModule, routed_cls) -> list[DispatchRegion]:
+    """Every top-k whose results route tokens (grouped by expert, then combined) outside torchtitan's
+    RoutedExperts: a MoE block written another way (a Mixtral-style block in plain PyTorch, another library's).
+    When it computes what PipelinedLLEP computes (passes/dispatch_structure.py) it is rewritten at EP = 1;
+    otherwise it is reported SKIPPED with the reason, so the user knows its dispatch is not bounded by the op."""
+    from boundpass.passes.dispatch_structure import _Skip, match_routed_experts
     out, seen = [], set()
-    for graph_module in _graphs(gm):
-        for node in graph_module.graph.nodes:
+    for graph_module in list(_graphs(gm)):
+        routed_nodes = {n for n in graph_module.graph.nodes
+                        if routed_cls is not None and _region_key(n, routed_cls) is not None}
+        for node in list(graph_module.graph.nodes):
+            if node.graph is not graph_module.graph:
+                continue  # erased by an earlier rewrite in this graph
             is_topk = (node.op == "call_function" and node.target is torch.topk) or \
                       (node.op == "call_method" and node.target == "topk")
             if not is_topk:
@@ -261,7 +275,7 @@ def _unmatched_routing(gm: fx.GraphModule, routed_cls) -> list[DispatchRegion]:
                 if user in visited:
                     continue
                 visited.add(user)
-                if routed_cls is not None and _region_key(user, routed_cls) is not None:
+                if user in routed_nodes:
                     torchtitan = True  # torchtitan's router feeding its RoutedExperts: reported by the pass above
                     break
                 routes |= (user.op == "call_function" and user.target in _ROUTING_TARGETS) or \
@@ -271,15 +285,40 @@ def _unmatched_routing(gm: fx.GraphModule, routed_cls) -> list[DispatchRegion]:
                 continue  # not routing (e.g. top-k sampling), or torchtitan's own
             stack_paths = [p for p, _ in _stack(node)]
             path = _pretty(stack_paths[-1]) if stack_paths else "(top level)"
-            if path in seen:
+            try:
+                matched = match_routed_experts(graph_module.graph, node, routed_nodes)
+            except _Skip as why:
+                if path not in seen:
+                    seen.add(path)
+                    out.append(DispatchRegion(module_path=path, rewritten=False, reason=(
+                        f"routed experts (top-k -> tokens grouped by expert -> combine) that PipelinedLLEP does not "
+                        f"compute: {why}; not torchtitan's RoutedExperts either, so this dispatch is not bounded "
+                        f"by PipelinedLLEP; the step peak counts its buffers as traced, each data-dependent size at "
+                        f"its upper bound")))
                 continue
             seen.add(path)
-            out.append(DispatchRegion(module_path=path, rewritten=False, reason=(
-                "routed experts (top-k -> tokens grouped by expert -> combine) that are not torchtitan's "
-                "RoutedExperts: the dispatch pass rewrites torchtitan's dispatchers only, so this dispatch is not "
-                "bounded by PipelinedLLEP; the step peak counts its buffers as traced, each data-dependent size "
-                "at its upper bound")))
+            out.append(_rewrite_structural(graph_module, matched, path))
     return out
+
+
+def _rewrite_structural(graph_module: fx.GraphModule, matched: dict, path: str) -> DispatchRegion:
+    """One routed-experts region found by structure, rewritten at EP = 1 (cap left at 0: the compiler sets it)."""
+    from boundpass.passes.dispatch_structure import rewrite_routed_experts
+    e = matched["experts"]
+    dtype = _val(matched["x"]).dtype
+
+    def op_args(tokens, ids, scores, w1, w2, w3):
+        # EP = 1: no group; the experts run in x's dtype (the block's linears do), so compute_dtype = x's
+        return (tokens, ids, scores, w1, w2, w3, "", 0, DEFAULT_ALPHA, DEFAULT_MIN_PIECE, DEFAULT_IMBALANCE, e,
+                True, [], dtype)
+    fused = rewrite_routed_experts(graph_module, matched, op_args)
+    return DispatchRegion(module_path=path, rewritten=True, form=STRUCTURAL_FORM, tokens=_val(fused.args[0]).shape[0],
+                          hidden=matched["hidden"], inter=matched["inter"], experts=e, local_experts=e,
+                          top_k=matched["top_k"], ep_size=1, group_name="", dtype=dtype, compute_dtype=dtype,
+                          op_node=fused)
+
+
+STRUCTURAL_FORM = "top-k -> tokens grouped by expert -> per-expert SwiGLU linears -> weighted index_add"
 
 
 def unsupported_reason(module) -> str:

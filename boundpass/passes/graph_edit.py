@@ -20,7 +20,7 @@ def node_adder(graph: fx.Graph, fake_mode, *, module_stack_of: fx.Node, trace_of
         node = graph.create_node(kind, target, node_args)
         node.meta["nn_module_stack"] = dict(module_stack_of.meta.get("nn_module_stack", {}))
         node.meta["stack_trace"] = trace_of.meta.get("stack_trace")
-        vals = [(example_value(a) if isinstance(a, fx.Node) else a) for a in node_args]
+        vals = fx.node.map_arg(node_args, example_value)  # nested too: torch.stack takes a list of nodes
         with fake_mode:
             node.meta["example_value"] = (getattr(vals[0], target)(*vals[1:]) if kind == "call_method"
                                           else target(*vals))

@@ -1,8 +1,9 @@
 """A Mixtral-style MoE LM in plain PyTorch (not torchtitan's): router -> top-k -> a loop over experts that
 gathers each expert's tokens with ``torch.where`` and adds their weighted outputs back with ``index_add_``.
 
-The dispatch pass does not rewrite it (it is not torchtitan's RoutedExperts) and must say so; the step analysis
-bounds its data-dependent expert batches at their upper bound, whatever the router draws.
+The dispatch pass finds it by what it computes and rewrites it to PipelinedLLEP (bias-free SwiGLU experts);
+the variants it cannot compute (``expert_bias=True``, ``activation="gelu"``) are reported SKIPPED, and the step
+analysis then bounds their data-dependent expert batches at their upper bound, whatever the router draws.
 """
 from __future__ import annotations
 
@@ -11,22 +12,29 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+
+
 class SwiGLUExpert(nn.Module):
-    def __init__(self, hidden: int, inter: int):
+    """act(x w1) * (x w3) -> w2; SwiGLU with the defaults (Mixtral's), GeGLU with activation="gelu"."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool = False, activation: str = "silu"):
         super().__init__()
-        self.w1 = nn.Linear(hidden, inter, bias=False)
-        self.w3 = nn.Linear(hidden, inter, bias=False)
-        self.w2 = nn.Linear(inter, hidden, bias=False)
+        self.w1 = nn.Linear(hidden, inter, bias=bias)
+        self.w3 = nn.Linear(hidden, inter, bias=bias)
+        self.w2 = nn.Linear(inter, hidden, bias=bias)
+        self.act = _ACTIVATIONS[activation]
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 class MixtralMoE(nn.Module):
-    def __init__(self, hidden: int, inter: int, experts: int, top_k: int):
+    def __init__(self, hidden: int, inter: int, experts: int, top_k: int, expert_bias: bool = False,
+                 activation: str = "silu"):
         super().__init__()
         self.gate = nn.Linear(hidden, experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLUExpert(hidden, inter) for _ in range(experts))
+        self.experts = nn.ModuleList(SwiGLUExpert(hidden, inter, expert_bias, activation) for _ in range(experts))
         self.top_k = top_k
 
     def forward(self, x):
@@ -46,11 +54,12 @@ class MixtralMoE(nn.Module):
 class MixtralLM(nn.Module):
     """Embedding -> RMSNorm -> MoE (residual) -> RMSNorm -> head; returns [B, S, V] logits."""
 
-    def __init__(self, vocab: int = 2048, hidden: int = 64, inter: int = 256, experts: int = 4, top_k: int = 2):
+    def __init__(self, vocab: int = 2048, hidden: int = 64, inter: int = 256, experts: int = 4, top_k: int = 2,
+                 expert_bias: bool = False, activation: str = "silu"):
         super().__init__()
         self.emb = nn.Embedding(vocab, hidden)
         self.norm1, self.norm2 = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
-        self.moe = MixtralMoE(hidden, inter, experts, top_k)
+        self.moe = MixtralMoE(hidden, inter, experts, top_k, expert_bias, activation)
         self.head = nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, tokens):
