@@ -321,6 +321,19 @@ def _rewrite_structural(graph_module: fx.GraphModule, matched: dict, path: str) 
 STRUCTURAL_FORM = "top-k -> tokens grouped by expert -> per-expert SwiGLU linears -> weighted index_add"
 
 
+# torchtitan 0.3.0's other dispatchers, and why they are not rewritten. Only LocalTokenDispatcher (EP = 1) and
+# AllToAllTokenDispatcher (EP > 1: functional all_to_all_single, gloo on CPU) run on a CPU; the rest need CUDA.
+_DISPATCHER_REASONS = {
+    "TorchAOTokenDispatcher": "it pads each expert's token group for torchao's quantized (FP8 / MXFP8) grouped "
+                              "GEMMs, whose numerics PipelinedLLEP's mm does not reproduce (torchao's permute is "
+                              "Triton: CUDA only)",
+    "DeepEPTokenDispatcher": "DeepEP's NVLink / RDMA buffers move the tokens (CUDA only)",
+    "HybridEPTokenDispatcher": "HybridEP's kernels move the tokens, and may drop tokens past its capacity factor "
+                               "(CUDA only)",
+    "MinimalAsyncEPTokenDispatcher": "fixed-size symmetric-memory buffers move the tokens (CUDA only)",
+}
+
+
 def unsupported_reason(module) -> str:
     """Why a RoutedExperts module's semantics are not the ones the op reproduces ('' when they are). Shared by
     this pass (a reported skip) and the MoP layout's eager swap (recipes/mop.py: a refusal)."""
@@ -330,8 +343,10 @@ def unsupported_reason(module) -> str:
         return "could not resolve the RoutedExperts module from the graph"
     dispatcher = module.token_dispatcher
     if type(dispatcher) not in (LocalTokenDispatcher, AllToAllTokenDispatcher):
-        return (f"token dispatcher {type(dispatcher).__name__} is not one boundpass recognises "
-                f"(LocalTokenDispatcher, AllToAllTokenDispatcher)")
+        name = type(dispatcher).__name__
+        why = _DISPATCHER_REASONS.get(name, "a subclass that may move or pad tokens differently")
+        return (f"token dispatcher {name} is not one boundpass recognises (LocalTokenDispatcher, "
+                f"AllToAllTokenDispatcher): {why}")
     experts = module.inner_experts
     if not isinstance(experts, GroupedExperts) or type(experts).forward is not GroupedExperts.forward:
         return (f"experts {type(experts).__name__} compute something other than torchtitan's SwiGLU "
