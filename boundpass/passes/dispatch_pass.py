@@ -308,8 +308,10 @@ def _rewrite_structural(graph_module: fx.GraphModule, matched: dict, path: str) 
     dtype = _val(matched["x"]).dtype
 
     def op_args(tokens, ids, scores, w1, w2, w3):
-        # EP = 1: no group; the experts run in x's dtype (the block's linears do), so compute_dtype = x's
-        return (tokens, ids, scores, w1, w2, w3, "", 0, DEFAULT_ALPHA, DEFAULT_MIN_PIECE, DEFAULT_IMBALANCE, e,
+        # EP = 1: no group, and no peer to borrow an expert from, so no borrowed-weight slots (s_b = 0: the bound
+        # would otherwise count e more experts' weights and their gradients); the experts run in x's dtype (the
+        # block's linears do), so compute_dtype = x's
+        return (tokens, ids, scores, w1, w2, w3, "", 0, DEFAULT_ALPHA, DEFAULT_MIN_PIECE, DEFAULT_IMBALANCE, 0,
                 True, [], dtype)
     fused = rewrite_routed_experts(graph_module, matched, op_args)
     return DispatchRegion(module_path=path, rewritten=True, form=STRUCTURAL_FORM, tokens=_val(fused.args[0]).shape[0],

@@ -215,6 +215,10 @@ def match_routed_experts(graph: fx.Graph, topk: fx.Node, routed_nodes: set):
     for c, (_, _, index, src, _) in zip(combines, parts):
         if not _call_is(src, *_MULS, "mul"):
             if _call_is(src, F.linear):
+                fed = _match_expert(src)[0]
+                if _call_is(fed, *_MULS, "mul"):
+                    raise _Skip("the scores are combined another way: they scale the experts' input rows, not their "
+                                "outputs")
                 raise _Skip("the experts' outputs are combined unweighted (the top-k scores are not applied to them)")
             raise _Skip(f"the experts' outputs are combined through {_name(src)} ({_target_name(src)}), "
                         f"not multiplied by their route's score")

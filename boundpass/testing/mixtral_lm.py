@@ -2,7 +2,7 @@
 gathers each expert's tokens with ``torch.where`` and adds their weighted outputs back with ``index_add_``.
 
 The dispatch pass finds it by what it computes and rewrites it to PipelinedLLEP (bias-free SwiGLU experts);
-the variants it cannot compute (``expert_bias=True``, ``activation="gelu"``) are reported SKIPPED, and the step
+the variants it cannot compute (``expert_bias=True``, ``activation="gelu"``, ``weighting="input"``) are reported SKIPPED, and the step
 analysis then bounds their data-dependent expert batches at their upper bound, whatever the router draws.
 """
 from __future__ import annotations
@@ -30,9 +30,14 @@ class SwiGLUExpert(nn.Module):
 
 
 class MixtralMoE(nn.Module):
+    """grouping="one_hot": Mixtral's where on a one_hot mask; "eq": where(ids == e), the same routes spelled another
+    way. weighting="output": each expert's output times its route's score (Mixtral's); "input": the score applied
+    to the expert's input rows instead (another model: the pass must not rewrite it)."""
+
     def __init__(self, hidden: int, inter: int, experts: int, top_k: int, expert_bias: bool = False,
-                 activation: str = "silu"):
+                 activation: str = "silu", grouping: str = "one_hot", weighting: str = "output"):
         super().__init__()
+        self.grouping, self.weighting = grouping, weighting
         self.gate = nn.Linear(hidden, experts, bias=False)
         self.experts = nn.ModuleList(SwiGLUExpert(hidden, inter, expert_bias, activation) for _ in range(experts))
         self.top_k = top_k
@@ -46,8 +51,14 @@ class MixtralMoE(nn.Module):
         out = torch.zeros_like(x)
         mask = F.one_hot(ids, len(self.experts)).permute(2, 1, 0)  # [E, k, T]
         for e, expert in enumerate(self.experts):
-            slot, token = torch.where(mask[e])
-            out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+            if self.grouping == "one_hot":
+                slot, token = torch.where(mask[e])
+            else:
+                token, slot = torch.where(ids == e)
+            if self.weighting == "output":
+                out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+            else:
+                out.index_add_(0, token, expert(x[token] * weights[token, slot, None]))
         return out.view(b, t, h)
 
 
@@ -55,11 +66,12 @@ class MixtralLM(nn.Module):
     """Embedding -> RMSNorm -> MoE (residual) -> RMSNorm -> head; returns [B, S, V] logits."""
 
     def __init__(self, vocab: int = 2048, hidden: int = 64, inter: int = 256, experts: int = 4, top_k: int = 2,
-                 expert_bias: bool = False, activation: str = "silu"):
+                 expert_bias: bool = False, activation: str = "silu", grouping: str = "one_hot",
+                 weighting: str = "output"):
         super().__init__()
         self.emb = nn.Embedding(vocab, hidden)
         self.norm1, self.norm2 = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
-        self.moe = MixtralMoE(hidden, inter, experts, top_k, expert_bias, activation)
+        self.moe = MixtralMoE(hidden, inter, experts, top_k, expert_bias, activation, grouping, weighting)
         self.head = nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, tokens):
