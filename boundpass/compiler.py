@@ -740,7 +740,8 @@ def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_bl
     (docs/sco.md). The host pool is what host_budget leaves after the optimizer's host terms; True offloads
     the longest forward-order prefix of boundaries that fits it, "auto" the shortest prefix the device budget
     needs (none when it fits), False none. Needs checkpointed blocks (e.g. torchtitan FullAC / SelectiveAC).
-    dispatch: rewrite torchtitan's routed-experts regions (token dispatch -> grouped experts -> combine) to
+    dispatch: rewrite torchtitan's routed-experts regions (token dispatch -> grouped experts -> combine), and
+    routed SwiGLU experts written in plain PyTorch found by what they compute (EP = 1; docs/compile.md), to
     PipelinedLLEP, whose peak is set by launch configuration, not by the router (docs/pipelined_llep.md);
     dispatch_cap: its per-source token cap per chunk c (None: the widest that fits the budget).
     launch (boundpass.composed.Launch) + model_shape (boundpass.composed.ModelShape, e.g.

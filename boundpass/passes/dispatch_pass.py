@@ -15,6 +15,10 @@ What is checked before rewriting (each failure is a reported skip, never a silen
   the dtype of their operands is the compute dtype the op reproduces (torchtitan casts to bf16);
 - the region has exactly the four activation inputs above, the three weights, and one output.
 Regions inside activation-checkpoint bodies (torchtitan FullAC / SelectiveAC) are found in the HOP subgraphs.
+
+Routed experts outside RoutedExperts (any top-k whose ids group tokens and combine them back) are found by
+structure (``_routed_by_structure``): rewritten at EP = 1 when they compute what the op computes
+(passes/dispatch_structure.py), reported SKIPPED with the reason otherwise.
 """
 from __future__ import annotations
 
