@@ -354,7 +354,7 @@ def rewrite_routed_experts(gm: fx.GraphModule, m: dict, op_args) -> fx.Node:
         stacked = [add(torch.stack, [ws[j] for ws in m["weights"]]) for j in range(3)]
         fused = add(torch.ops.boundpass.pipelined_llep_fwd.default, *op_args(tokens, flat_ids, flat_scores, *stacked))
         out = add(operator.getitem, fused, 0)
-        out = add("view_as", out, m["acc"], kind="call_method")
+        out = add("view_as", out, x, kind="call_method")  # not the zeros: nothing may keep them alive
     for user in m["outputs"]:
         user.replace_input_with(m["acc"] if m["in_place"] else last, out)
     _erase_dead(graph, m["region"], m["grouping"])
