@@ -72,15 +72,15 @@ def test_top_k_that_routes_nothing_is_not_reported():
 
 
 # balanced; every token on experts 0 and 1; a ragged size (2 x 509 tokens) in chunks of c = 100 (the last one short);
-# the grouping spelled where(ids == e) instead of where(one_hot mask)
-ROUTINGS = [(False, 512, None, "one_hot"), (True, 512, None, "one_hot"), (False, 509, 100, "one_hot"),
-            (True, 509, 100, "one_hot"), (False, 256, None, "eq")]
+# the grouping spelled where(ids == e) instead of where(one_hot mask); the experts as [E, out, in] parameters
+ROUTINGS = [(False, 512, None, {}), (True, 512, None, {}), (False, 509, 100, {}), (True, 509, 100, {}),
+            (False, 256, None, dict(grouping="eq")), (True, 256, None, dict(stacked=True))]
 
 
-@pytest.mark.parametrize("adversarial, seq, cap, grouping", ROUTINGS)
-def test_rewritten_step_is_exact_and_bounded_under_any_routing(adversarial, seq, cap, grouping):
+@pytest.mark.parametrize("adversarial, seq, cap, spelling", ROUTINGS)
+def test_rewritten_step_is_exact_and_bounded_under_any_routing(adversarial, seq, cap, spelling):
     torch.manual_seed(0)
-    model = MixtralLM(**MOE_HEAVY, grouping=grouping)
+    model = MixtralLM(**MOE_HEAVY, **spelling)
     if adversarial:
         model.route_all_tokens_to_the_first_experts()
     reference = copy.deepcopy(model)
@@ -100,6 +100,8 @@ def test_rewritten_step_is_exact_and_bounded_under_any_routing(adversarial, seq,
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
     report = boundpass.explain(step)
     [region] = report.rewritten_of("dispatch")
+    # per-expert nn.Linear weights are stacked into the op's layout; P[0..E-1] of one parameter are P itself
+    assert ("aten.stack" in report.forward_code) != bool(spelling.get("stacked")), spelling
     assert region.cap == (cap or 2 * seq)  # the knee at T when the budget allows it; the user's cap honoured
     certified = report.table.total
     measured = measured_step_peak(step, model, None, batches)

@@ -14,7 +14,7 @@ The form (a Mixtral-style block in plain PyTorch, ``boundpass/testing/mixtral_lm
 which is exactly PipelinedLLEP's contract at E_p = 1: out[t] = sum_s S[t, s] * expert_{ids[t, s]}(x[t]), with
 expert j's weights w1[j] = W1_j ([I, H], nn.Linear's layout is GroupedExperts' w1 [e, I, H]), w2[j] = W2_j
 ([H, I]), w3[j] = W3_j. The per-expert weights are stacked in the graph into the op's [E, ...] layout (a real
-copy, counted by the step analysis).
+copy, counted by the step analysis); experts held as P[e] of one [E, out, in] parameter pass P itself.
 
 How it is recognised: the experts and the combine structurally (linear / silu / mul / index_add: the reasons to
 refuse are named: biases, another activation, weights computed in the graph, unweighted or differently weighted
@@ -107,13 +107,18 @@ def _match_expert(y: fx.Node):
     up_in, w3 = _linear(up, "up projection")
     if gate_in is not up_in:
         raise _Skip("the experts' gate and up projections take different inputs")
+    selects = set()
     for w in (w1, w2, w3):
-        if not isinstance(w, fx.Node) or w.op != "placeholder":
+        param = w
+        if _call_is(w, operator.getitem) and isinstance(w.args[1], int):  # one expert of a [E, out, in] parameter
+            param = w.args[0]
+            selects.add(w)
+        if not isinstance(param, fx.Node) or param.op != "placeholder":
             raise _Skip(f"the experts' weight {_name(w)} is computed in the graph, not a parameter")
-        arg = w.meta.get("grapharg")
+        arg = param.meta.get("grapharg")
         if arg is not None and not isinstance(arg.example, torch.nn.Parameter):
-            raise _Skip(f"the experts' weight {_name(w)} is a tensor argument, not a parameter")
-    return gate_in, w1, w2, w3, {y, p, act, act.args[0], up}
+            raise _Skip(f"the experts' weight {_name(param)} is a tensor argument, not a parameter")
+    return gate_in, w1, w2, w3, {y, p, act, act.args[0], up} | selects
 
 
 def _descendants(start: fx.Node) -> set:
@@ -252,10 +257,12 @@ def match_routed_experts(graph: fx.Graph, topk: fx.Node, routed_nodes: set):
 
     # the scores: the one floating [T, k] tensor outside the grouping that the route weights are read from
     leaves: dict = {}
+    walked = set()
 
     def walk(node):
         for a in node.all_input_nodes:
-            if a in after and a not in region:
+            if a in after and a not in region and a not in walked:
+                walked.add(a)
                 walk(a)
             elif a not in after:
                 leaves[a] = None
@@ -350,8 +357,10 @@ def rewrite_routed_experts(gm: fx.GraphModule, m: dict, op_args) -> fx.Node:
         tokens = add("reshape", x, -1, hidden, kind="call_method")
         flat_ids = add("reshape", m["ids"], -1, k, kind="call_method")
         flat_scores = add("reshape", m["scores"], -1, k, kind="call_method")
-        # nn.Linear keeps [out, in]: W1/W3 [I, H], W2 [H, I] stack to GroupedExperts' w1/w3 [E, I, H], w2 [E, H, I]
-        stacked = [add(torch.stack, [ws[j] for ws in m["weights"]]) for j in range(3)]
+        # nn.Linear keeps [out, in]: W1/W3 [I, H], W2 [H, I] stack to GroupedExperts' w1/w3 [E, I, H], w2 [E, H, I];
+        # experts that are P[0], ..., P[E-1] of one [E, out, in] parameter are P itself, no copy
+        stacked = [_whole(per_expert) or add(torch.stack, per_expert)
+                   for per_expert in ([ws[j] for ws in m["weights"]] for j in range(3))]
         fused = add(torch.ops.boundpass.pipelined_llep_fwd.default, *op_args(tokens, flat_ids, flat_scores, *stacked))
         out = add(operator.getitem, fused, 0)
         out = add("view_as", out, x, kind="call_method")  # not the zeros: nothing may keep them alive
@@ -359,6 +368,15 @@ def rewrite_routed_experts(gm: fx.GraphModule, m: dict, op_args) -> fx.Node:
         user.replace_input_with(m["acc"] if m["in_place"] else last, out)
     _erase_dead(graph, m["region"], m["grouping"])
     return fused
+
+
+def _whole(per_expert: list) -> fx.Node | None:
+    """P when expert e's weight is P[e] for every e of one parameter P holding exactly those experts."""
+    params = {w.args[0] for w in per_expert if _call_is(w, operator.getitem)}
+    if len(params) != 1 or any(not _call_is(w, operator.getitem) or w.args[1] != e for e, w in enumerate(per_expert)):
+        return None
+    (param,) = params
+    return param if _val(param).shape[0] == len(per_expert) else None
 
 
 def _erase_dead(graph: fx.Graph, region: set, grouping: set) -> None:

@@ -2,10 +2,13 @@
 gathers each expert's tokens with ``torch.where`` and adds their weighted outputs back with ``index_add_``.
 
 The dispatch pass finds it by what it computes and rewrites it to PipelinedLLEP (bias-free SwiGLU experts);
-the variants it cannot compute (``expert_bias=True``, ``activation="gelu"``, ``weighting="input"``) are reported SKIPPED, and the step
-analysis then bounds their data-dependent expert batches at their upper bound, whatever the router draws.
+the variants it cannot compute (``expert_bias=True``, ``activation="gelu"``, ``weighting="input"``) are reported
+SKIPPED, and the step analysis then bounds their data-dependent expert batches at their upper bound, whatever
+the router draws.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
@@ -29,17 +32,39 @@ class SwiGLUExpert(nn.Module):
         return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
+class StackedExperts(nn.Module):
+    """The same SwiGLU experts held as one [E, out, in] parameter per projection (nn.Linear's layout per expert),
+    indexed per expert in the loop: the grouped-weights spelling."""
+
+    def __init__(self, hidden: int, inter: int, experts: int):
+        super().__init__()
+        per = [SwiGLUExpert(hidden, inter) for _ in range(experts)]
+        for name in ("w1", "w2", "w3"):
+            setattr(self, name, nn.Parameter(torch.stack([getattr(ex, name).weight.detach() for ex in per])))
+
+    def __len__(self):
+        return self.w1.shape[0]
+
+    def expert(self, e: int, x):
+        return F.linear(F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]), self.w2[e])
+
+
 class MixtralMoE(nn.Module):
     """grouping="one_hot": Mixtral's where on a one_hot mask; "eq": where(ids == e), the same routes spelled another
     way. weighting="output": each expert's output times its route's score (Mixtral's); "input": the score applied
-    to the expert's input rows instead (another model: the pass must not rewrite it)."""
+    to the expert's input rows instead (another model: the pass must not rewrite it). stacked=True: the experts'
+    weights as one [E, out, in] parameter per projection (``StackedExperts``)."""
 
     def __init__(self, hidden: int, inter: int, experts: int, top_k: int, expert_bias: bool = False,
-                 activation: str = "silu", grouping: str = "one_hot", weighting: str = "output"):
+                 activation: str = "silu", grouping: str = "one_hot", weighting: str = "output",
+                 stacked: bool = False):
         super().__init__()
         self.grouping, self.weighting = grouping, weighting
         self.gate = nn.Linear(hidden, experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLUExpert(hidden, inter, expert_bias, activation) for _ in range(experts))
+        if stacked:
+            self.experts = StackedExperts(hidden, inter, experts)
+        else:
+            self.experts = nn.ModuleList(SwiGLUExpert(hidden, inter, expert_bias, activation) for _ in range(experts))
         self.top_k = top_k
 
     def forward(self, x):
@@ -50,7 +75,9 @@ class MixtralMoE(nn.Module):
         weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
         out = torch.zeros_like(x)
         mask = F.one_hot(ids, len(self.experts)).permute(2, 1, 0)  # [E, k, T]
-        for e, expert in enumerate(self.experts):
+        for e in range(len(self.experts)):
+            expert = self.experts[e] if isinstance(self.experts, nn.ModuleList) else \
+                functools.partial(self.experts.expert, e)
             if self.grouping == "one_hot":
                 slot, token = torch.where(mask[e])
             else:
@@ -67,11 +94,11 @@ class MixtralLM(nn.Module):
 
     def __init__(self, vocab: int = 2048, hidden: int = 64, inter: int = 256, experts: int = 4, top_k: int = 2,
                  expert_bias: bool = False, activation: str = "silu", grouping: str = "one_hot",
-                 weighting: str = "output"):
+                 weighting: str = "output", stacked: bool = False):
         super().__init__()
         self.emb = nn.Embedding(vocab, hidden)
         self.norm1, self.norm2 = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
-        self.moe = MixtralMoE(hidden, inter, experts, top_k, expert_bias, activation, grouping, weighting)
+        self.moe = MixtralMoE(hidden, inter, experts, top_k, expert_bias, activation, grouping, weighting, stacked)
         self.head = nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, tokens):
