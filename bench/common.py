@@ -25,6 +25,14 @@ def interleaved_medians(steps: dict[str, Callable[[], object]], *, repeats: int,
     The steps are timed round-robin, so load that drifts on a shared machine slows them all alike.
     ``sync`` runs before each clock read: a barrier across ranks, or a device synchronisation.
     """
+    samples = interleaved_samples(steps, repeats=repeats, warmup=warmup, sync=sync)
+    return {name: statistics.median(t) for name, t in samples.items()}
+
+
+def interleaved_samples(steps: dict[str, Callable[[], object]], *, repeats: int, warmup: int = 1,
+                        sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
+    """Every round's wall seconds of each step (round-robin, as ``interleaved_medians``): round i of two steps ran
+    back to back, so their ratio in that round is a paired sample that drifting load mostly cancels out of."""
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -36,7 +44,7 @@ def interleaved_medians(steps: dict[str, Callable[[], object]], *, repeats: int,
             step()
             sync()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def synchronize(device: torch.device) -> None:

@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch
 import torch.distributed as dist
 
-from bench.common import (fmt_bytes, fmt_seconds, interleaved_medians, markdown_table, publish, run_metadata,
+from bench.common import (fmt_bytes, fmt_seconds, interleaved_medians, interleaved_samples, markdown_table, publish, run_metadata,
                           targets_section)
 from boundpass import symbols as sym
 from boundpass.memtrack import LiveStorageTracker
@@ -142,20 +142,27 @@ def live_peak(schedule, x, ids, s, ws, grad, group, cfg, counts=()) -> int:
 
 
 # --------------------------------------------------------------------------------- measured (real tensors)
+def rank_inputs(kind: str, rank: int, world: int, cfg: dict):
+    """This rank's (ids, x, scores, output gradient, its experts' w1, w2, w3) for a routing family."""
+    T, H, I, E, k = cfg["T"], cfg["H"], cfg["I"], cfg["E"], cfg["k"]
+    e = E // world
+    ids = global_ids(kind, world, T, E, k)[rank]
+    g = torch.Generator().manual_seed(7 + rank)
+    x = torch.randn(T, H, generator=g)
+    s = torch.rand(T, k, generator=g)
+    grad = torch.randn(T, H, generator=g)
+    gw = torch.Generator().manual_seed(99)  # all experts, a copy of this rank's slice (own storage)
+    ws = [(torch.randn(E, *shape, generator=gw) * shape[1] ** -0.5)[rank * e:(rank + 1) * e].clone()
+          for shape in ((I, H), (H, I), (I, H))]
+    return ids, x, s, grad, ws
+
+
 def real_rank(rank: int, world: int, cfg: dict) -> dict:
     """(On each gloo rank) per routing: exactness vs standard EP, peaks, median times."""
-    T, H, I, E, k = cfg["T"], cfg["H"], cfg["I"], cfg["E"], cfg["k"]
-    e, group = E // world, dist.group.WORLD
+    group = dist.group.WORLD
     out = {}
     for kind in ROUTINGS:
-        ids = global_ids(kind, world, T, E, k)[rank]
-        g = torch.Generator().manual_seed(7 + rank)
-        x = torch.randn(T, H, generator=g)
-        s = torch.rand(T, k, generator=g)
-        grad = torch.randn(T, H, generator=g)
-        gw = torch.Generator().manual_seed(99)  # all experts, a copy of this rank's slice (own storage)
-        ws = [(torch.randn(E, *shape, generator=gw) * shape[1] ** -0.5)[rank * e:(rank + 1) * e].clone()
-              for shape in ((I, H), (H, I), (I, H))]
+        ids, x, s, grad, ws = rank_inputs(kind, rank, world, cfg)
         ref = autograd_step("standard", x, ids, s, ws, grad, group, cfg)
         err = {}
         for sch in SCHEDULES[1:] + (DIAGNOSTIC,):  # also the warm-up
@@ -490,20 +497,22 @@ def knee_point(sec: dict, cfg: dict) -> tuple[int, int]:
     return min(caps, key=lambda c: (abs(c - model), c)), caps[-1]
 
 
+def bound_at(c: int, world: int, cfg: dict) -> int:
+    """PipelinedLLEP's sympy bound per rank (`pipelined_llep_bound`) at cap c, the bench's shape and dtype."""
+    dt = cfg.get("dtype", torch.float32)  # the real-tensor runs are fp32
+    mixed = torch.empty((), dtype=dt).element_size() < 4
+    return sym.evaluate(pipelined_llep_bound(mixed_precision=mixed),
+                        bound_values(dt, N=cfg["T"], H=cfg["H"], I=cfg["I"], E=cfg["E"], E_p=world, k=cfg["k"], c=c,
+                                     s_b=cfg["E"] // world))
+
+
 def knee_rows(sec: dict, cfg: dict) -> dict:
     """Per routing: (time at the knee, time at the widest c, bound at the knee, bound at the widest c)."""
     at, widest = knee_point(sec, cfg)
-    dt = cfg.get("dtype", torch.float32)  # the real-tensor runs are fp32
-    mixed = torch.empty((), dtype=dt).element_size() < 4
-    common = dict(N=cfg["T"], H=cfg["H"], I=cfg["I"], E=cfg["E"], E_p=sec["world"], k=cfg["k"])
-
-    def bound(c):
-        return sym.evaluate(pipelined_llep_bound(mixed_precision=mixed),
-                            bound_values(dt, **common, c=c, s_b=cfg["E"] // sec["world"]))
     out = {}
     for kind, row in sec["routings"].items():
         curve = {int(c): t for c, t in row["curve_seconds_rank0"].items()}
-        out[kind] = (curve[at], curve[widest], bound(at), bound(widest))
+        out[kind] = (curve[at], curve[widest], bound_at(at, sec["world"], cfg), bound_at(widest, sec["world"], cfg))
     return out
 
 
@@ -555,12 +564,137 @@ def proxy_rank(rank: int, world: int, cfg: dict) -> dict:
             out[f"{kind} {str(dt).replace('torch.', '')}"] = (a, b)
     return out
 
+# ------------------------------------------------------------------- the dispatch cap at its knee (issue 18)
+# Powers of two, so the model's knee (a power of two, cost_model.candidates) is a point of the curve; more rounds
+# than the main table, and the knee against the widest c timed again as paired rounds (their ratio per round).
+# One rank (E_p = 1: local dispatch, nothing to exchange, what boundpass.compile runs on one device) as well.
+KNEE = dict(worlds=(1, 2, 4), T=1024, H=256, I=256, E=16, k=4, min_piece=16, cap=128, repeats=7, pair_repeats=15,
+            curve=(16, 32, 64, 128, 256, 512, 1024))
+KNEE_QUICK = dict(KNEE, T=256, H=64, I=64, E=8, k=2, min_piece=8, repeats=3, pair_repeats=3, curve=(32, 64, 256))
+
+
+def knee_rank(rank: int, world: int, cfg: dict) -> dict:
+    """(On each gloo rank) per routing: the c curve (interleaved medians) and the model's knee against c = T as
+    paired rounds; the knee is cost_model's with the constants compile would use (costs_for('cpu'))."""
+    from boundpass import cost_model
+
+    T = cfg["T"]
+    knee_c = cost_model.pipelined_llep_knee(lo=1, hi=T, N=T, H=cfg["H"], I=cfg["I"], E=cfg["E"], E_p=world,
+                                            k=cfg["k"], costs=cost_model.costs_for("cpu"))
+    out = {}
+    for kind in ROUTINGS:
+        ids, x, s, grad, ws = rank_inputs(kind, rank, world, cfg)
+
+        def at(c):
+            return lambda: autograd_step("pipelined", x, ids, s, ws, grad, dist.group.WORLD, dict(cfg, cap=c))
+        curve = interleaved_medians({c: at(c) for c in cfg["curve"]}, repeats=cfg["repeats"], warmup=1,
+                                    sync=dist.barrier)
+        pair = interleaved_samples({"knee": at(knee_c), "widest": at(T)}, repeats=cfg["pair_repeats"], warmup=1,
+                                   sync=dist.barrier)
+        out[kind] = {"curve_seconds": {str(c): t for c, t in curve.items()}, "pair_seconds": pair}
+    return {"model_knee": knee_c, "routings": out}
+
+
+def knee_main(quick: bool) -> dict:
+    """The c curve on 2 and 4 ranks, the time model fitted to it, and the model's knee against the widest c."""
+    import statistics
+
+    from boundpass import cost_model
+    from boundpass.testing.distributed import run_on_ranks
+
+    cfg = KNEE_QUICK if quick else KNEE
+    start, load0 = time.perf_counter(), os.getloadavg()[0]
+    sections = []
+    for world in cfg["worlds"]:
+        print(f"knee: {world} gloo ranks", flush=True)
+        rank0 = run_on_ranks(knee_rank, world, cfg, timeout_s=1500)[0]  # barrier-synchronised: rank 0 times all
+        for kind, row in rank0["routings"].items():
+            ratios = sorted(a / b for a, b in zip(row["pair_seconds"]["knee"], row["pair_seconds"]["widest"]))
+            q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+            row["pair_ratio"] = {"median": statistics.median(ratios), "q1": q[0], "q3": q[2]}
+        c = rank0["model_knee"]
+        sections.append(dict(rank0, world=world, bound_knee=bound_at(c, world, cfg), bound_widest=bound_at(cfg["T"], world, cfg)))
+    shape = dict(N=cfg["T"], H=cfg["H"], I=cfg["I"], E=cfg["E"], k=cfg["k"])
+    curves = [(sec["world"], {int(c): t for c, t in row["curve_seconds"].items()})
+              for sec in sections for row in sec["routings"].values()]
+    used = cost_model.costs_for("cpu")
+    fitted = cost_model.calibrate_dispatch(curves, **shape, base=used)
+    for sec in sections:
+        sec["fitted_knee"] = cost_model.pipelined_llep_knee(lo=1, hi=cfg["T"], E_p=sec["world"], costs=fitted, **shape)
+        sec["model_curve"] = {str(c): cost_model.pipelined_llep_seconds(c, E_p=sec["world"], costs=used, **shape)
+                              for c in cfg["curve"]}
+    ratios = [(f"P={sec['world']} {kind}", row["pair_ratio"]["median"]) for sec in sections
+              for kind, row in sec["routings"].items()]
+    data = {"meta": run_metadata(), "quick": quick, "config": dict(cfg), "sections": sections,
+            "costs_used": {"collective_s": used.collective_s, "alltoall_bandwidth": used.alltoall_bandwidth},
+            "costs_fitted": {"collective_s": fitted.collective_s, "alltoall_bandwidth": fitted.alltoall_bandwidth},
+            "load_average": [load0, os.getloadavg()[0]]}
+    data["targets"] = [{"target": "no slower at the model's knee than at the widest c (median of paired rounds "
+                                  f"within {cost_model.KNEE_TOLERANCE:.0%}), memory saved",
+                        "figures": ", ".join(f"{n}: {x:.2f}x" for n, x in ratios),
+                        "met": all(x <= 1 + cost_model.KNEE_TOLERANCE for _, x in ratios)}]
+    return publish("dispatch_knee", data, render_knee, start)
+
+
+def render_knee(data: dict) -> str:
+    from boundpass import cost_model
+
+    meta, cfg = data["meta"], data["config"]
+    used, fit = data["costs_used"], data["costs_fitted"]
+    md = ["# The dispatch cap c at its knee (issue 18)", "",
+          f"`python bench/dispatch.py --knee-only{' --quick' if data['quick'] else ''}` on torch {meta['torch']}, "
+          f"{meta['nproc']} cores ({meta['processor']}), {meta['date_utc']}; wall time {data['wall_seconds']:.0f} s; "
+          f"1-minute load average {data['load_average'][0]:.1f} at start, {data['load_average'][1]:.1f} at end.", "",
+          f"PipelinedLLEP (strided), one forward + backward through the custom op, T = {cfg['T']} tokens/rank, "
+          f"H = {cfg['H']}, I = {cfg['I']}, E = {cfg['E']}, k = {cfg['k']}, fp32, gloo, 1 thread per rank, "
+          f"barrier-synchronised, rank 0's clock. The curve: interleaved medians of {cfg['repeats']} rounds. The "
+          f"model's knee (`cost_model.pipelined_llep_knee` with the constants `boundpass.compile` uses: all-to-all "
+          f"latency {used['collective_s'] * 1e6:.0f} us, rate {used['alltoall_bandwidth'] / 1e9:.2f} GB/s) against "
+          f"c = T (one chunk, what a loose budget alone allows): {cfg['pair_repeats']} paired rounds, the two run "
+          f"back to back in each; the ratio is taken per round (load drift cancels) and its median and quartiles "
+          f"reported.", ""]
+    for sec in data["sections"]:
+        rows = []
+        for kind, row in sec["routings"].items():
+            curve = {int(c): t for c, t in row["curve_seconds"].items()}
+            best = min(curve.values())
+            rows.append([kind] + [f"{fmt_seconds(t)} ({t / best:.2f})" for t in curve.values()]
+                        + [str(cost_model.knee(curve))])
+        model = {int(c): t for c, t in sec["model_curve"].items()}
+        mbest = min(model.values())
+        rows.append(["model (shape only)"] + [f"{t / mbest:.2f}" for t in model.values()] + [str(sec["model_knee"])])
+        md += [f"## {sec['world']} ranks: time against c (in brackets: / the routing's best)", "",
+               markdown_table(["routing"] + [f"c = {c}" for c in cfg["curve"]] + ["knee"], rows), ""]
+        c = sec["model_knee"]
+        pair_rows = [[kind, f"{c} (K = {num_chunks(cfg['T'], c)})",
+                      fmt_seconds(sorted(row["pair_seconds"]["knee"])[len(row["pair_seconds"]["knee"]) // 2]),
+                      fmt_seconds(sorted(row["pair_seconds"]["widest"])[len(row["pair_seconds"]["widest"]) // 2]),
+                      f"**{row['pair_ratio']['median']:.2f}** [{row['pair_ratio']['q1']:.2f}, "
+                      f"{row['pair_ratio']['q3']:.2f}]",
+                      f"{fmt_bytes(sec['bound_knee'])} vs {fmt_bytes(sec['bound_widest'])}: "
+                      f"{fmt_bytes(sec['bound_widest'] - sec['bound_knee'])} less"]
+                     for kind, row in sec["routings"].items()]
+        md += [f"{sec['world']} ranks, the model's knee against c = T = {cfg['T']}:", "",
+               markdown_table(["routing", "c at the knee", "time at the knee (median)", "time at c = T (median)",
+                               "paired ratio: median [quartiles]", "bound per rank: knee vs c = T"], pair_rows), ""]
+    md += [f"Refit on this run's curves (`cost_model.calibrate_dispatch`, both rank counts, every routing): latency "
+           f"{fit['collective_s'] * 1e6:.0f} us, rate {fit['alltoall_bandwidth'] / 1e9:.2f} GB/s; knee with them: "
+           + ", ".join(f"{s['fitted_knee']} at {s['world']} ranks" for s in data["sections"]) + ".", ""]
+    md += targets_section(data["targets"])
+    return "\n".join(md)
+
+
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller real-tensor shapes")
     parser.add_argument("--sim-ranks", default="0,1", help="comma-separated simulated ranks (default 0,1)")
+    parser.add_argument("--knee-only", action="store_true",
+                        help="only the dispatch cap's knee: the c curve, the fit, the knee vs the widest c "
+                             "(docs/results/dispatch_knee.*)")
     args = parser.parse_args(argv)
+    if args.knee_only:
+        return knee_main(args.quick)
     cfg = QUICK if args.quick else FULL
     start, load0 = time.perf_counter(), os.getloadavg()[0]
     print("measured (real tensors)", flush=True)

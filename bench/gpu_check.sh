@@ -46,7 +46,8 @@ timeout "$sco_timeout" python3 bench/gpu_sco.py "$@" || sco_rc=$?
 if [[ "$vocab_rc" == 0 && "$sco_rc" != 0 ]]; then vocab_rc=$sco_rc; fi
 # expert dispatch (issue 16): standard EP vs LLEP vs PipelinedLLEP on the visible GPUs (one GPU: E_p = 1; NCCL ranks
 # when there are more), balanced / Zipf / adversarial: max_memory_allocated, CUDA-synchronised time, and
-# PipelinedLLEP's time against the chunk cap c (the curve cost_model's dispatch knee is checked against);
+# PipelinedLLEP's time against the chunk cap c (with 2+ GPUs the all-to-all latency and rate fitted to it go into
+# $OUT/costs.json for cost_model's dispatch knee);
 # $OUT/gpu_dispatch.{json,md}; it stops starting measurements after 60 s (100 s at most here); never fails the run
 timeout 100 python3 bench/gpu_dispatch.py "$@" || echo "gpu_check: gpu_dispatch failed (rc $?)" >&2
 

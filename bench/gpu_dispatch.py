@@ -5,7 +5,10 @@ relocates and the comparison is the chunked schedule's cost against one-shot dis
 bench/dispatch.py (balanced, Zipf, adversarial); per schedule: torch.cuda.max_memory_allocated above what was
 allocated before the forward + backward, and the median CUDA-synchronised time of REPEATS steps; then
 PipelinedLLEP (strided) against the chunk cap c, the curve boundpass/cost_model.py's dispatch knee is
-calibrated from on a GPU (its knee: the smallest c within KNEE_TOLERANCE of the best time).
+calibrated from on a GPU (its knee: the smallest c within KNEE_TOLERANCE of the best time): with two or more GPUs,
+`cost_model.calibrate_dispatch` fits the all-to-all latency and rate to it and merges them into $OUT/costs.json
+as {"cuda": {"collective_s": ..., "alltoall_bandwidth": ...}} (BOUNDPASS_COSTS=that file makes compile's c knee
+use them); one GPU has no all-to-all to fit.
 
     PYTHONPATH=. python3 bench/gpu_dispatch.py            # needs CUDA; exits 2 with a message if there is none
     PYTHONPATH=. python3 bench/gpu_dispatch.py --dry-run  # tiny shapes on the CPU (gloo, 2 ranks): checks the script
@@ -158,15 +161,38 @@ def main(argv=None) -> int:
         results = run_on_ranks(rank_main, world, cfg, args.dry_run, backend=backend, timeout_s=DEADLINE_S + 120)
     text = render(results[0], world, cfg)
     print(text)
+    if args.dry_run:  # the fit runs on the dry run's curves too (checks it; nothing is written)
+        print(f"gpu_dispatch: fitted (dry run, not written): {fit_dispatch_costs(results[0], world, cfg)}")
     print(f"gpu_dispatch: {time.perf_counter() - t0:.0f} s")
     if not args.dry_run:
         out = Path(os.environ.get("OUT") or REPO_ROOT / "bench" / "out")
         out.mkdir(parents=True, exist_ok=True)
         data = {"meta": run_metadata(), "world": world, "config": dict(cfg, dtype=str(cfg["dtype"])),
                 "rank0": results[0], "plan_args": PLAN}
+        fitted = fit_dispatch_costs(results[0], world, cfg)
+        if fitted:  # merged into $OUT/costs.json beside the other benches' figures (BOUNDPASS_COSTS reads it)
+            data["fitted_costs"] = fitted
+            costs = out / "costs.json"
+            merged = json.loads(costs.read_text()) if costs.exists() else {}
+            merged.setdefault("cuda", {}).update(fitted)
+            costs.write_text(json.dumps(merged, indent=2) + "\n")
         (out / "gpu_dispatch.json").write_text(json.dumps(data, indent=1, default=str))
         (out / "gpu_dispatch.md").write_text(text + "\n")
     return 0
+
+
+def fit_dispatch_costs(res: dict, world: int, cfg: dict) -> dict:
+    """The all-to-all latency and rate fitted to the measured c curves ({} on one GPU: no all-to-all to fit)."""
+    from boundpass import cost_model
+
+    curves = [(world, {int(c): t for c, t in row["curve_seconds"].items()}) for row in res["routings"].values()
+              if len(row["curve_seconds"]) >= 3]
+    if world < 2 or not curves:
+        return {}
+    fitted = cost_model.calibrate_dispatch(curves, N=cfg["T"], H=cfg["H"], I=cfg["I"], E=cfg["E"], k=cfg["k"],
+                                           b=torch.empty((), dtype=cfg["dtype"]).element_size(),
+                                           base=cost_model.costs_for("cuda"))
+    return {"collective_s": fitted.collective_s, "alltoall_bandwidth": fitted.alltoall_bandwidth}
 
 
 if __name__ == "__main__":

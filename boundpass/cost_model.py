@@ -53,7 +53,15 @@ class DeviceCosts:
     # streams; False: program order, nothing overlaps)
     link_bandwidth: float = 0.0
     overlap: bool = False
+    # expert-parallel all-to-alls (PipelinedLLEP's dispatch cap c): seconds per all-to-all beyond its bytes
+    # (latency, the collective's set-up), and bytes/s one rank sends (and receives) in one; 0: not modelled
+    collective_s: float = 0.0
+    alltoall_bandwidth: float = 0.0
 
+
+# the CPU's all-to-all figures (below), fitted: see DISPATCH_* further down and docs/knobs.md
+COLLECTIVE_S_CPU = 2.37e-4        # per all-to-all, per peer
+ALLTOALL_BANDWIDTH_CPU = 7.5e8
 
 DEVICE_COSTS = {
     # fitted to the measured curve of bench/vocab.py on this 2-core Xeon (1 thread; docs/results/vocab.md)
@@ -61,12 +69,18 @@ DEVICE_COSTS = {
     # "cache" here is where strips stop being recycled: a strip of 32 MiB or more is a fresh mmap each time
     # (glibc's mmap threshold tops out at 32 MiB) and page-faults through every pass, so cache_bytes = 16 MiB.
     "cpu": DeviceCosts("cpu", flops=120e9, bandwidth=6.5e9, cache_bandwidth=43e9, cache_bytes=16 * 2 ** 20,
-                       launch_s=15e-6, link_bandwidth=6.5e9, overlap=False),
+                       launch_s=15e-6, link_bandwidth=6.5e9, overlap=False,
+                       # gloo over loopback, 2 and 4 ranks on the 2 cores: fitted by calibrate_dispatch to the c
+                       # curves of `bench/dispatch.py --knee-only` (docs/results/dispatch_knee.md)
+                       collective_s=COLLECTIVE_S_CPU, alltoall_bandwidth=ALLTOALL_BANDWIDTH_CPU),
     # H200 datasheet (fp32 without TF32, HBM3e, 50 MiB L2), eager launch ~8 us: not measured (no GPU run yet)
     # link: PCIe Gen5 x16 pinned copies, ~50 GB/s each way concurrently (datasheet 64 GB/s): not measured;
     # bench/gpu_optimizer.py (run by bench/gpu_check.sh) measures it and writes it to costs.json
     "cuda": DeviceCosts("cuda", flops=60e12, bandwidth=4.0e12, cache_bandwidth=10e12, cache_bytes=50 * 2 ** 20,
-                        launch_s=8e-6, link_bandwidth=50e9, overlap=True),
+                        launch_s=8e-6, link_bandwidth=50e9, overlap=True,
+                        # NCCL inside an NVLink node: ~30 us per all-to-all, ~150 GB/s per rank: not measured
+                        # (bench/gpu_dispatch.py measures the curve; calibrate_dispatch fits these two to it)
+                        collective_s=3e-5, alltoall_bandwidth=150e9),
 }
 
 
@@ -176,25 +190,23 @@ def describe(costs: DeviceCosts) -> str:
 # backward, a fixed set of ops (gathers, splits, the block permutation, index_add / index_copy), and one matmul
 # chain per expert block (a chunk's rows of one expert, across sources, at most c rows: about e ceil(k / e)
 # blocks per chunk when routing is balanced, e = E / E_p local experts). The matmul FLOPs do not depend on c; the
-# per-chunk and per-block costs favour wide chunks, and chunk buffers that outgrow the cache pay memory rate on
-# every pass over the rows.
+# per-chunk and per-block costs favour wide chunks, chunk buffers that outgrow the cache pay memory rate on every
+# pass over the rows, and the transfer time the pipeline cannot hide (1/K of it) favours several chunks over one.
+# The device's all-to-all latency and rate (DeviceCosts.collective_s, .alltoall_bandwidth) are fitted to measured
+# curves by calibrate_dispatch (CPU: `bench/dispatch.py --knee-only`; CUDA: bench/gpu_dispatch.py).
 DISPATCH_MATMULS = 11             # per route: 3 forward + 8 backward [., H] x [H, I] products (y not recomputed)
 DISPATCH_COLLECTIVES = 4          # all-to-alls per chunk, forward + backward
 DISPATCH_CHUNK_LAUNCHES = 30      # ops per chunk outside the blocks
 DISPATCH_BLOCK_LAUNCHES = 40      # ops per expert block, forward (~8) + backward (~32)
-# passes over a route's [H] row per forward + backward at the rate of the chunk's working set: not a kernel count
-# (about 24 gathers, copies and adds touch a row) but fitted to the measured curve, where chunks whose buffers
-# outgrow the cache cost far more than their extra passes (on this CPU: fresh mmaps that page-fault, as Ring-DTP's
-# strips do, and the 2 cores' shared cache under 2-4 ranks)
-DISPATCH_STREAM_PASSES = 240
-DISPATCH_WORKING_ROWS = 9         # chunk buffers live at once in backward, in [c k, H] rows (2 packed receives ~ 4,
-                                  # 2 results, packed send ~ 2, combine receive); balanced: ~ c k rows per chunk
-# seconds per all-to-all of a chunk (latency, not bandwidth: the bytes do not depend on c), per device type.
-# CPU: fitted with DISPATCH_STREAM_PASSES to bench/dispatch.py's measured c curves on the 2-core development machine
-# (gloo over loopback, 2 and 4 ranks, 1 thread each; docs/results/dispatch.md; the async pipeline hides most of
-# it, so the fitted figure is below a blocking all-to-all's); CUDA: an NCCL all-to-all's latency inside a node,
-# not measured (bench/gpu_dispatch.py measures the curve on a GPU)
-COLLECTIVE_S = {"cpu": 2e-4, "cuda": 3e-5}
+DISPATCH_STREAM_PASSES = 24       # gathers, copies and adds that touch a route's [H] row, forward + backward
+DISPATCH_BUFFER_ROWS = 2          # the largest buffer a chunk allocates, in [c k, H] rows: the backward's packed
+                                  # receive (x and grad rows, ~ c k each under balanced routing). Past cache_bytes
+                                  # it streams at memory rate (on the CPU: a fresh mmap that page-faults, as
+                                  # Ring-DTP's strips); the buffers together stay in the cache's regime at the
+                                  # bench shape (measured: no step in the curve up to c = 1,024, 8 MiB buffers)
+DISPATCH_FIT_WINDOW = 1.5         # calibrate_dispatch fits the points within 1.5x of their curve's best
+DISPATCH_TRANSFER_ROWS = 5        # route rows a rank sends per forward + backward: x out, y back; x and grad out
+                                  # (packed), dx back
 
 
 def pipelined_llep_chunks(c: int, *, N: int) -> int:
@@ -202,20 +214,28 @@ def pipelined_llep_chunks(c: int, *, N: int) -> int:
 
 
 def pipelined_llep_seconds(c: int, *, N: int, H: int, I: int, E: int, E_p: int, k: int, b: int = 4,
-                           costs: DeviceCosts | None = None, collective_s: float | None = None) -> float:
-    """Modelled seconds of one PipelinedLLEP forward + backward on a rank at chunk cap c (balanced routing)."""
+                           costs: DeviceCosts | None = None) -> float:
+    """Modelled seconds of one PipelinedLLEP forward + backward on a rank at chunk cap c (balanced routing).
+
+    The all-to-all bytes do not depend on c, but what the pipeline cannot hide does: chunk j+1's dispatch and
+    chunk j-1's combine run beside chunk j's experts, so only the first chunk's dispatch and the last chunk's
+    combine (per pass) wait in the open, 1/K of the transfer time. One chunk (c = N) hides nothing; many chunks
+    pay their per-chunk latency and ops. That is why the curve has its best at a few chunks, not at one."""
     costs = costs or DEVICE_COSTS["cpu"]
-    coll = COLLECTIVE_S.get(costs.name, COLLECTIVE_S["cpu"]) if collective_s is None else collective_s
     c = max(1, min(c, N))
     K = pipelined_llep_chunks(c, N=N)
     e = max(1, E // max(1, E_p))
     routes = N * k
     seconds = DISPATCH_MATMULS * 2 * routes * H * I / costs.flops
-    working = DISPATCH_WORKING_ROWS * c * k * H * b
-    bw = costs.cache_bandwidth if working <= costs.cache_bytes else costs.bandwidth
+    buffer = DISPATCH_BUFFER_ROWS * c * k * H * b
+    bw = costs.cache_bandwidth if buffer <= costs.cache_bytes else costs.bandwidth
     seconds += DISPATCH_STREAM_PASSES * routes * H * b / bw
+    if E_p > 1 and costs.alltoall_bandwidth > 0:
+        seconds += DISPATCH_TRANSFER_ROWS * routes * H * b / costs.alltoall_bandwidth / K
     blocks = K * e * -(-k // e)
-    return (seconds + K * (DISPATCH_COLLECTIVES * coll + DISPATCH_CHUNK_LAUNCHES * costs.launch_s)
+    # an all-to-all's fixed cost grows with its peers (gloo sends to each; NCCL's set-up per peer)
+    peers = max(0, E_p - 1)
+    return (seconds + K * (DISPATCH_COLLECTIVES * peers * costs.collective_s + DISPATCH_CHUNK_LAUNCHES * costs.launch_s)
             + blocks * DISPATCH_BLOCK_LAUNCHES * costs.launch_s)
 
 
@@ -225,6 +245,38 @@ def pipelined_llep_knee(*, lo: int, hi: int, N: int, H: int, I: int, E: int, E_p
     times = {c: pipelined_llep_seconds(c, N=N, H=H, I=I, E=E, E_p=E_p, k=k, b=b, costs=costs)
              for c in candidates(lo, hi)}
     return knee(times, tolerance)
+
+
+def calibrate_dispatch(curves: list[tuple[int, dict[int, float]]], *, N: int, H: int, I: int, E: int, k: int,
+                       b: int = 4, base: DeviceCosts | None = None, window: float = DISPATCH_FIT_WINDOW) -> DeviceCosts:
+    """Fit ``collective_s`` and ``alltoall_bandwidth`` to measured PipelinedLLEP curves [(E_p, {c: seconds})].
+
+    Least squares on log time over the points within ``window`` x their curve's best (the part the knee is read
+    from: the steep narrow end, where per-chunk costs dominate, says nothing about where the curve flattens and
+    would outweigh it in a log fit), each curve with a free scale of its own (the run's load, and 4 ranks sharing
+    2 cores, change every point of a curve alike: the fit reads the curve's shape, which is what sets the knee),
+    over a log grid of both figures (latency 1 us .. 10 ms per peer, rate 10 MB/s .. 1 TB/s); the FLOP and memory
+    rates are the Ring-DTP fit's and stay.
+    """
+    import math
+
+    base = base or DEVICE_COSTS["cpu"]
+    grid_s = [10 ** (x / 8) for x in range(-48, -15)]          # 1e-6 .. 1e-2 s
+    grid_bw = [10 ** (x / 8) for x in range(56, 97)]           # 1e7 .. 1e12 B/s
+    near = [(E_p, {c: t for c, t in points.items() if t <= window * min(points.values())}) for E_p, points in curves]
+
+    def loss(costs):
+        total = 0.0
+        for E_p, points in near:
+            res = [math.log(t) - math.log(pipelined_llep_seconds(c, N=N, H=H, I=I, E=E, E_p=E_p, k=k, b=b,
+                                                                 costs=costs)) for c, t in points.items()]
+            mean = sum(res) / len(res)
+            total += sum((r - mean) ** 2 for r in res)
+        return total
+
+    fits = ((loss(replace(base, collective_s=s, alltoall_bandwidth=bw)), s, bw) for s in grid_s for bw in grid_bw)
+    _, s, bw = min(fits)
+    return replace(base, collective_s=s, alltoall_bandwidth=bw)
 
 
 # --------------------------------------------------------------------------------- OffloadStreamAdamW

@@ -177,6 +177,55 @@ def test_recalibrated_constants_are_read_from_the_environment(tmp_path, monkeypa
     assert cm.costs_for("cuda").launch_s == 1e-9 and cm.costs_for("cpu") == cm.DEVICE_COSTS["cpu"]
 
 
+# ------------------------------------------------------------------------ PipelinedLLEP: the dispatch cap c
+DISPATCH_SHAPE = dict(N=1024, H=256, I=256, E=16, k=4)      # bench/dispatch.py --knee-only's shape
+
+
+@pytest.mark.parametrize("E_p", [2, 4])
+def test_one_chunk_is_not_the_dispatch_knee_where_its_transfer_outweighs_a_chunks_cost(E_p):
+    """One chunk hides none of its all-to-all bytes behind the experts, two hide half: at the bench's shape on this
+    CPU's fitted constants half the transfer outweighs one more chunk's fixed cost (as measured: c = 512 ran at
+    0.81-1.04x c = 1,024 in docs/results/dispatch_knee.md), so the modelled best is at a few chunks, not at c = N,
+    and the knee at or below it."""
+    costs = cm.costs_for("cpu")
+    N = DISPATCH_SHAPE["N"]
+    times = {c: cm.pipelined_llep_seconds(c, E_p=E_p, costs=costs, **DISPATCH_SHAPE) for c in cm.candidates(1, N)}
+    knee = cm.pipelined_llep_knee(lo=1, hi=N, E_p=E_p, costs=costs, **DISPATCH_SHAPE)
+    assert times[N // 2] < times[N]
+    assert knee <= min(times, key=times.get) < N
+    # without an EP group there is nothing to hide and nothing to exchange: one chunk is the fastest
+    alone = {c: cm.pipelined_llep_seconds(c, E_p=1, costs=costs, **DISPATCH_SHAPE) for c in cm.candidates(1, N)}
+    assert min(alone, key=alone.get) == N
+
+
+@pytest.mark.parametrize("E_p", [2, 4])
+def test_the_dispatch_knee_narrows_as_transfers_get_slower_and_widens_as_collectives_get_dearer(E_p):
+    base = cm.costs_for("cpu")
+
+    def knee(**changes):
+        return cm.pipelined_llep_knee(lo=1, hi=DISPATCH_SHAPE["N"], E_p=E_p, costs=replace(base, **changes),
+                                      **DISPATCH_SHAPE)
+    slower = [knee(alltoall_bandwidth=base.alltoall_bandwidth * f) for f in (4.0, 1.0, 0.25, 0.0625)]
+    dearer = [knee(collective_s=base.collective_s * f) for f in (0.25, 1.0, 4.0, 16.0)]
+    assert slower == sorted(slower, reverse=True), slower   # more to hide: more, narrower chunks
+    assert dearer == sorted(dearer), dearer                  # each chunk costs more: fewer, wider chunks
+
+
+def test_dispatch_calibration_recovers_the_constants_of_modelled_curves():
+    """Curves made by the model at known latency and rate (each scaled by its own load factor, as 4 ranks on 2 cores
+    are) give those figures back, to the fit's grid step (10^(1/8))."""
+    true = replace(cm.costs_for("cpu"), collective_s=5e-4, alltoall_bandwidth=3e8)
+    curves = [(E_p, {c: load * cm.pipelined_llep_seconds(c, E_p=E_p, costs=true, **DISPATCH_SHAPE)
+                     for c in (16, 32, 64, 128, 256, 512, 1024)})
+              for E_p, load in ((2, 1.0), (4, 2.1))]
+    fitted = cm.calibrate_dispatch(curves, window=1e9, **DISPATCH_SHAPE)
+    assert fitted.collective_s == pytest.approx(true.collective_s, rel=0.34)
+    assert fitted.alltoall_bandwidth == pytest.approx(true.alltoall_bandwidth, rel=0.34)
+    for E_p in (2, 4):
+        assert cm.pipelined_llep_knee(lo=1, hi=1024, E_p=E_p, costs=fitted, **DISPATCH_SHAPE) == \
+            cm.pipelined_llep_knee(lo=1, hi=1024, E_p=E_p, costs=true, **DISPATCH_SHAPE)
+
+
 # ------------------------------------------------------------------ OffloadStreamAdamW: the bucket β, slots S
 OPT_H = 256                                    # Θ = 2·V·H = 4,194,304: a whole-model slot (64 MiB) misses the cache
 
