@@ -145,6 +145,28 @@ def test_skipped_variant_is_still_exact_and_bounded():
     assert measured_step_peak(step, model, None, batches) <= boundpass.explain(step).table.total
 
 
+@pytest.mark.parametrize("dispatch", [False, True])
+def test_checkpointed_block_is_exact(dispatch):
+    """Regression: the vocab pass's dead-code sweep used fx.Graph.eliminate_dead_code, which in torch 2.13 also
+    sweeps the checkpoint body with FX's default purity test: the body's in-place index_add_ calls were erased, the
+    block's output lost the experts and its parameters got no gradient (loss off by 1.6e-3) even with dispatch off.
+    With dispatch on, the block inside the checkpoint body is rewritten, and the step is still exact."""
+    torch.manual_seed(0)
+    model = MixtralLM(vocab=512, hidden=64, inter=128, experts=4, top_k=2, checkpointed=True)
+    reference = copy.deepcopy(model)
+    batch = lm_batches(512, 2, 64)[0]
+    step = boundpass.compile(model, budget="1GiB", loss_fn=ce, dispatch=dispatch)
+    loss = step(*batch)
+    loss.backward()
+    want = torch.compile(lambda t, y: ce(reference(t), y), backend="aot_eager")(*batch)
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert bool(boundpass.explain(step).rewritten_of("dispatch")) == dispatch
+
+
 # ------------------------------------------------------------------------------- torchtitan's dispatchers
 def test_every_torchtitan_dispatcher_is_rewritten_or_skipped_with_its_reason():
     """torchtitan 0.3.0 ships six dispatchers. LocalTokenDispatcher (EP = 1) and AllToAllTokenDispatcher (EP > 1,

@@ -26,3 +26,18 @@ def node_adder(graph: fx.Graph, fake_mode, *, module_stack_of: fx.Node, trace_of
                                           else target(*vals))
         return node
     return add
+
+
+def sweep_dead_nodes(graph: fx.Graph, keep) -> None:
+    """Erase the nodes of this one graph that nobody uses and ``keep(node)`` does not hold on to.
+
+    Not ``fx.Graph.eliminate_dead_code``: in torch 2.13 it also sweeps every subgraph the graph calls (the bodies of
+    activation-checkpoint and other higher-order ops), and there with FX's default purity test instead of the one it
+    was given. A checkpointed hand-written MoE's ``out.index_add_(...)`` (an in-place method without users) was erased
+    that way, so the checkpointed block's output lost every expert's contribution and its parameters their gradients
+    (tests/test_dispatch_structure.py, the checkpointed case). The passes only edit the graph they sweep.
+    """
+    graph.lint()  # topological order: a reverse walk sees every user before what it uses
+    for node in reversed(graph.nodes):
+        if not node.users and not keep(node):
+            graph.erase_node(node)

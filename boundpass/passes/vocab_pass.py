@@ -29,6 +29,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from boundpass.passes.graph_edit import example_value as _val
+from boundpass.passes.graph_edit import sweep_dead_nodes
 from boundpass.runtime import ring_dtp
 
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
@@ -793,8 +794,9 @@ def rewrite_vocab_regions(gm: fx.GraphModule, config: VocabRewriteConfig) -> lis
         erased.update([match.anchor, *match.dead])
     # drop what the rewrite left unused (the projection, its casts), never a mutation whose result nobody reads: a
     # Dynamo graph keeps in-place methods (out.index_add_(...) in a hand-written MoE) as nodes without users, and
-    # FX's default purity test does not know them
-    gm.graph.eliminate_dead_code(is_impure_node=_keeps_side_effects)
+    # FX's default purity test does not know them; only this graph (sweep_dead_nodes: FX's own sweep would also
+    # enter checkpoint bodies with its default test)
+    sweep_dead_nodes(gm.graph, _keeps_side_effects)
     gm.graph.lint()
     gm.recompile()
     return regions

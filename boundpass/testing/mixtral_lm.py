@@ -13,6 +13,7 @@ import functools
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
@@ -94,8 +95,9 @@ class MixtralLM(nn.Module):
 
     def __init__(self, vocab: int = 2048, hidden: int = 64, inter: int = 256, experts: int = 4, top_k: int = 2,
                  expert_bias: bool = False, activation: str = "silu", grouping: str = "one_hot",
-                 weighting: str = "output", stacked: bool = False):
+                 weighting: str = "output", stacked: bool = False, checkpointed: bool = False):
         super().__init__()
+        self.checkpointed = checkpointed  # the norm + MoE in torch.utils.checkpoint (a HOP body in the graph)
         self.emb = nn.Embedding(vocab, hidden)
         self.norm1, self.norm2 = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
         self.moe = MixtralMoE(hidden, inter, experts, top_k, expert_bias, activation, grouping, weighting, stacked)
@@ -103,8 +105,14 @@ class MixtralLM(nn.Module):
 
     def forward(self, tokens):
         h = self.emb(tokens)
-        h = h + self.moe(self.norm1(h))
+        if self.checkpointed:
+            h = h + checkpoint(self._block, h, use_reentrant=False)
+        else:
+            h = h + self._block(h)
         return self.head(self.norm2(h))
+
+    def _block(self, h):
+        return self.moe(self.norm1(h))
 
     def route_all_tokens_to_the_first_experts(self) -> None:
         """Adversarial routing: a zero gate ties every score, so top-k picks experts 0..k-1 for every token (each
