@@ -387,8 +387,13 @@ class _PlanningPartitioner:
         trials = {}
         fw, bw, peak = attempt(count)
         planner.caller = _int_or_hint(peak.caller_bytes, backed)
+        grad_terms = [t.value for t in owner.state_terms if t.name == "gradients"]
+        # the backward's gradient storages, each once, against the parameters' bytes counted before any graph (a
+        # per-block graph's gradients are FSDP2's unsharded ones, reduce-scattered in their own phase: not here)
+        if grad_terms and not getattr(owner, "per_block", False):
+            planner.grad_excess = max(0, _int_or_hint(peak.gradient_bytes, backed) - sum(grad_terms))
         if owner._grads_held():  # compiled in the middle of gradient accumulation: certify that step
-            planner.held_grads = sum(t.value for t in owner.state_terms if t.name == "gradients")
+            planner.held_grads = sum(grad_terms) + planner.grad_excess
         _fit_offload_bucket(owner, planner)
         trials[count] = planner.total(peak.evaluate(planner.values())[0])
         if plan.mode == "auto" and plan.most and not planner.fits(peak, planner.values()):

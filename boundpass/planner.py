@@ -99,6 +99,10 @@ class StepPlanner:
         self.carry_terms: list[BoundTerm] | None = None
         self.caller = 0                        # batch + returned outputs the caller holds through optimizer.step
         self.held_grads = 0                    # gradients an earlier backward left (accumulation at compile time)
+        # gradient storage the backward leaves beyond the parameters' own bytes (the "gradients" state term): a
+        # gradient that is a view of a larger buffer keeps all of it until zero_grad (torchtitan's gpt_oss expert
+        # biases: an [E, n] view of an [E + 1, n] buffer)
+        self.grad_excess = 0
 
     # -------------------------------------------------------------------------------------------- totals
     def _sum(self, kind: str) -> int:
@@ -107,7 +111,7 @@ class StepPlanner:
     def total(self, graph_bytes: int) -> int:
         """Device peak of the step (bytes) when the graph's own peak is ``graph_bytes``."""
         return self._sum("persistent") + max(self.carry + self.held_grads + graph_bytes,
-                                             self._sum("step") + self.caller)
+                                             self._sum("step") + self.caller + self.grad_excess)
 
     def values(self, **knob_values) -> dict:
         out = dict(self.symbol_values)
@@ -168,6 +172,9 @@ class StepPlanner:
         if self.caller:
             table.terms.append(BoundTerm("batch and outputs the caller holds through the optimizer step",
                                          sympy.Integer(self.caller), self.caller, kind="step", knob=""))
+        if self.grad_excess:
+            table.terms.append(BoundTerm("gradient storage beyond the parameters' bytes (views of larger buffers)",
+                                         sympy.Integer(self.grad_excess), self.grad_excess, kind="step", knob=""))
         if self.held_grads:
             table.terms.append(BoundTerm("gradients held from the previous backward (accumulation)",
                                          sympy.Integer(self.held_grads), self.held_grads, kind="transient", knob=""))
@@ -178,7 +185,7 @@ class StepPlanner:
                                          sympy.Integer(self.carry), self.carry, kind="transient", knob=""))
         grads = sum(t.value for t in self.state_terms if t.name == "gradients")
         cert = StepCertificate(values, peak, point, graph_bytes, table,
-                               accumulation_total=self.total(graph_bytes + (0 if self.held_grads else grads)),
+                               accumulation_total=self.total(graph_bytes + (0 if self.held_grads else grads + self.grad_excess)),
                                sco_count=sco_count,
                                planner=self)
         return cert

@@ -356,13 +356,16 @@ def analyze_graphs(fw: fx.GraphModule, bw: fx.GraphModule | None, *, static_inpu
                 walk.free(key)
     bw_out = bw.graph.find_nodes(op="output")[0]
     bw_probe = GraphAliasTracker(list(bw.graph.nodes))
-    grad_keys = set()
+    grad_keys, param_grad_keys = set(), set()
     for i, o in enumerate(bw_out.args[0]):
         if isinstance(o, fx.Node):
             keys = set(bw_probe.node_to_output_storages.get(o, ()))
             grad_keys |= keys
             if i in static_inputs:
-                result.gradient_bytes += sum((_storage_bytes(k) for k in keys), sympy.Integer(0))
+                param_grad_keys |= keys
+    # each storage once: a gradient that is a view keeps its whole base alive (AccumulateGrad steals it), and two
+    # gradients viewing one base hold it once
+    result.gradient_bytes = sum((_storage_bytes(k) for k in param_grad_keys), sympy.Integer(0))
     # bw placeholders carry the same fake tensors as the forward outputs they are (the partitioner copies meta)
     keep = grad_keys | caller_held
     for ph in bw_placeholders:  # autograd's engine holds the incoming gradients until backward returns
