@@ -401,8 +401,11 @@ def _rewrite_one(gm, key, module, nodes) -> DispatchRegion:
         flat_ids = add("reshape", ids, -1, k, kind="call_method")
         flat_scores = add("reshape", scores, -1, k, kind="call_method")
         local = [add("to_local", w, kind="call_method") if hasattr(_val(w), "to_local") else w for w in weights]
+        # borrowed-weight slots s_b = e under EP (LLEP's default), none on one rank: there is no rank to borrow
+        # from, and the bound would count s_b more experts' weights and gradients that never exist
+        borrowed = e if ep_size > 1 else 0
         fused = add(torch.ops.boundpass.pipelined_llep_fwd.default, tokens, flat_ids, flat_scores, *local, group_name,
-                    0, DEFAULT_ALPHA, DEFAULT_MIN_PIECE, DEFAULT_IMBALANCE, e, True, [], compute_dtype)
+                    0, DEFAULT_ALPHA, DEFAULT_MIN_PIECE, DEFAULT_IMBALANCE, borrowed, True, [], compute_dtype)
         out = add(operator.getitem, fused, 0)
         out = add("view_as", out, x, kind="call_method")
     out_node.replace_all_uses_with(out)
