@@ -6,15 +6,16 @@ Sections:
          offload forced so OffloadStreamAdamW is exercised) train the same steps from the same seed; the
          boundpass run saves a checkpoint halfway and a third run resumes from it. Per-step global losses
          (full precision, --boundpass.record_losses) are compared.
-  reach  1 rank (EP = 1), batch 1. A per-rank device budget is enforced by a live-storage tracker
-         (boundpass.memtrack.LiveStorageTracker): parameters, buffers and on-device AdamW moments are live from
-         the start, every storage a training step creates is counted while alive, and an allocation that
-         takes the live total past the budget raises (= out of memory). Custom ops (boundpass::*,
-         torchtitan::*) are run with the tracker active inside them, so Ring-DTP's strips are counted too.
-         Step 1 (compile, lazy optimizer state) runs untracked; step 2 is the tracked step. For each variant
-         the sequence length doubles until the step runs out of budget (or boundpass refuses the budget at
-         compile time, which also counts as not fitting). Then, at the stock trainer's longest length, the
-         median step time of steps 2-4 without the tracker, for both variants.
+  reach  1 rank (EP = 1), batch 1, every block checkpointed (FullAC) and torchtitan's per-block compile
+         (--compile.enable) for both variants. stock: torchtitan's ChunkedLossWrapper with enough chunks that no
+         chunk holds more than --chunk-tokens tokens, AdamW on the device. boundpass: the per-block path
+         (--boundpass.budget B: every block graph through boundpass's passes, the Ring-DTP head, OffloadStreamAdamW,
+         SCO auto). Step 2 of each run is measured at torch's allocator (allocator_peak_of: the state live at the
+         step's start + every allocation of the step; boundpass's host buffers by design left out); a step fits B
+         when that peak is <= B (boundpass: and B was accepted). The length doubles from --start until a step does
+         not fit (up to --max-seq); stock's peak does not depend on B, so one stock ladder serves every budget.
+         Then both variants again at stock's longest length, --timed-steps timed steps each (medians, ratio).
+         Rerunning only this section keeps the curve section of docs/results/e2e.json.
 
   blocks the per-block path (every TransformerBlock through boundpass as torchtitan's compile backend) against
          stock and the control, 20 steps in one process group, with every step's measured peak against the
@@ -22,7 +23,10 @@ Sections:
 
 Writes docs/results/e2e.json and e2e.md (curve, reach).
 
-    python bench/e2e.py [--quick] [--sections curve,reach,blocks] [--budget 1.25GiB]
+    python bench/e2e.py [--quick] [--sections curve,reach,blocks] [--budget 900MiB,1GiB,2GiB] [--max-seq 8192]
+    # the published reach grid (2026-12-02):
+    python bench/e2e.py --sections reach --budget 900MiB,1GiB,2GiB --bp-budgets 900MiB,1GiB --start 256 \
+        --bp-start 900MiB:4096,1GiB:6144 --max-seq 8192 --bisect
 """
 from __future__ import annotations
 
@@ -46,9 +50,6 @@ CURVE_TOL = 1e-4     # relative, per step; why: tests/test_recipe.py module docs
 TARGET_REACH = 4.0
 CONTROL_FACTOR = 2.0  # over the whole curve: boundpass's deviation from stock <= 2x torchtitan's own rounding control
 EARLY_STEPS = 5
-VARIANT_OFFLOAD = "boundpass, offload_optimizer=true, vocab_block=2048"
-VARIANT_AUTO = "boundpass, offload_optimizer=auto"
-SEE_INSIDE = ("boundpass", "torchtitan")  # custom-op namespaces whose kernels the tracker follows
 
 
 # ------------------------------------------------------------------------------------------------ curve
@@ -185,76 +186,80 @@ def render_blocks(data: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ reach
-def _budgeted_tracker(budget: int):
-    import torch
-    from boundpass.memtrack import LiveStorageTracker
-
-    class OutOfBudget(RuntimeError):
-        pass
-
-    class BudgetedTracker(LiveStorageTracker):
-        """LiveStorageTracker that raises when live bytes pass `budget`, and sees inside custom ops."""
-
-        def __init__(self):
-            super().__init__()
-            self.enforce = True
-            self.exceeded_at = None
-
-        def _add(self, device, delta):
-            super()._add(device, delta)
-            if delta > 0 and self.enforce and self._live_total > budget and self.exceeded_at is None:
-                self.exceeded_at = self._live_total
-                raise OutOfBudget(f"live {self._live_total} B > budget {budget} B")
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if getattr(func, "namespace", "") in SEE_INSIDE:
-                tracker = self
-
-                class _Inside:  # runs the op's CPU kernel with this tracker pushed again (its aten ops count)
-                    def __call__(self, *a, **k):
-                        with tracker:
-                            return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *a, **k)
-                return super().__torch_dispatch__(_Inside(), types, args, kwargs)
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-    return BudgetedTracker(), OutOfBudget
-
-
-def _live_state(trainer):
-    """What is on the 'device' before the tracked step: parameters, buffers, AdamW moments kept on device."""
-    import torch
+def _host_storages(trainer) -> dict[int, int]:
+    """data_ptr -> bytes of every host buffer boundpass holds by design (not device memory): OffloadStreamAdamW's
+    flat fp32 state (masters, moments) and the SCO host pool of the block graphs. On a CPU they live in the same
+    allocator as everything else, so the device peak is measured without them."""
     from boundpass.runtime.offload_adamw import OffloadStreamAdamW
-    model = trainer.model_parts[0]
-    tensors = list(model.parameters()) + list(model.buffers())
-    for opt in trainer.optimizers.optimizers:
-        if isinstance(opt, OffloadStreamAdamW):
-            continue  # its state lives in host memory by design (the host budget, not the device budget)
-        for state in opt.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    from torch.distributed.tensor import DTensor
-    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]  # FSDP2 shards: this rank's bytes
+    out = {}
+    for opt in getattr(trainer.optimizers, "optimizers", []):
+        if isinstance(opt, OffloadStreamAdamW) and opt._host is not None:
+            for t in opt._host.values():
+                out[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    runtime = getattr(getattr(trainer, "blocks", None), "sco_runtime", None)
+    for buf in (getattr(runtime, "_pool", None) or {}).values():
+        out[buf.untyped_storage().data_ptr()] = buf.untyped_storage().nbytes()
+    return out
 
 
-class _EagerVocabHead:
-    """The rewritten vocab region of a compiled boundpass head, run eagerly: ring_dtp_fwd(h, W, labels) / N_valid."""
+def _measured_step(trainer, data):
+    """One training step under torch's allocator (boundpass.testing.whole_step.allocator_peak_of, the profiler's
+    allocation events): (device peak bytes, bytes live at the step's start, host bytes excluded, what the
+    allocations live at the peak were made by (op, bytes), host bytes allocated inside the step). The state live
+    at the start is the trainer's own `_device_state()` (parameters, buffers, last step's gradients, optimizer
+    state) less the host buffers of `_host_storages`."""
+    import ast
+    import contextlib
+    import io
+    import torch
+    from boundpass.testing.whole_step import allocator_peak_of
+    host = _host_storages(trainer)
+    state = [t for t in trainer._device_state() if getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
+             not in host]
+    captured = io.StringIO()
+    os.environ["BOUNDPASS_PEAK_DEBUG"] = "1"  # allocator_peak_of prints what the allocations live at the peak were
+    try:                                      # made by (its own debug line; parsed below)
+        with contextlib.redirect_stdout(captured):
+            _, peak = allocator_peak_of(lambda: trainer.train_step(data), state)
+    finally:
+        os.environ.pop("BOUNDPASS_PEAK_DEBUG", None)
+    del state
+    at_start, holders = None, []
+    for line in captured.getvalue().splitlines():
+        if line.startswith("PEAK_DEBUG"):
+            at_start = int(line.split()[1])
+            words = line.split()
+            # storages live when the step started that no state names and the step freed (counted in the peak)
+            trainer._reach_earlier = int(words[words.index("earlier") + 1])
+            # (the op that allocated < its caller < ...: the first three frames of the profiler's event tree)
+            holders = [(" < ".join(op.split(" < ")[:3]), int(n)) for op, n in
+                       ast.literal_eval(line[line.index("["):])][:8]
+    after = _host_storages(trainer)
+    grown = sum(n for ptr, n in after.items() if ptr not in host)  # counted in the peak (conservative)
+    return peak, at_start, sum(host.values()), holders, grown
 
-    def __init__(self, trainer, compiled):
-        regions = [r for report in compiled.reports for r in report.rewritten_of("vocab")]
-        if len(regions) != 1:
-            raise RuntimeError(f"expected one rewritten vocab region, got {len(regions)}: {trainer.summary()}")
-        self.region, self.trainer, self.loss_fn = regions[0], trainer, compiled.loss_fn
 
-    def __call__(self, hidden, labels, global_valid_tokens):
-        import torch
-        weight = self.trainer.model_parts[0].lm_head.weight
-        r = self.region
-        loss_sum, _ = torch.ops.boundpass.ring_dtp_fwd(hidden.reshape(-1, r.hidden), weight, labels.reshape(-1),
-                                                        r.vocab, "", r.block, -100, r.branch, [])
-        return loss_sum / global_valid_tokens, {}
+def _reach_args(variant: str, seq: int, budget: str | None, backend: str, chunk_tokens: int, host_budget: str,
+                steps: int, dump: str) -> list[str]:
+    """The trainer's command line of one reach run (both variants: FullAC, --compile.enable, 1 rank, batch 1)."""
+    args = ["--module", "boundpass.recipes", "--config", "deepseek_v3_debug", "--training.seq_len", str(seq),
+            "--training.local_batch_size", "1", "--training.steps", str(steps), "--compile.enable",
+            "--compile.backend", backend, "--dump_folder", dump]
+    if variant == "stock":
+        # torchtitan's ChunkedLossWrapper (the config's loss), with enough chunks that no chunk's [tokens, V] logits
+        # hold more than `chunk_tokens` tokens: its memory knob turned to its best (8 is the config's default)
+        args += ["--loss.num_chunks", str(max(8, seq // chunk_tokens))]
+    else:
+        # the per-block path: every TransformerBlock graph through boundpass (dispatch -> PipelinedLLEP, SCO across
+        # blocks), the head through Ring-DTP, AdamW offloaded (OffloadStreamAdamW: its state on the host)
+        args += ["--boundpass.budget", budget, "--boundpass.offload_optimizer", "true", "--boundpass.sco", "auto",
+                 "--boundpass.host_budget", host_budget, "--boundpass.no-report"]
+    return args + ["activation-checkpoint:full"]  # tyro: a subcommand's arguments follow it, so it goes last
 
 
-def _reach_job(rank, world, assets, variant, seq, budget, timed_steps):
-    """One trainer at one sequence length: tracked step 2 (peak / out of budget), then timed steps."""
+def _reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens, host_budget, timed_steps):
+    """One trainer at one sequence length: step 1 (compile, lazy optimizer state), step 2 measured at torch's
+    allocator, then `timed_steps` steps timed (nothing measured)."""
     os.environ["BOUNDPASS_ASSETS"] = assets
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import warnings
@@ -265,98 +270,329 @@ def _reach_job(rank, world, assets, variant, seq, budget, timed_steps):
     from torchtitan.tools.logging import init_logger
     from boundpass.errors import InfeasibleBudgetError
     from boundpass.recipes.train import _config_manager_class
+    from boundpass.units import format_bytes
     init_logger()
     import logging
     logging.getLogger().setLevel(logging.WARNING)
     torch.autograd.set_multithreading_enabled(False)
     dump = tempfile.TemporaryDirectory(prefix="bp_e2e_reach_")
-    args = ["--module", "boundpass.recipes", "--config", "deepseek_v3_debug", "--training.seq_len", str(seq),
-            "--training.local_batch_size", "1", "--training.steps", str(2 + timed_steps), "--dump_folder", dump.name]
-    if variant != "stock":
-        args += ["--boundpass.budget", str(budget), "--boundpass.no-report"]
-    if variant == VARIANT_OFFLOAD:
-        # boundpass's table does not count the trunk's activations yet, so left alone it gives the vocab strips
-        # everything the state leaves; a fixed strip width leaves that room to the trunk
-        args += ["--boundpass.offload_optimizer", "true", "--boundpass.vocab_block", "2048"]
-    out_args = list(args)
-    budget_bytes = parse_bytes(budget)
+    args = _reach_args(variant, seq, budget, backend, chunk_tokens, host_budget, 2 + timed_steps, dump.name)
+    out = dict(variant=variant, seq=seq, budget=budget, accepted=None, peak=None, reason="",
+               args=[a for a in args if a != dump.name and a != "--dump_folder"])
+    start = time.perf_counter()
     config = _config_manager_class()().parse_args(args)
-    trainer = config.build()
-    out = dict(variant=variant, seq=seq, fits=False, peak=None, reason="", args=out_args[:-2])
+    from torchtitan.distributed.activation_checkpoint import FullAC
+    if not isinstance(config.activation_checkpoint, FullAC.Config):
+        raise RuntimeError(f"reach: FullAC was asked, the config has {type(config.activation_checkpoint)}")
+    try:
+        trainer = config.build()
+    except Exception as exc:
+        refusal = _refusal(exc, InfeasibleBudgetError)
+        if refusal is None:
+            raise
+        out["accepted"], out["reason"] = False, "boundpass refused the budget: " + str(refusal).splitlines()[0]
+        return out
     try:
         data = trainer.batch_generator(trainer.dataloader)
         trainer.step = 1
         try:
-            trainer.train_step(data)  # untracked: compile, lazy optimizer state
-        except InfeasibleBudgetError as exc:
-            out["reason"] = "boundpass refused the budget at compile time: " + str(exc).splitlines()[0]
-            return out
-        tracker, OutOfBudget = _budgeted_tracker(budget_bytes)
-        tracker.track_existing(*_live_state(trainer))
-        out["state_bytes"] = tracker.live_bytes()
-        trainer.step = 2
-        compiled = trainer.bounded
-        if compiled is not None:
-            # Dynamo will not run a compiled frame while a (non-infra) dispatch mode is active, so for the tracked
-            # step the head calls the op boundpass put in the graph, eagerly, with the strip width and branch
-            # boundpass chose; everything else in that graph is a reshape and a division.
-            trainer.bounded = _EagerVocabHead(trainer, compiled)
-        try:
-            with tracker:
+            # step 1 under the profiler's memory reporting too: c10's CPU allocator reports a free to the profiler
+            # only for a block it saw allocated while memory profiling was on, so without this every tensor step 1
+            # made and step 2 frees (last step's gradients: 186 MiB here) would look alive through all of step 2
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
                 trainer.train_step(data)
-            out["fits"], out["peak"] = True, tracker.peak_bytes()
-        except OutOfBudget as exc:
-            tracker.enforce = False
-            out["reason"] = f"out of budget in step 2 ({exc})"
+        except Exception as exc:
+            refusal = _refusal(exc, InfeasibleBudgetError)
+            if refusal is None:
+                raise
+            out["accepted"], out["reason"] = False, "boundpass refused the budget: " + str(refusal).splitlines()[0]
             return out
-        finally:
-            trainer.bounded = compiled
+        out["step1_seconds"] = time.perf_counter() - start
+        if variant != "stock":
+            out["accepted"] = True
+            out["certified"] = trainer.certified_peak()
+            out["certified_host"] = trainer.certified_host()
+            tables = trainer._tables()
+            worst = max(tables, key=lambda t: t.total)
+            terms = sorted((t for t in worst.terms if t.counted and t.kind != "host"), key=lambda t: -t.value)
+            out["binding"] = dict(total=worst.total, terms=[(t.name, t.value, t.kind) for t in terms[:8]])
+            out["sco_count"] = getattr(trainer.blocks, "sco_count", None)
+            out["summary"] = trainer.summary()
+        trainer.step = 2
+        t0 = time.perf_counter()
+        peak, at_start, host, holders, grown = _measured_step(trainer, data)
+        out.update(peak=peak, state_bytes=at_start, host_bytes=host, holders=holders, host_grown_in_step=grown,
+                   earlier_bytes=getattr(trainer, "_reach_earlier", None),
+                   measured_step_seconds=time.perf_counter() - t0)
         times = []
         for step in range(3, 3 + timed_steps):
             trainer.step = step
-            start = time.perf_counter()
+            t0 = time.perf_counter()
             trainer.train_step(data)
-            times.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - t0)
         out["step_seconds"] = times
-        if variant != "stock":
-            out["summary"] = trainer.summary()
+        if variant != "stock" and peak > out["certified"]:
+            out["reason"] = (f"measured {format_bytes(peak)} above the certified {format_bytes(out['certified'])}")
         return out
     finally:
         trainer.close()
         dump.cleanup()
 
 
-def run_reach(budget: str, seqs: list[int], variants: list[str], assets: str, timed_steps: int) -> dict:
-    results = {v: [] for v in variants}
-    for variant in variants:
-        for seq in seqs:
-            start = time.perf_counter()
-            res = run_on_ranks(_reach_job, 1, assets, variant, seq, budget, timed_steps, timeout_s=3600)[0]
-            res["wall_seconds"] = time.perf_counter() - start
-            print(f"reach {variant:24s} L={seq:6d}: fits={res['fits']} peak={fmt_bytes(res['peak'])} "
-                  f"{res['reason'][:90]}", flush=True)
-            results[variant].append(res)
-            if not res["fits"]:
+def _refusal(exc, kind):
+    """The InfeasibleBudgetError behind `exc` (itself, its cause / context, or Dynamo's inner_exception), or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return exc
+        seen.add(id(exc))
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    return None
+
+
+def _fits(run: dict, budget_bytes: int) -> bool:
+    """A step fits a budget when its measured device peak is within it (and, for boundpass, boundpass accepted the
+    budget: a refusal before the step ran = does not fit)."""
+    if run["accepted"] is False or run["peak"] is None:
+        return False
+    return run["peak"] <= budget_bytes
+
+
+def run_reach(budgets: list[str], start: int, max_seq: int, assets: str, *, backend: str, chunk_tokens: int,
+              host_budget: str, timed_steps: int, bisect: bool, workers: int, log=print,
+              runs_file: str | None = None, reuse: list[dict] = (), bp_start: int | dict | None = None,
+              bp_budgets: list[str] | None = None) -> dict:
+    """Each variant's longest sequence at each per-rank budget (the length doubles from `start` until a step does
+    not fit, up to `max_seq`; optionally once bisected), then step times at stock's longest length for both.
+
+    Stock's measured peak does not depend on the budget, so one ladder of stock runs (up to the largest budget)
+    serves every budget; boundpass plans for the budget it is given, so it runs one ladder per budget. Ladders run
+    on `workers` threads (each run is its own 1-rank process with one thread). Every finished run is appended to
+    `runs_file` (JSON); `reuse` (such a file's runs, same settings) skips the runs it already holds."""
+    import concurrent.futures as cf
+    budgets = sorted(budgets, key=parse_bytes)
+    bp_start = {b: start for b in budgets} if bp_start is None else (
+        bp_start if isinstance(bp_start, dict) else {b: bp_start for b in budgets})
+    largest = parse_bytes(budgets[-1])
+    runs: list[dict] = []
+
+    import threading
+    lock = threading.Lock()
+    done = {(r["variant"], r["budget"], r["seq"], r["timing_run"]): r for r in reuse if "ERROR" not in r["reason"]}
+
+    def one(variant, seq, budget, timed=0):
+        key = (variant, budget, seq, bool(timed))
+        if key in done:
+            res = dict(done[key], reused=True)
+            log(f"reach {variant:9s} budget={budget or '-':7s} L={seq:6d}: reused (an earlier run, same settings)")
+            runs.append(res)
+            return res
+        began = time.perf_counter()
+        try:
+            res = run_on_ranks(_reach_job, 1, assets, variant, seq, budget, backend, chunk_tokens, host_budget,
+                               timed, timeout_s=7200)[0]
+        except Exception as exc:  # a crash is reported as such (and ends that ladder), never taken for a fit
+            res = dict(variant=variant, seq=seq, budget=budget, accepted=None, peak=None,
+                       reason=f"ERROR: {type(exc).__name__}: {str(exc)[-1500:]}")
+        res["wall_seconds"] = time.perf_counter() - began
+        res["timing_run"] = bool(timed)
+        log(f"reach {variant:9s} budget={budget or '-':7s} L={seq:6d}: peak={fmt_bytes(res['peak'])} "
+            f"certified={fmt_bytes(res.get('certified'))} accepted={res['accepted']} "
+            f"{res['wall_seconds']:.0f} s {res['reason'][:100]}")
+        with lock:
+            runs.append(res)
+            if runs_file:
+                Path(runs_file).write_text(json.dumps(runs, indent=1))
+        return res
+
+    def ladder(variant, budget):
+        limit = largest if budget is None else parse_bytes(budget)
+        seq, last_fit, first_miss = (start if variant == "stock" else bp_start.get(budget, start)), None, None
+        if _fits(one(variant, seq, budget), limit):
+            last_fit, seq = seq, seq * 2
+            while seq <= max_seq:  # double until a step does not fit
+                if not _fits(one(variant, seq, budget), limit):
+                    first_miss = seq
+                    break
+                last_fit, seq = seq, seq * 2
+        else:  # a later start that does not fit: halve until one does
+            first_miss = seq
+            while seq // 2 >= start:
+                seq //= 2
+                if _fits(one(variant, seq, budget), limit):
+                    last_fit = seq
+                    break
+                first_miss = seq
+        if not bisect:
+            return
+        # once between the last fit and the first miss (stock: at every budget, its one ladder serves them all)
+        for limit in ([parse_bytes(b) for b in budgets] if variant == "stock" else [limit]):
+            mine = sorted((r for r in list(runs) if r["variant"] == variant and r["budget"] == budget
+                           and not r["timing_run"]), key=lambda r: r["seq"])
+            fit = max((r["seq"] for r in mine if _fits(r, limit)), default=None)
+            miss = min((r["seq"] for r in mine if not _fits(r, limit) and (fit is None or r["seq"] > fit)),
+                       default=None)
+            if fit is not None and miss is not None and miss - fit > 256:
+                one(variant, (fit + miss) // 2 // 256 * 256, budget)
+
+    with cf.ThreadPoolExecutor(workers) as pool:
+        bp_budgets = budgets if bp_budgets is None else [b for b in budgets if b in bp_budgets]
+        for f in [pool.submit(ladder, "stock", None)] + [pool.submit(ladder, "boundpass", b) for b in bp_budgets]:
+            f.result()
+
+    def longest(variant, budget):
+        bytes_ = parse_bytes(budget)
+        rs = sorted((r for r in runs if r["variant"] == variant and not r["timing_run"]
+                     and (variant == "stock" or r["budget"] == budget)), key=lambda r: r["seq"])
+        best, capped = 0, True
+        for r in rs:  # the longest fitting length below the first that does not fit
+            if not _fits(r, bytes_):
+                capped = False
                 break
-    longest = {v: max((r["seq"] for r in rs if r["fits"]), default=0) for v, rs in results.items()}
-    stock_longest = longest["stock"]
-    timing = {}
-    for v, rs in results.items():
-        row = next((r for r in rs if r["seq"] == stock_longest and r["fits"]), None)
-        if row is not None:
-            timing[v] = statistics.median(row["step_seconds"])
-    ratio = {v: (longest[v] / stock_longest if stock_longest else None) for v in longest}
-    # a straight line through each variant's measured peaks (bytes = a + b * L): how the reach moves with the budget
-    fits = {}
-    for v, rs in results.items():
-        pts = [(r["seq"], r["peak"]) for r in rs if r["fits"]]
-        if len(pts) >= 2:
-            (l0, p0), (l1, p1) = pts[-2], pts[-1]
-            slope = (p1 - p0) / (l1 - l0)
-            fits[v] = dict(bytes_at_zero=p0 - slope * l0, bytes_per_token=slope)
-    return dict(budget=budget, budget_bytes=parse_bytes(budget), seqs=seqs, runs=results, longest=longest,
-                reach_ratio=ratio, linear_fit=fits, step_seconds_at_stock_longest=timing,
-                step_time_ratio={v: t / timing["stock"] for v, t in timing.items()} if "stock" in timing else {})
+            best = r["seq"]
+        return best, capped and bool(rs)
+
+    per_budget = []
+    for budget in budgets:
+        (ls, cs), (lb, cb) = longest("stock", budget), longest("boundpass", budget)
+        per_budget.append(dict(budget=budget, budget_bytes=parse_bytes(budget), longest=dict(stock=ls, boundpass=lb),
+                               capped=dict(stock=cs, boundpass=cb), ratio=lb / ls if ls else None,
+                               boundpass_run=budget in bp_budgets))
+    # step times at stock's longest length: one more run of each variant there, with timed steps, side by side
+    timing_jobs = {}
+    for row in per_budget:
+        seq = row["longest"]["stock"]
+        # where stock fit every length run its longest is not known (the grid ended first): no timing there
+        if seq and row["longest"]["boundpass"] >= seq and not row["capped"]["stock"]:
+            timing_jobs[("stock", None, seq)] = None
+            timing_jobs[("boundpass", row["budget"], seq)] = None
+    with cf.ThreadPoolExecutor(workers) as pool:
+        futures = {key: pool.submit(one, key[0], key[2], key[1], timed_steps) for key in timing_jobs}
+        timed = {key: f.result() for key, f in futures.items()}
+    for row in per_budget:
+        seq = row["longest"]["stock"]
+        s, b = timed.get(("stock", None, seq)), timed.get(("boundpass", row["budget"], seq))
+        if s and b and s.get("step_seconds") and b.get("step_seconds"):
+            ms, mb = statistics.median(s["step_seconds"]), statistics.median(b["step_seconds"])
+            row["timing"] = dict(seq=seq, stock=s["step_seconds"], boundpass=b["step_seconds"], stock_median=ms,
+                                 boundpass_median=mb, ratio=mb / ms)
+    return dict(ranks=1, ep=1, batch=1, backend=backend, chunk_tokens=chunk_tokens, host_budget=host_budget,
+                start=start, bp_start={b: bp_start[b] for b in bp_budgets}, max_seq=max_seq, budgets=budgets,
+                runs=sorted(runs, key=lambda r: (r["variant"], parse_bytes(r["budget"]) if r["budget"] else 0,
+                                                 r["seq"])), per_budget=per_budget, timed_steps=timed_steps)
+
+
+def render_reach(reach: dict) -> tuple[list[str], list[dict]]:
+    """Markdown lines and target rows of the reach section."""
+    md = [f"## Reach at equal per-rank budget ({reach['ranks']} rank, EP = {reach['ep']}, batch {reach['batch']}, "
+          f"FullAC, `--compile.enable --compile.backend {reach['backend']}`)", "",
+          "Both variants run torchtitan's own Trainer on the deepseek_v3 debug recipe (V = 32,768) with every block "
+          "checkpointed (`activation-checkpoint:full`) and torchtitan's per-block compile. **stock**: torchtitan's "
+          f"`ChunkedLossWrapper` with `--loss.num_chunks max(8, L / {reach['chunk_tokens']})` (no chunk's logits over "
+          f"{reach['chunk_tokens']} tokens; the config's default is 8) and torch's AdamW on the device. "
+          "**boundpass**: the per-block path (`--boundpass.budget B --boundpass.offload_optimizer true "
+          f"--boundpass.sco auto --boundpass.host_budget {reach['host_budget']}`: every block graph through "
+          "boundpass's passes and checked against the whole step, the head through Ring-DTP, OffloadStreamAdamW).", "",
+          "How a step is measured: step 1 compiles (and creates the optimizer state); step 2 runs under torch's "
+          "allocator (`boundpass.testing.whole_step.allocator_peak_of`: the profiler's allocation events, kernel "
+          "temporaries included) starting from the state live at the step's start (parameters, buffers, last "
+          "step's gradients, optimizer state: the trainer's `_device_state()`). Host buffers boundpass keeps by "
+          "design — OffloadStreamAdamW's fp32 masters and moments, SCO's host pool — are not device bytes and are "
+          "left out (on this CPU they share the allocator; their size is the `host` column). A step fits budget B "
+          "when its measured peak is <= B, and for boundpass also when boundpass accepted B (a fail-fast refusal "
+          "= does not fit). Stock's peak does not depend on B, so one ladder of stock runs serves every budget; "
+          f"boundpass runs one ladder per budget. The length doubles from {reach['start']:,} (boundpass: from "
+          + ", ".join(f"{v:,} at {b}" for b, v in reach["bp_start"].items())
+          + ", halved while it does not fit) until a step does not fit, at most "
+          f"{reach['max_seq']:,} tokens (longer steps take too long on this CPU).", ""]
+    rows = []
+    for r in reach["runs"]:
+        if r.get("timing_run"):
+            continue
+        fits = ", ".join(f"{fmt_bytes(parse_bytes(b))}: {'yes' if _fits(r, parse_bytes(b)) else 'no'}"
+                         for b in reach["budgets"]) if r["variant"] == "stock" else (
+            "yes" if _fits(r, parse_bytes(r["budget"])) else "**no**")
+        top = ", ".join(f"{op} {n / 2**20:.0f} MiB" for op, n in (r.get("holders") or [])[:3])
+        rows.append([r["variant"], r["budget"] or "—", f"{r['seq']:,}", fmt_bytes(r["peak"]),
+                     fmt_bytes(r.get("state_bytes")), fmt_bytes(r.get("certified")), fmt_bytes(r.get("host_bytes")),
+                     fits, (r["reason"][:160] or top or "—")])
+    md += [markdown_table(["variant", "budget", "seq len", "measured peak (step 2)", "live at step start",
+                           "certified", "host (not counted)", "fits", "why not / largest holders at the peak"],
+                          rows), ""]
+    summary, targets = [], []
+    for row in reach["per_budget"]:
+        lo, ca = row["longest"], row["capped"]
+        t = row.get("timing")
+
+        def reach_of(v):
+            if v == "boundpass" and not row.get("boundpass_run", True):
+                return "not run (time)"
+            if not lo[v]:
+                return f"none (misses at {reach['start'] if v == 'stock' else '—'} already)"
+            return f">= {lo[v]:,} (fits at every length run; longer not run)" if ca[v] else f"{lo[v]:,}"
+        summary.append([fmt_bytes(row["budget_bytes"]), reach_of("stock"), reach_of("boundpass"),
+                        "—" if not row.get("boundpass_run", True) else
+                        ("stock fits no length" if lo["boundpass"] else "—") if row["ratio"] is None else
+                        ("unknown (stock reached the grid's end)" if ca["stock"] else
+                         f"{row['ratio']:.1f}x" + (" (at least)" if ca["boundpass"] else "")),
+                        "—" if not t else f"{fmt_seconds(t['stock_median'])} / {fmt_seconds(t['boundpass_median'])} "
+                                          f"at L = {t['seq']:,}",
+                        "—" if not t else f"{t['ratio']:.2f}"])
+        if not row.get("boundpass_run", True):
+            targets.append(dict(target=f">= {TARGET_REACH:.0f}x stock's longest sequence at "
+                                       f"{fmt_bytes(row['budget_bytes'])} per rank",
+                                figures=f"boundpass not run at this budget; stock {reach_of('stock')} tokens",
+                                met=None))
+            continue
+        targets.append(dict(target=f">= {TARGET_REACH:.0f}x stock's longest sequence at "
+                                   f"{fmt_bytes(row['budget_bytes'])} per rank",
+                            figures=(f"stock fits no length (>= {reach['start']}), boundpass {lo['boundpass']:,} tokens"
+                                     if not lo["stock"] else
+                                     f"stock fits every length run (up to {lo['stock']:,}): not decided"
+                                     if ca["stock"] else
+                                     f"{row['ratio']:.1f}x{' (at least)' if ca['boundpass'] else ''} "
+                                     f"({lo['boundpass']:,} vs {lo['stock']:,} tokens)"),
+                            met=(None if ca["stock"] and lo["stock"] else
+                                 bool(lo["boundpass"]) if not lo["stock"] else row["ratio"] >= TARGET_REACH)))
+    md += [markdown_table(["budget per rank", "stock: longest L", "boundpass: longest L", "reach vs stock",
+                           "step time at stock's longest L (median, stock / boundpass)", "time ratio"], summary), ""]
+    binds = []
+    for row in reach["per_budget"]:
+        for v in ("stock", "boundpass"):
+            miss = next((r for r in sorted(reach["runs"], key=lambda r: r["seq"]) if r["variant"] == v
+                         and not r.get("timing_run") and (v == "stock" or r["budget"] == row["budget"])
+                         and r["seq"] > row["longest"][v]), None)
+            fit = next((r for r in reach["runs"] if r["variant"] == v and not r.get("timing_run")
+                        and (v == "stock" or r["budget"] == row["budget"]) and r["seq"] == row["longest"][v]), None)
+            for what, r in (("longest fit", fit), ("first miss", miss)):
+                if r is None:
+                    continue
+                if v == "boundpass" and r.get("binding"):
+                    b = r["binding"]
+                    how = (f"certified {fmt_bytes(b['total'])}; largest terms of the binding table: "
+                           + ", ".join(f"{n if len(n) <= 90 else n[:87] + '...'} {fmt_bytes(x)}"
+                                       for n, x, _ in b["terms"][:5]))
+                elif r.get("holders") is not None:
+                    how = (f"live at step start {fmt_bytes(r.get('state_bytes'))}; allocated in the step and live at "
+                           "the peak: " + ", ".join(f"{op} {fmt_bytes(n)}" for op, n in r["holders"][:4]))
+                else:
+                    how = r["reason"][:200]
+                binds.append([fmt_bytes(row["budget_bytes"]), v, f"{what}: L = {r['seq']:,}", fmt_bytes(r["peak"]),
+                              how])
+    md += ["What binds (at each variant's longest fitting length and its first miss):", "",
+           markdown_table(["budget", "variant", "run", "measured peak", "what the peak is made of"], binds), ""]
+    timed = [r for r in reach["runs"] if r.get("timing_run")]
+    if timed:
+        md += [f"Step times: a separate run of each variant at stock's longest length, {reach['timed_steps']} steps "
+               "after the measured one, without the profiler; stock and boundpass at the same length ran at the "
+               "same time, one process each on this 2-core machine (shared), so they are indicative. Every step (s): "
+               + "; ".join(f"{r['variant']}{'' if r['budget'] is None else ' ' + r['budget']} L = {r['seq']:,}: "
+                           + ", ".join(f"{x:.1f}" for x in r.get("step_seconds") or []) for r in timed), ""]
+    notes = reach.get("notes")
+    if notes:
+        md += [notes, ""]
+    return md, targets
 
 
 # ---------------------------------------------------------------------------------------------- render
@@ -408,67 +644,54 @@ def render(data: dict) -> str:
         targets.append(dict(target="save -> resume continues identically",
                             figures=f"steps {curve['resumed_from'] + 1}-{curve['steps']} bitwise equal: "
                                     f"{curve['resume_identical']}", met=curve["resume_identical"]))
-    for reach in data.get("reach", []):
-        md += [f"## Reach at equal per-rank budget {fmt_bytes(reach['budget_bytes'])} (1 rank, EP = 1, batch 1)", "",
-               "Enforced by the live-storage tracker: an allocation that takes the live total past the budget = out "
-               "of memory. Parameters, buffers and on-device AdamW moments count from the start; every storage the "
-               "step creates counts while alive, Ring-DTP's internal strips included. Sequence length doubles until "
-               "a step does not fit.", ""]
-        rows = []
-        for variant, runs in reach["runs"].items():
-            for r in runs:
-                rows.append([variant, r["seq"], "yes" if r["fits"] else "**no**", fmt_bytes(r["peak"]),
-                             fmt_bytes(r.get("state_bytes")), r["reason"][:110] or "—"])
-        md += [markdown_table(["variant", "seq len", "fits", "tracked peak (step 2)", "state at start", "why not"],
-                              rows), ""]
-        md += [markdown_table(["variant", "longest seq len", "reach vs stock", "step time at stock's longest",
-                               "time ratio", "peak ~ a + b*L (last two fits)"],
-                              [[v, reach["longest"][v], "—" if reach["reach_ratio"][v] is None else
-                                f"{reach['reach_ratio'][v]:.1f}x",
-                                fmt_seconds(reach["step_seconds_at_stock_longest"].get(v)),
-                                "—" if v not in reach["step_time_ratio"] else f"{reach['step_time_ratio'][v]:.2f}",
-                                "—" if v not in reach.get("linear_fit", {}) else
-                                f"{fmt_bytes(int(reach['linear_fit'][v]['bytes_at_zero']))} + "
-                                f"{reach['linear_fit'][v]['bytes_per_token'] / 1024:.0f} KiB*L"]
-                               for v in reach["longest"]]), ""]
-        bp = reach["reach_ratio"].get(VARIANT_OFFLOAD)
-        targets.append(dict(target=f">= {TARGET_REACH:.0f}x the stock trainer's reach at {fmt_bytes(reach['budget_bytes'])}",
-                            figures="—" if bp is None else f"{bp:.1f}x ({reach['longest'][VARIANT_OFFLOAD]} vs "
-                                                           f"{reach['longest']['stock']} tokens)",
-                            met=bp is not None and bp >= TARGET_REACH))
-    if data.get("reach"):
-        md += ["Where the reach comes from: at these budgets the stock trainer's fixed state (fp32 parameters, "
-               "AdamW moments, gradients) is most of the budget; boundpass moves the moments to the host "
-               "(OffloadStreamAdamW) and bounds the vocab region (Ring-DTP strips instead of torchtitan's 8-chunk "
-               "loss). It does not (yet, in the recipe) bound the trunk's activations, so the reach ratio depends "
-               "on how close the budget is to the stock state: the stock `a + b*L` fit gives its reach for any budget. "
-               "boundpass's tracked peak up to 4,096 tokens is its optimizer step (OffloadStreamAdamW staging, "
-               "2 slots x 16 B x 2^24 elements = 512 MiB, sized by boundpass to what the budget leaves, taken when "
-               "the activations are already freed), so its fit is flat and does not extrapolate; what stops it at "
-               "8,192 is the forward/backward. "
-               "`offload_optimizer=auto` would keep AdamW on device here, because boundpass's table does not count "
-               "the trunk's activations yet; the recipe user sets `--boundpass.offload_optimizer true`. Step "
-               "times: median of steps 3-4 without the tracker, same process; this 2-core machine is shared, so "
-               "they are indicative. Under the tracker the vocab region runs the op boundpass put in the graph "
-               "eagerly (Dynamo does not run compiled frames under a dispatch mode), with boundpass's strip width.",
-               ""]
+    reach = data.get("reach")
+    if reach:
+        lines, rows = render_reach(reach)
+        md += lines
+        undecided = [t for t in rows if t["met"] is None]
+        targets += [t for t in rows if t["met"] is not None]
+        md += [f"Not decided by this grid: {t['target']} ({t['figures']})." for t in undecided] + (
+            [""] if undecided else [])
     md += targets_section(targets)
     return "\n".join(md)
+
+
+def _bp_start(text: str | None):
+    if not text:
+        return None
+    if ":" not in text:
+        return int(text)
+    return {b: int(v) for b, v in (item.split(":") for item in text.split(","))}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="6-step curve, short reach grid")
     parser.add_argument("--sections", default="curve,reach")
-    parser.add_argument("--budget", default="1GiB,900MiB",
+    parser.add_argument("--budget", default="900MiB,1GiB,2GiB",
                         help="per-rank device budgets for the reach section (comma-separated)")
+    parser.add_argument("--start", type=int, default=512, help="reach: the first sequence length of each ladder")
+    parser.add_argument("--bp-start", default=None,
+                        help="reach: boundpass's ladders start here (default --start; or per budget: "
+                             "900MiB:2048,1GiB:6144); halved while it misses")
+    parser.add_argument("--bp-budgets", default="",
+                        help="reach: the budgets boundpass's ladders run at (default: every --budget)")
+    parser.add_argument("--max-seq", type=int, default=8192, help="reach: the longest length run (grid's end)")
+    parser.add_argument("--backend", default="aot_eager", choices=("aot_eager", "inductor"),
+                        help="reach: --compile.backend of both variants")
+    parser.add_argument("--chunk-tokens", type=int, default=128,
+                        help="reach: stock's --loss.num_chunks is max(8, L / this)")
+    parser.add_argument("--host-budget", default="16GiB", help="reach: --boundpass.host_budget")
+    parser.add_argument("--timed-steps", type=int, default=3, help="reach: timed steps at stock's longest length")
+    parser.add_argument("--bisect", action="store_true", help="reach: one more length between last fit and miss")
+    parser.add_argument("--workers", type=int, default=2, help="reach: runs at a time (one process, one thread each)")
+    parser.add_argument("--reach-runs", default=str(Path(tempfile.gettempdir()) / "e2e_reach_runs.json"),
+                        help="reach: every finished run is written here as it ends")
+    parser.add_argument("--reach-reuse", default="", help="reach: a --reach-runs file whose runs are not rerun")
+    parser.add_argument("--reach-notes", default="", help="reach: a text file rendered under the reach tables")
     parser.add_argument("--reuse-curve", action="store_true",
                         help="keep the curve of docs/results/e2e.json and run only its control run")
     parser.add_argument("--curve-budget", default="2GiB")
-    parser.add_argument("--seqs", default="", help="comma-separated reach grid (default: 512 doubling)")
-    parser.add_argument("--auto", action="store_true",
-                        help="also run boundpass with offload_optimizer=auto (its table does not count the trunk's "
-                             "activations yet, so at these budgets it keeps AdamW on device)")
     args = parser.parse_args(argv)
     from boundpass.recipes.assets import ensure_assets
     assets = str(Path(ensure_assets()["tokenizer"]).parent)
@@ -491,13 +714,22 @@ def main(argv=None) -> int:
         if not sections:
             return 0
     if "reach" in sections:
-        seqs = [int(s) for s in args.seqs.split(",")] if args.seqs else (
-            [512, 1024] if args.quick else [512, 1024, 2048, 4096, 8192])
-        variants = ["stock", VARIANT_OFFLOAD] + ([VARIANT_AUTO] if args.auto else [])
-        data["reach"] = []
-        for budget in args.budget.split(","):
-            data["reach"].append(run_reach(budget, seqs, variants, assets, timed_steps=2))
-            publish("e2e", data, render, started)
+        if "curve" not in sections:  # rerunning the reach alone keeps the curve measured earlier
+            from bench.common import RESULTS_DIR
+            old = json.loads((RESULTS_DIR / "e2e.json").read_text())
+            if "curve" in old:
+                data["curve"] = old["curve"]
+                data["curve_measured_utc"] = old.get("curve_measured_utc", old["meta"]["date_utc"])
+        reuse = json.loads(Path(args.reach_reuse).read_text()) if args.reach_reuse else []
+        data["reach"] = run_reach(args.budget.split(","), 512 if args.quick else args.start,
+                                  1024 if args.quick else args.max_seq, assets, backend=args.backend,
+                                  chunk_tokens=args.chunk_tokens, host_budget=args.host_budget,
+                                  timed_steps=args.timed_steps, bisect=args.bisect, workers=args.workers,
+                                  runs_file=args.reach_runs, reuse=reuse, bp_start=_bp_start(args.bp_start),
+                                  bp_budgets=args.bp_budgets.split(",") if args.bp_budgets else None)
+        if args.reach_notes:
+            data["reach"]["notes"] = Path(args.reach_notes).read_text().strip()
+        publish("e2e", data, render, started)
     if not sections:
         publish("e2e", data, render, started)
     return 0
