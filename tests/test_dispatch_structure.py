@@ -15,6 +15,28 @@ from boundpass.testing.whole_step import measured_step_peak
 MOE_HEAVY = dict(vocab=512, hidden=64, inter=1024, experts=4, top_k=2)  # the experts' batches dominate the step
 
 
+def _matches_aot_eager(model, batch, **compile_kwargs):
+    """One step of boundpass.compile(model) against the same model compiled by aot_eager without boundpass: the loss
+    and every gradient at fp32 tolerances. The step is returned for its report.
+
+    The reference is compiled, not eager: eager's fused RMSNorm differs in the last bit, and a near-tie in the top-k
+    then routes a token elsewhere (a real difference of the model, not of the rewrite). fp32 tolerances hold: with
+    k = 2 the two contributions to a token are added to zero in either order, which is exact; what differs is the
+    order of the sums inside the backward's products (dx over the two routes and the two projections, the score
+    gradient as <g w2, p> instead of <g, y>), measured <= 0.2% of this tolerance."""
+    reference = copy.deepcopy(model)
+    step = boundpass.compile(model, budget="1GiB", loss_fn=ce, **compile_kwargs)
+    loss = step(*batch)
+    loss.backward()
+    want = torch.compile(lambda t, y: ce(reference(t), y), backend="aot_eager")(*batch)
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    return step
+
+
 def test_mixtral_style_block_is_rewritten_to_pipelined_llep():
     torch.manual_seed(0)
     model = MixtralLM()
@@ -83,21 +105,8 @@ def test_rewritten_step_is_exact_and_bounded_under_any_routing(adversarial, seq,
     model = MixtralLM(**MOE_HEAVY, **spelling)
     if adversarial:
         model.route_all_tokens_to_the_first_experts()
-    reference = copy.deepcopy(model)
     batches = lm_batches(MOE_HEAVY["vocab"], 2, seq)
-    step = boundpass.compile(model, budget="1GiB", loss_fn=ce, dispatch_cap=cap)
-    loss = step(*batches[0])
-    loss.backward()
-    # the reference is compiled the same way without boundpass: eager's fused RMSNorm differs in the last bit, and a
-    # near-tie in the top-k then routes a token elsewhere (a real difference of the model, not of the rewrite).
-    # fp32 tolerances hold: with k = 2 the two contributions to a token are added to zero in either order, which
-    # is exact; what differs is the order of the sums inside the backward's products (dx over the two routes and
-    # the two projections, the score gradient as <g w2, p> instead of <g, y>), measured <= 0.2% of this tolerance
-    want = torch.compile(lambda t, y: ce(reference(t), y), backend="aot_eager")(*batches[0])
-    want.backward()
-    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    step = _matches_aot_eager(model, batches[0], dispatch_cap=cap)
     report = boundpass.explain(step)
     [region] = report.rewritten_of("dispatch")
     # per-expert nn.Linear weights are stacked into the op's layout; P[0..E-1] of one parameter are P itself
@@ -131,16 +140,8 @@ def test_skipped_variant_is_still_exact_and_bounded():
     torch.manual_seed(0)
     model = MixtralLM(**MOE_HEAVY, expert_bias=True)
     model.route_all_tokens_to_the_first_experts()
-    reference = copy.deepcopy(model)
     batches = lm_batches(MOE_HEAVY["vocab"], 2, 256)
-    step = boundpass.compile(model, budget="1GiB", loss_fn=ce)
-    loss = step(*batches[0])
-    loss.backward()
-    want = torch.compile(lambda t, y: ce(reference(t), y), backend="aot_eager")(*batches[0])
-    want.backward()
-    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    step = _matches_aot_eager(model, batches[0])
     assert boundpass.explain(step).skipped_of("dispatch")
     assert measured_step_peak(step, model, None, batches) <= boundpass.explain(step).table.total
 
@@ -153,17 +154,7 @@ def test_checkpointed_block_is_exact(dispatch):
     With dispatch on, the block inside the checkpoint body is rewritten, and the step is still exact."""
     torch.manual_seed(0)
     model = MixtralLM(vocab=512, hidden=64, inter=128, experts=4, top_k=2, checkpointed=True)
-    reference = copy.deepcopy(model)
-    batch = lm_batches(512, 2, 64)[0]
-    step = boundpass.compile(model, budget="1GiB", loss_fn=ce, dispatch=dispatch)
-    loss = step(*batch)
-    loss.backward()
-    want = torch.compile(lambda t, y: ce(reference(t), y), backend="aot_eager")(*batch)
-    want.backward()
-    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    step = _matches_aot_eager(model, lm_batches(512, 2, 64)[0], dispatch=dispatch)
     assert bool(boundpass.explain(step).rewritten_of("dispatch")) == dispatch
 
 
