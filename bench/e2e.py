@@ -386,7 +386,13 @@ def run_reach(budgets: list[str], start: int, max_seq: int, assets: str, *, back
         if key in done:
             res = dict(done[key], reused=True)
             log(f"reach {variant:9s} budget={budget or '-':7s} L={seq:6d}: reused (an earlier run, same settings)")
-            runs.append(res)
+        else:
+            res = None
+        if res is not None:
+            with lock:
+                runs.append(res)
+                if runs_file:
+                    Path(runs_file).write_text(json.dumps(runs, indent=1))
             return res
         began = time.perf_counter()
         try:
