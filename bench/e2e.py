@@ -294,11 +294,7 @@ def _reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens,
     try:
         trainer = config.build()
     except Exception as exc:
-        refusal = _refusal(exc, InfeasibleBudgetError)
-        if refusal is None:
-            raise
-        out["accepted"], out["reason"] = False, "boundpass refused the budget: " + str(refusal).splitlines()[0]
-        return out
+        return _refused(out, exc, InfeasibleBudgetError)
     try:
         data = trainer.batch_generator(trainer.dataloader)
         trainer.step = 1
@@ -310,11 +306,7 @@ def _reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens,
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
                 trainer.train_step(data)
         except Exception as exc:
-            refusal = _refusal(exc, InfeasibleBudgetError)
-            if refusal is None:
-                raise
-            out["accepted"], out["reason"] = False, "boundpass refused the budget: " + str(refusal).splitlines()[0]
-            return out
+            return _refused(out, exc, InfeasibleBudgetError)
         out["step1_seconds"] = time.perf_counter() - start
         if variant != "stock":
             out["accepted"] = True
@@ -345,6 +337,16 @@ def _reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens,
     finally:
         trainer.close()
         dump.cleanup()
+
+
+def _refused(out: dict, exc: BaseException, kind) -> dict:
+    """``out`` marked "not accepted" when ``exc`` is boundpass's fail-fast refusal (a budget that does not fit is a
+    result, not a crash); any other exception is raised again."""
+    refusal = _refusal(exc, kind)
+    if refusal is None:
+        raise exc
+    out["accepted"], out["reason"] = False, "boundpass refused the budget: " + str(refusal).splitlines()[0]
+    return out
 
 
 def _refusal(exc, kind):
