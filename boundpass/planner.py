@@ -183,9 +183,9 @@ class StepPlanner:
         elif self.carry:
             table.terms.append(BoundTerm("saved tensors of earlier graphs of this step (graph breaks)",
                                          sympy.Integer(self.carry), self.carry, kind="transient", knob=""))
-        grads = sum(t.value for t in self.state_terms if t.name == "gradients")
+        grads = sum(t.value for t in self.state_terms if t.name == "gradients") + self.grad_excess
         cert = StepCertificate(values, peak, point, graph_bytes, table,
-                               accumulation_total=self.total(graph_bytes + (0 if self.held_grads else grads + self.grad_excess)),
+                               accumulation_total=self.total(graph_bytes + (0 if self.held_grads else grads)),
                                sco_count=sco_count,
                                planner=self)
         return cert

@@ -310,14 +310,9 @@ def _rewrite_structural(graph_module: fx.GraphModule, matched: dict, path: str) 
     from boundpass.passes.dispatch_structure import rewrite_routed_experts
     e = matched["experts"]
     dtype = _val(matched["x"]).dtype
-
-    def op_args(tokens, ids, scores, w1, w2, w3):
-        # EP = 1: no group, and no peer to borrow an expert from, so no borrowed-weight slots (s_b = 0: the bound
-        # would otherwise count e more experts' weights and their gradients); the experts run in x's dtype (the
-        # block's linears do), so compute_dtype = x's
-        return (tokens, ids, scores, w1, w2, w3, "", 0, DEFAULT_ALPHA, DEFAULT_MIN_PIECE, DEFAULT_IMBALANCE, 0,
-                True, [], dtype)
-    fused = rewrite_routed_experts(graph_module, matched, op_args)
+    # EP = 1, no group; the experts run in x's dtype (the block's linears do)
+    fused = rewrite_routed_experts(graph_module, matched, functools.partial(
+        _op_args, group_name="", local_experts=e, ep_size=1, compute_dtype=dtype))
     return DispatchRegion(module_path=path, rewritten=True, form=STRUCTURAL_FORM, tokens=_val(fused.args[0]).shape[0],
                           hidden=matched["hidden"], inter=matched["inter"], experts=e, local_experts=e,
                           top_k=matched["top_k"], ep_size=1, group_name="", dtype=dtype, compute_dtype=dtype,
@@ -358,6 +353,16 @@ def unsupported_reason(module) -> str:
         return (f"experts {type(experts).__name__} compute something other than torchtitan's SwiGLU "
                 f"GroupedExperts (e.g. biases or another activation)")
     return ""
+
+
+def _op_args(tokens, ids, scores, w1, w2, w3, *, group_name: str, local_experts: int, ep_size: int,
+             compute_dtype) -> tuple:
+    """``pipelined_llep_fwd``'s arguments as both rewrites give them: cap 0 (the compiler sets it), LLEP's planner
+    defaults, strided chunks, and borrowed-weight slots s_b = e under EP (LLEP's default) but none on one rank:
+    there is no rank to borrow from, and the bound would count s_b experts' weights and gradients that never exist."""
+    borrowed = local_experts if ep_size > 1 else 0
+    return (tokens, ids, scores, w1, w2, w3, group_name, 0, DEFAULT_ALPHA, DEFAULT_MIN_PIECE, DEFAULT_IMBALANCE,
+            borrowed, True, [], compute_dtype)
 
 
 def _rewrite_one(gm, key, module, nodes) -> DispatchRegion:
@@ -401,11 +406,9 @@ def _rewrite_one(gm, key, module, nodes) -> DispatchRegion:
         flat_ids = add("reshape", ids, -1, k, kind="call_method")
         flat_scores = add("reshape", scores, -1, k, kind="call_method")
         local = [add("to_local", w, kind="call_method") if hasattr(_val(w), "to_local") else w for w in weights]
-        # borrowed-weight slots s_b = e under EP (LLEP's default), none on one rank: there is no rank to borrow
-        # from, and the bound would count s_b more experts' weights and gradients that never exist
-        borrowed = e if ep_size > 1 else 0
-        fused = add(torch.ops.boundpass.pipelined_llep_fwd.default, tokens, flat_ids, flat_scores, *local, group_name,
-                    0, DEFAULT_ALPHA, DEFAULT_MIN_PIECE, DEFAULT_IMBALANCE, borrowed, True, [], compute_dtype)
+        fused = add(torch.ops.boundpass.pipelined_llep_fwd.default,
+                    *_op_args(tokens, flat_ids, flat_scores, *local, group_name=group_name, local_experts=e,
+                              ep_size=ep_size, compute_dtype=compute_dtype))
         out = add(operator.getitem, fused, 0)
         out = add("view_as", out, x, kind="call_method")
     out_node.replace_all_uses_with(out)

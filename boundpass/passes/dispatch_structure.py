@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from boundpass.passes.graph_edit import example_value as _val
-from boundpass.passes.graph_edit import node_adder
+from boundpass.passes.graph_edit import node_adder, sweep_dead_nodes
 
 _COMBINES = {"index_add_", "index_add", "scatter_add_", "scatter_add", "index_put_", "index_put"}
 _MULS = (operator.mul, torch.mul)
@@ -385,14 +385,7 @@ def _erase_dead(graph: fx.Graph, region: set, grouping: set) -> None:
     candidates = set(region) | set(grouping)
     for n in grouping:
         candidates |= _descendants(n)
-    changed = True
-    while changed:
-        changed = False
-        for node in reversed(list(graph.nodes)):
-            if node in candidates and not node.users and (node in region or _removable(node)):
-                graph.erase_node(node)
-                candidates.discard(node)
-                changed = True
+    sweep_dead_nodes(graph, keep=lambda n: n not in candidates or not (n in region or _removable(n)))
 
 
 def _removable(node: fx.Node) -> bool:
