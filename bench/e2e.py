@@ -206,14 +206,11 @@ def _measured_step(trainer, data):
     """One training step under torch's allocator (boundpass.testing.whole_step.allocator_peak_of, the profiler's
     allocation events): (device peak bytes, bytes live at the step's start, host bytes excluded, what the
     allocations live at the peak were made by (op, bytes), host bytes allocated inside the step). The state live
-    at the start is the trainer's own `_device_state()` (parameters, buffers, last step's gradients, optimizer
-    state) less the host buffers of `_host_storages`."""
-    import ast
-    import contextlib
-    import io
-    import torch
-    from boundpass.testing.whole_step import allocator_peak_of
+    at the start is the trainer's own `_device_state()` (parameters, buffers, optimizer state; last step's gradients
+    are cleared first) less the host buffers of `_host_storages`."""
     import gc
+
+    from boundpass.testing.whole_step import allocator_peak_of
     host = _host_storages(trainer)
     # last step's gradients go before the measured step starts, as the trainer's own --boundpass.measure_peak does
     # and as both trainers do first thing in a step (zero_grad): listed as live state they were counted through the
@@ -223,24 +220,14 @@ def _measured_step(trainer, data):
     gc.collect(1)
     state = [t for t in trainer._device_state() if getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
              not in host]
-    captured = io.StringIO()
-    os.environ["BOUNDPASS_PEAK_DEBUG"] = "1"  # allocator_peak_of prints what the allocations live at the peak were
-    try:                                      # made by (its own debug line; parsed below)
-        with contextlib.redirect_stdout(captured):
-            _, peak = allocator_peak_of(lambda: trainer.train_step(data), state)
-    finally:
-        os.environ.pop("BOUNDPASS_PEAK_DEBUG", None)
+    detail = {}
+    _, peak = allocator_peak_of(lambda: trainer.train_step(data), state, breakdown=detail)
     del state
-    at_start, holders = None, []
-    for line in captured.getvalue().splitlines():
-        if line.startswith("PEAK_DEBUG"):
-            at_start = int(line.split()[1])
-            words = line.split()
-            # storages live when the step started that no state names and the step freed (counted in the peak)
-            trainer._reach_earlier = int(words[words.index("earlier") + 1])
-            # (the op that allocated < its caller < ...: the first three frames of the profiler's event tree)
-            holders = [(" < ".join(op.split(" < ")[:3]), int(n)) for op, n in
-                       ast.literal_eval(line[line.index("["):])][:8]
+    # storages live when the step started that no state names and the step freed (counted in the peak)
+    trainer._reach_earlier = detail["earlier"]
+    # (the op that allocated < its caller < ...: the first three frames of the profiler's event tree)
+    holders = [(" < ".join(op.split(" < ")[:3]), n) for op, n in detail["held"]][:8]
+    at_start = detail["at_start"]
     after = _host_storages(trainer)
     grown = sum(n for ptr, n in after.items() if ptr not in host)  # counted in the peak (conservative)
     return peak, at_start, sum(host.values()), holders, grown

@@ -30,6 +30,7 @@ writes ``{"cuda": {"launch_s": ..., ...}}`` to ``$OUT/costs.json``; ``BOUNDPASS_
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, replace
 
@@ -59,10 +60,6 @@ class DeviceCosts:
     alltoall_bandwidth: float = 0.0
 
 
-# the CPU's all-to-all figures (below), fitted: see DISPATCH_* further down and docs/knobs.md
-COLLECTIVE_S_CPU = 2.37e-4        # per all-to-all, per peer
-ALLTOALL_BANDWIDTH_CPU = 7.5e8
-
 DEVICE_COSTS = {
     # fitted to the measured curve of bench/vocab.py on this 2-core Xeon (1 thread; docs/results/vocab.md)
     # (one thread, N = 4,096, H = 128, V = 65,536 fp32: 2.7 s at C <= 1,024, 4.4-5.3 s at C >= 2,048). The
@@ -70,9 +67,10 @@ DEVICE_COSTS = {
     # (glibc's mmap threshold tops out at 32 MiB) and page-faults through every pass, so cache_bytes = 16 MiB.
     "cpu": DeviceCosts("cpu", flops=120e9, bandwidth=6.5e9, cache_bandwidth=43e9, cache_bytes=16 * 2 ** 20,
                        launch_s=15e-6, link_bandwidth=6.5e9, overlap=False,
-                       # gloo over loopback, 2 and 4 ranks on the 2 cores: fitted by calibrate_dispatch to the c
-                       # curves of `bench/dispatch.py --knee-only` (docs/results/dispatch_knee.md)
-                       collective_s=COLLECTIVE_S_CPU, alltoall_bandwidth=ALLTOALL_BANDWIDTH_CPU),
+                       # all-to-all latency per peer and rate: gloo over loopback, 2 and 4 ranks on the 2 cores,
+                       # fitted by calibrate_dispatch to the c curves of `bench/dispatch.py --knee-only`
+                       # (docs/results/dispatch_knee.md, docs/knobs.md)
+                       collective_s=2.37e-4, alltoall_bandwidth=7.5e8),
     # H200 datasheet (fp32 without TF32, HBM3e, 50 MiB L2), eager launch ~8 us: not measured (no GPU run yet)
     # link: PCIe Gen5 x16 pinned copies, ~50 GB/s each way concurrently (datasheet 64 GB/s): not measured;
     # bench/gpu_optimizer.py (run by bench/gpu_check.sh) measures it and writes it to costs.json
@@ -258,8 +256,6 @@ def calibrate_dispatch(curves: list[tuple[int, dict[int, float]]], *, N: int, H:
     over a log grid of both figures (latency 1 us .. 10 ms per peer, rate 10 MB/s .. 1 TB/s); the FLOP and memory
     rates are the Ring-DTP fit's and stay.
     """
-    import math
-
     base = base or DEVICE_COSTS["cpu"]
     grid_s = [10 ** (x / 8) for x in range(-48, -15)]          # 1e-6 .. 1e-2 s
     grid_bw = [10 ** (x / 8) for x in range(56, 97)]           # 1e7 .. 1e12 B/s

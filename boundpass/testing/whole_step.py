@@ -60,13 +60,17 @@ def allocator_step_peak(step, model, optimizer, batches, *, warmup: int = 1) -> 
     return best
 
 
-def allocator_peak_of(fn, state) -> tuple[object, int]:
+def allocator_peak_of(fn, state, *, breakdown: dict | None = None) -> tuple[object, int]:
     """(fn(), the peak bytes torch's CPU allocator held while it ran): the storages of ``state`` (tensors live
     when it starts, each storage once; DTensors by their local shard; the caller must not hold the list, so what
     fn frees is freed) plus every other storage ``fn`` frees that was allocated
     before it (live when it started: e.g. buffers FSDP2 keeps from the previous step), plus the highest the
     allocations and frees of ``fn`` (``torch.profiler`` memory events, in time order) take the running sum above
-    them. Storages live throughout that neither ``state`` names nor ``fn`` frees are not seen."""
+    them. Storages live throughout that neither ``state`` names nor ``fn`` frees are not seen.
+
+    ``breakdown`` (a dict, filled when given): ``at_start`` (bytes of ``state``), ``earlier`` (bytes allocated before
+    fn, not in ``state``, freed by fn) and ``held`` ([(what allocated it: the profiler's event and its callers,
+    bytes)] of the allocations live at the peak, largest first). ``BOUNDPASS_PEAK_DEBUG=1`` prints the same."""
     from torch._C._profiler import _ExtraFields_Allocation
     from torch.profiler import ProfilerActivity, profile
     live_at_start = {}
@@ -100,7 +104,7 @@ def allocator_peak_of(fn, state) -> tuple[object, int]:
         live += size
         if live > peak:
             peak, at = live, i
-    if os.environ.get("BOUNDPASS_PEAK_DEBUG"):  # what the allocations live at the peak were made by
+    if breakdown is not None or os.environ.get("BOUNDPASS_PEAK_DEBUG"):  # what the allocations at the peak were made by
         held = {}
         for _, size, ptr, parent in events[:at + 1]:
             if size > 0:
@@ -110,9 +114,14 @@ def allocator_peak_of(fn, state) -> tuple[object, int]:
         by_op = {}
         for size, parent in held.values():
             by_op[parent] = by_op.get(parent, 0) + size
-        freed_known = -sum(sz for _, sz, ptr, _ in events[:at + 1] if sz < 0 and ptr in live_at_start)
-        print("PEAK_DEBUG", sum(live_at_start.values()), peak, "earlier", earlier, "freed_known", freed_known,
-              sorted(by_op.items(), key=lambda kv: -kv[1])[:25], flush=True)
+        detail = dict(at_start=sum(live_at_start.values()), earlier=earlier,
+                      held=sorted(by_op.items(), key=lambda kv: -kv[1])[:25])
+        if breakdown is not None:
+            breakdown.update(detail)
+        if os.environ.get("BOUNDPASS_PEAK_DEBUG"):
+            freed_known = -sum(sz for _, sz, ptr, _ in events[:at + 1] if sz < 0 and ptr in live_at_start)
+            print("PEAK_DEBUG", detail["at_start"], peak, "earlier", earlier, "freed_known", freed_known,
+                  detail["held"], flush=True)
     return out, sum(live_at_start.values()) + earlier + peak
 
 
