@@ -59,7 +59,7 @@ def _curve_job(rank, world, tmp, assets, steps, seq, budget, names):
     common = ["--module", "boundpass.recipes", "--config", "deepseek_v3_debug_ep2", "--training.seq_len", str(seq),
               "--lr_scheduler.decay_ratio", "0"]  # constant LR after warm-up: independent of where a run stops
     half = steps // 2
-    on = ["--boundpass.budget", budget, "--boundpass.offload_optimizer", "true", "--checkpoint.enable",
+    on = ["--boundpass.budget", budget, "--boundpass.optimizer.offload", "True", "--checkpoint.enable",
           "--checkpoint.interval", str(half), "--dump_folder", f"{tmp}/bp"]
     runs = {"stock": ["--training.steps", str(steps), "--dump_folder", f"{tmp}/stock"],
             "boundpass": [*on, "--training.steps", str(steps)],
@@ -246,8 +246,8 @@ def _reach_args(variant: str, seq: int, budget: str | None, backend: str, chunk_
     else:
         # the per-block path: every TransformerBlock graph through boundpass (dispatch -> PipelinedLLEP, SCO across
         # blocks), the head through Ring-DTP, AdamW offloaded (OffloadStreamAdamW: its state on the host)
-        args += ["--boundpass.budget", budget, "--boundpass.offload_optimizer", "true", "--boundpass.sco", "auto",
-                 "--boundpass.host_budget", host_budget, "--boundpass.no-report"]
+        args += ["--boundpass.budget", budget, "--boundpass.optimizer.offload", "True", "--boundpass.sco.enable",
+                 "auto", "--boundpass.host_budget", host_budget, "--boundpass.no-report"]
     return args + ["activation-checkpoint:full"]  # tyro: a subcommand's arguments follow it, so it goes last
 
 
@@ -493,8 +493,8 @@ def render_reach(reach: dict) -> tuple[list[str], list[dict]]:
           "checkpointed (`activation-checkpoint:full`) and torchtitan's per-block compile. **stock**: torchtitan's "
           f"`ChunkedLossWrapper` with `--loss.num_chunks max(8, L / {reach['chunk_tokens']})` (no chunk's logits over "
           f"{reach['chunk_tokens']} tokens; the config's default is 8) and torch's AdamW on the device. "
-          "**boundpass**: the per-block path (`--boundpass.budget B --boundpass.offload_optimizer true "
-          f"--boundpass.sco auto --boundpass.host_budget {reach['host_budget']}`: every block graph through "
+          "**boundpass**: the per-block path (`--boundpass.budget B --boundpass.optimizer.offload True "
+          f"--boundpass.sco.enable auto --boundpass.host_budget {reach['host_budget']}`: every block graph through "
           "boundpass's passes and checked against the whole step, the head through Ring-DTP, OffloadStreamAdamW).", "",
           "How a step is measured: step 1 compiles (and creates the optimizer state); step 2 runs under torch's "
           "allocator (`boundpass.testing.whole_step.allocator_peak_of`: the profiler's allocation events, kernel "

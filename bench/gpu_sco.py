@@ -6,7 +6,7 @@ sequence when torchtitan is importable; otherwise a torch-only stand-in with the
 Variants, each a fresh copy of the same weights, on the same tokens:
   - no SCO;
   - eager SCO runtime (boundpass.runtime.apply_sco) with the host budget at 0 / half / all boundaries;
-  - boundpass.compile(..., sco=True) (aot_eager inner compiler) at half / all boundaries;
+  - boundpass.compile(..., sco_enable=True) (aot_eager inner compiler) at half / all boundaries;
 per variant: peak allocated bytes of one forward+backward above what was allocated before it (parameters and
 gradients stay allocated between steps), the median step time of REPEATS steps (CUDA-synchronised wall
 clock), the SCO ledger's device-boundary peak against the sympy bound, bytes offloaded, and the max abs
@@ -148,7 +148,8 @@ def run_seq(seq, vocab, stand_in, device, repeats, deadline) -> dict:
                 formula = sco_device_bound()
             else:
                 torch._dynamo.reset()
-                compiled = boundpass.compile(model, budget="1000GiB", loss_fn=loss_of, host_budget=host, sco=True)
+                compiled = boundpass.compile(model, budget="1000GiB", loss_fn=loss_of, host_budget=host,
+                                             sco_enable=True)
 
                 def step(compiled=compiled, model=model):
                     model.zero_grad(set_to_none=False)

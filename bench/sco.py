@@ -8,7 +8,7 @@ Sections:
              torch.equal to no SCO, and the SCO ledger (device boundary peak vs sco_device_bound, host bytes).
              On CPU host and device are the SAME memory: this shows correctness and time overhead only, not a
              memory saving.
-  compiled   the same model through boundpass.compile (aot_eager): sco=False vs sco=True at 0 / half / all
+  compiled   the same model through boundpass.compile (aot_eager): sco_enable=False vs sco_enable=True at 0 / half / all
              boundaries offloaded; median step time, gradients torch.equal, ledger vs sco_compiled_device_bound.
   simulated  24 checkpointed residual blocks (Linear H→H + GELU, bf16) of width H = 2,880 under FakeTensorMode
              (fake cpu tensors: no data, real autograd schedule and storage lifetimes) at per-rank sequences of
@@ -106,7 +106,8 @@ def run_real(seq: int, vocab: int, repeats: int) -> dict:
 
 # ------------------------------------------------------------------------------------------ compiled
 def run_compiled(seq: int, vocab: int, repeats: int) -> dict:
-    """The same model through boundpass.compile (aot_eager): sco=False vs sco=True at 0 / half / all offloaded."""
+    """The same model through boundpass.compile (aot_eager): sco_enable=False vs sco_enable=True at 0 / half / all
+    offloaded."""
     import boundpass
     from torchtitan.distributed.activation_checkpoint import FullAC
 
@@ -123,7 +124,8 @@ def run_compiled(seq: int, vocab: int, repeats: int) -> dict:
     for name, k in counts.items():
         models[name] = copy.deepcopy(base)
         compiled[name] = boundpass.compile(models[name], budget="64GiB", loss_fn=lambda out, _: out.float().pow(2).mean(),
-                                           sco=k is not None, host_budget=None if k is None else max(k * boundary, 1))
+                                           sco_enable=k is not None,
+                                           host_budget=None if k is None else max(k * boundary, 1))
 
     def runtime(name):
         plans = compiled[name].sco_plans
@@ -258,7 +260,7 @@ def render(data: dict) -> str:
                            "sco_device_bound", "host bytes offloaded", "host pool", "restored live ≤"], rows), ""]
     comp = data.get("compiled")
     if comp is not None:
-        md += ["## Compiled: `boundpass.compile(..., sco=True)` on CPU (measured)", "",
+        md += ["## Compiled: `boundpass.compile(..., sco_enable=True)` on CPU (measured)", "",
                f"{comp['model']}: {comp['layers']} layers, H = {comp['hidden']}, seq {comp['seq']}, batch 1; "
                f"boundary = {fmt_bytes(comp['boundary_bytes'])}. Median fwd+bwd step over {comp['repeats']} "
                f"interleaved repeats (1 warm-up each, which compiles). Ratios are vs the same model compiled "

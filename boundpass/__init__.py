@@ -12,6 +12,7 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "runtime")) and 
     __path__.append(_root)  # noqa: F821 (a package's __path__)
 from boundpass.errors import BoundpassError, BoundpassInputError, InfeasibleBudgetError  # noqa: F401,E402
 from boundpass.units import format_bytes, parse_bytes  # noqa: F401,E402
+from boundpass.config import Config  # noqa: F401,E402  (every knob, one name each: imports no torch)
 
 # The entry points that need torch are imported on first use, so that `python -m boundpass plan` refuses a bad
 # argument before torch and torchtitan are imported (boundpass/plan_input.py). Two of them share their name with

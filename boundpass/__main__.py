@@ -9,6 +9,7 @@ import argparse
 import sys
 import time
 
+from boundpass.config import OPTIMIZER_SLOTS, OPTIMIZER_STAGING_BYTES, PLAN_BUDGET, PLAN_DISPATCH_CAP, PLAN_VOCAB_BLOCK
 from boundpass.errors import BoundpassError
 from boundpass.plan_input import OPERATORS, CostModel, make_input
 
@@ -27,15 +28,23 @@ def _parser() -> argparse.ArgumentParser:
     tokens.add_argument("--tokens-per-rank", "-N", type=int, help="per-rank token ceiling N")
     tokens.add_argument("--context", type=int, help="tokens per sequence (N = context x global batch / W)")
     p.add_argument("--global-batch", type=int, default=1, help="sequences per step (with --context)")
-    p.add_argument("--budget", default="139GiB", help="device bytes per rank, e.g. 139GiB")
+    p.add_argument("--budget", default=PLAN_BUDGET, help=f"device bytes per rank (default {PLAN_BUDGET})")
     p.add_argument("--host-budget", default=None, help="host bytes per rank, e.g. 256GiB (default: unlimited)")
     p.add_argument("--operators", default=",".join(OPERATORS),
                    help=f"comma-separated subset of {','.join(OPERATORS)}; 'none' = the baseline")
     p.add_argument("--dtype", default="bf16", help="bf16 (default) or fp32")
-    p.add_argument("--chunk-cap", type=int, default=None, help="PipelinedLLEP c (tokens per source per chunk)")
-    p.add_argument("--vocab-block", type=int, default=None, help="Ring-DTP strip width C")
-    p.add_argument("--bucket", type=int, default=None, help="OffloadStreamAdamW bucket β (parameters)")
-    p.add_argument("--slots", type=int, default=2, help="OffloadStreamAdamW staging slots S")
+    # boundpass.Config's knobs, --<section>-<field> (docs/config.md); default None: the value boundpass/config.py
+    # defines for a knob no planner chooses (composed.Launch.resolved)
+    p.add_argument("--dispatch-cap", type=int, default=None,
+                   help=f"PipelinedLLEP chunk cap c (tokens per source per chunk; default {PLAN_DISPATCH_CAP})")
+    p.add_argument("--vocab-block", type=int, default=None, help=f"Ring-DTP strip width C (default {PLAN_VOCAB_BLOCK})")
+    p.add_argument("--optimizer-bucket", type=int, default=None,
+                   help=f"OffloadStreamAdamW bucket β (parameters; default: {OPTIMIZER_STAGING_BYTES >> 20} MiB of "
+                        f"staging over {OPTIMIZER_SLOTS} slots)")
+    p.add_argument("--optimizer-slots", type=int, default=None,
+                   help=f"OffloadStreamAdamW staging slots S (default {OPTIMIZER_SLOTS})")
+    p.add_argument("--sco-max-layers", type=int, default=None,
+                   help="SCO offloads at most this many checkpoint boundaries (default: all the host budget holds)")
     p.add_argument("--routing", default="worst", choices=("worst", "balanced"),
                    help="standard EP's received rows: worst case (E_p N k) or balanced (N k)")
     p.add_argument("--no-trace", action="store_true", help="skip tracing torchtitan's blocks (bounds only)")
@@ -61,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         o.strip() for o in args.operators.split(",") if o.strip())
     launch = dict(ranks=args.ranks, ep=args.ep, ring=args.ring, tokens_per_rank=args.tokens_per_rank,
                   context=args.context, global_batch=args.global_batch, budget=args.budget,
-                  host_budget=args.host_budget, operators=ops, dtype=args.dtype, chunk_cap=args.chunk_cap,
-                  vocab_block=args.vocab_block, bucket=args.bucket, slots=args.slots, routing=args.routing)
+                  host_budget=args.host_budget, operators=ops, dtype=args.dtype, dispatch_cap=args.dispatch_cap,
+                  vocab_block=args.vocab_block, optimizer_bucket=args.optimizer_bucket,
+                  optimizer_slots=args.optimizer_slots, sco_max_layers=args.sco_max_layers, routing=args.routing)
     try:  # everything that needs no model, before torch is imported
         make_input(args.model, args.flavor, **launch)
         cost = CostModel(flops=args.flops, link_intra=args.link_intra, link_inter=args.link_inter,

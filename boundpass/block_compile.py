@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from boundpass.bounds import BoundTerm, BudgetTable, raise_infeasible
 from boundpass.compiler import BoundedModule, _int_or_hint, _raise_step_infeasible
+from boundpass.config import Config
 from boundpass.units import format_bytes
 
 SHARD = "shard over more ranks (--parallelism.data_parallel_shard_degree) or raise --boundpass.budget"
@@ -100,13 +101,11 @@ def _unit(path: str, group) -> FSDPUnit:
 class CompiledBlocks(BoundedModule):
     """The planning state of every block graph of one model: the Dynamo backend and the step's composition."""
 
-    def __init__(self, model: nn.Module, blocks: list[nn.Module], *, budget: int, host_budget: int | None,
-                 state_terms, optimizer_plan, inner: str, sco="auto", dispatch: bool = True,
-                 dispatch_cap: int | None = None, max_tokens_per_rank: int | None = None):
-        super().__init__(model, None, budget=budget, ring_group=None, vocab_block=None,
-                         max_tokens_per_rank=max_tokens_per_rank, inner=inner, fullgraph=False, dynamic=False,
-                         state_terms=state_terms, optimizer_plan=optimizer_plan, host_budget=host_budget, sco=sco,
-                         dispatch=dispatch, dispatch_cap=dispatch_cap)
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], config: Config, *, state_terms, optimizer_plan):
+        """config: the head's boundpass.Config (the same budgets and knobs; its ``inner`` lowers the block graphs).
+        A block graph holds no vocab region and no optimizer: vocab.* and optimizer.* are the head's to use."""
+        super().__init__(model, None, config, state_terms=state_terms, optimizer_plan=optimizer_plan,
+                         fullgraph=False, dynamic=False)
         # OffloadStreamAdamW's bucket is fitted once, by the head's boundpass.compile (its owner); a block graph
         # must not narrow it again from its own view of the optimizer phase (compiler._fit_offload_bucket skips an
         # owner whose bucket is set)
@@ -186,20 +185,20 @@ class CompiledBlocks(BoundedModule):
         """Every block graph shares one SCO runtime; the host pool takes a forward prefix of the blocks."""
         from boundpass.passes import sco_pass
         from boundpass.runtime import sco as sco_rt
-        if self.sco_runtime is None and self.sco is not False:
+        if self.sco_runtime is None and self.config.sco.enable is not False:
             self.sco_runtime = sco_rt.BlockSCO(self.num_blocks, 0, sco_pass._boundary_device(gm),
                                                current_block=lambda: len(self.runs) - 1)
         first = next((n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"), None)
         if isinstance(first, torch.Tensor) and first.is_floating_point():
             # the block's first argument: the trunk's hidden states, block i-1's output (see _block_rows)
             self.hidden = max(self.hidden, first.numel() * first.element_size())
-        plan = sco_pass.find_block_sco(gm, self.sco, runtime=self.sco_runtime, most=0)
+        plan = sco_pass.find_block_sco(gm, self.config.sco.enable, runtime=self.sco_runtime, most=0)
         if plan.eligible:
             self.boundary = max(self.boundary, plan.eligible[0].boundary_bytes)
             pool = host_pool if host_pool is not None else self.num_blocks * self.boundary
             self.sco_runtime.host_budget = pool
             plan.host_pool = host_pool
-            plan.most = sco_rt.planned_offloaded_layers([self.boundary] * self.num_blocks, pool)
+            plan.most = self._sco_most(sco_rt.planned_offloaded_layers([self.boundary] * self.num_blocks, pool))
         return plan
 
     def offloaded_blocks(self, trial: int | None = None) -> list[bool]:
@@ -334,7 +333,7 @@ class CompiledBlocks(BoundedModule):
             return []
         return [BoundTerm(f"SCO boundary pool on host (the first {count} of {self.num_blocks} blocks)",
                           sco_rt.sco_host_bound(), count * self.boundary, kind="host",
-                          knob="--boundpass.host_budget <larger> or --boundpass.sco off")]
+                          knob="--boundpass.host_budget <larger> or --boundpass.sco.enable False")]
 
     def carry_terms(self, peak, backed: dict) -> list[BoundTerm]:
         own = _int_or_hint(peak.saved_bytes, backed)

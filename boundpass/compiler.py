@@ -22,6 +22,7 @@ from boundpass import inductor_peak
 from boundpass.aot_workarounds import saved_tensors_before_opaque
 from boundpass import symbols as sym
 from boundpass.bounds import BoundTerm, BudgetTable, raise_infeasible
+from boundpass.config import Config, config_from
 from boundpass.errors import BoundpassError, BoundpassInputError
 from boundpass.explain import ExplainReport
 from boundpass.passes import sco_pass
@@ -32,9 +33,8 @@ from boundpass.planner import Knob, StepPlanner, infeasible, set_op_arg
 from boundpass.runtime import ring_dtp
 from boundpass.runtime.agreement import agree, global_max_tokens
 from boundpass.step_peak import analyze_graphs, module_path
-from boundpass.units import format_bytes, parse_bytes
+from boundpass.units import format_bytes
 
-INNER_COMPILERS = ("aot_eager", "inductor")
 MIN_VOCAB_BLOCK = 128  # narrower strips only add per-strip overhead; below this, change P or N instead
 
 
@@ -48,26 +48,22 @@ class BoundedModule(nn.Module):
     *loss_args)`.
     """
 
-    def __init__(self, model: nn.Module, loss_fn, *, budget: int, ring_group, vocab_block: int | None,
-                 max_tokens_per_rank: int | None, inner: str, fullgraph: bool, dynamic, state_terms, optimizer_plan,
-                 host_budget: int | None, sco="auto", dispatch: bool = True, dispatch_cap: int | None = None,
-                 composed_table=None):
+    def __init__(self, model: nn.Module, loss_fn, config: Config, *, state_terms, optimizer_plan, ring_group=None,
+                 fullgraph: bool = True, dynamic=False, composed_table=None):
         super().__init__()
+        self.config = config                    # every knob (boundpass/config.py): read from here, never copied
         self.composed_table = composed_table  # the launch configuration's composed budget (None: not given)
-        self.dispatch, self.dispatch_cap = dispatch, dispatch_cap  # PipelinedLLEP rewrite on/off, cap c (None: auto)
-        self.sco = sco                          # SCO mode; self.sco_plans: one per compiled graph
-        self.sco_plans: list = []
+        self.sco_plans: list = []               # SCO's plan, one per compiled graph
         self.model = model
         self.loss_fn = loss_fn
-        self.budget = budget
-        self.host_budget = host_budget
+        self.budget = config.budget_bytes       # bytes (config.budget may be "60GiB")
+        self.host_budget = config.host_budget_bytes
         self.state_terms = state_terms          # parameters, gradients, optimizer: fixed before any graph
         self.optimizer_plan = optimizer_plan
         self.optimizer = optimizer_plan.optimizer if optimizer_plan else None  # the one to step
+        # β fixed for this module (the user's, or one a trunk's owner fitted): None lets _fit_offload_bucket narrow it
+        self.optimizer_bucket = config.optimizer.bucket
         self.ring_group = ring_group
-        self.vocab_block = vocab_block
-        self.max_tokens_per_rank = max_tokens_per_rank
-        self.inner = inner
         self.fullgraph = fullgraph
         self.reports: list[ExplainReport] = []
         self.certificates: list = []            # planner.StepCertificate per compiled graph
@@ -80,6 +76,14 @@ class BoundedModule(nn.Module):
         self._first_signature = None            # this rank's signature at a compile before any group was known
         self._group_compiles = 0                # compiles every rank of the groups made together after the first
         self._compiled = self._new_compiled()
+
+    @property
+    def inner(self) -> str:
+        return self.config.inner
+
+    @property
+    def max_tokens_per_rank(self) -> int | None:
+        return self.config.max_tokens_per_rank
 
     def _step(self, inputs, labels=None, *loss_args, **model_kwargs):
         """What is compiled with `loss_fn`: the model on `inputs`, then the loss outside it."""
@@ -189,11 +193,11 @@ class BoundedModule(nn.Module):
         if self.ring_group is not None:
             ring_size, ring_rank = dist.get_world_size(self.ring_group), dist.get_rank(self.ring_group)
             group_name = ring_dtp.group_name_of(self.ring_group)
-        config = VocabRewriteConfig(group_name=group_name, ring_size=ring_size, ring_rank=ring_rank)
+        vocab = VocabRewriteConfig(group_name=group_name, ring_size=ring_size, ring_rank=ring_rank)
         # passes: find -> match -> replace; the knobs they leave open (C, c, L_off) are the planner's
-        regions = rewrite_vocab_regions(gm, config)
+        regions = rewrite_vocab_regions(gm, vocab) if self.config.vocab.enable else []
         report.regions.extend(regions)
-        dispatch_regions = rewrite_dispatch_regions(gm, self.dispatch_root()) if self.dispatch else []
+        dispatch_regions = rewrite_dispatch_regions(gm, self.dispatch_root()) if self.config.dispatch.enable else []
         report.regions.extend(dispatch_regions)
         for region in dispatch_regions:  # later calls agree over these groups before compiling (forward)
             if region.rewritten and region.group_name and region.group_name not in self.ep_groups:
@@ -228,7 +232,14 @@ class BoundedModule(nn.Module):
 
     def _find_sco(self, gm: torch.fx.GraphModule, host_pool: int | None):
         """SCO's plan for this graph (boundpass/passes/sco_pass.py); per-block compile overrides it."""
-        return sco_pass.find_sco(gm, self.sco, host_pool=host_pool)
+        plan = sco_pass.find_sco(gm, self.config.sco.enable, host_pool=host_pool)
+        plan.most = self._sco_most(plan.most)
+        return plan
+
+    def _sco_most(self, most: int) -> int:
+        """The most boundaries SCO may offload: what the host pool holds, at most sco.max_layers."""
+        cap = self.config.sco.max_layers
+        return most if cap is None else min(most, cap)
 
     def _vocab_knobs(self, regions, ring_size: int) -> list[Knob]:
         """Set each vocab op's branch from N_max (a launch fact) and open its strip width C for the planner."""
@@ -267,7 +278,7 @@ class BoundedModule(nn.Module):
         knee = max(knee_of(n, region) for n, region in shapes)
         return [Knob("vocab_block", sym.C, lo=lo, hi=hi, arg="block",
                      ops=(torch.ops.boundpass.ring_dtp_fwd.default, torch.ops.boundpass.ring_dtp_bwd.default),
-                     user=self.vocab_block, regions=rewritten, knee=knee)]
+                     user=self.config.vocab.block, regions=rewritten, knee=knee)]
 
     def _dispatch_knobs(self, regions) -> list[Knob]:
         """Open the chunk cap c of every PipelinedLLEP op for the planner (one cap: layers run one at a time)."""
@@ -290,7 +301,7 @@ class BoundedModule(nn.Module):
                                                   costs=cost_model.costs_for(device))
         return [Knob("dispatch_cap", sym.c, lo=1, hi=tokens, arg="cap",
                      ops=(torch.ops.boundpass.pipelined_llep_fwd.default, torch.ops.boundpass.pipelined_llep_bwd.default),
-                     user=self.dispatch_cap, regions=rewritten, knee=max(knee_of(r) for r in rewritten))]
+                     user=self.config.dispatch.cap, regions=rewritten, knee=max(knee_of(r) for r in rewritten))]
 
     def _grads_held(self) -> bool:
         return any(p.grad is not None for p in self.model.parameters())
@@ -649,7 +660,7 @@ def _raise_step_infeasible(owner: "BoundedModule", cert, knobs: list[Knob], plan
     if plan.eligible and saved and (plan.mode is False or plan.most < len(plan.eligible)):
         # more offload can only help when boundaries are still on the device that the host pool could take
         if plan.mode is False:
-            knob = "boundpass.compile(..., sco='auto', host_budget=<host bytes>) offloads checkpoint boundaries"
+            knob = "boundpass.compile(..., sco_enable='auto', host_budget=<host bytes>) offloads checkpoint boundaries"
         else:
             knob = (f"boundpass.compile(..., host_budget=<larger>): the host pool holds {plan.most} of "
                     f"{len(plan.eligible)} checkpoint boundaries")
@@ -658,7 +669,7 @@ def _raise_step_infeasible(owner: "BoundedModule", cert, knobs: list[Knob], plan
     if opt is not None and not opt.offloaded and any(t.name.startswith("optimizer state") for t in table.terms):
         state = sum(t.value for t in table.terms if t.name.startswith("optimizer state") and t.counted)
         if table.total - state <= budget:
-            infeasible(cert, knob="boundpass.compile(..., offload_optimizer=True) moves the optimizer state to the host")
+            infeasible(cert, knob="boundpass.compile(..., optimizer_offload=True) moves the optimizer state to the host")
     hint = "" if plan.regions or saved == 0 else " or checkpoint activations (e.g. torchtitan FullAC) and let SCO offload"
     infeasible(cert, knob=f"reduce tokens per rank (micro-batch x sequence length){hint}, or raise the budget")
 
@@ -672,7 +683,7 @@ def _binding_state_term(table: BudgetTable, budget: int) -> BoundTerm:
     return max(state, key=lambda t: t.value)
 
 
-def _state_terms(model: nn.Module, optimizer, *, budget: int, host_budget, offload, bucket, slots):
+def _state_terms(model: nn.Module, optimizer, *, budget: int, host_budget, knobs):
     """Parameters, gradients and the optimizer's terms (deciding its offload), checked before any graph exists."""
     # this rank's bytes: a DTensor parameter (FSDP2 / EP shard) holds only its local shard here
     params = [(getattr(p, "_local_tensor", p), p.requires_grad) for p in model.parameters()]
@@ -691,8 +702,8 @@ def _state_terms(model: nn.Module, optimizer, *, budget: int, host_budget, offlo
                                knob="shard the model over more ranks or raise the budget"))
     plan = None
     if optimizer is not None:
-        plan = plan_optimizer(optimizer, budget=budget, persistent=param_bytes + grad_bytes + buffer_bytes, offload=offload,
-                              bucket=bucket, slots=slots, host_budget=host_budget)
+        plan = plan_optimizer(optimizer, budget=budget, persistent=param_bytes + grad_bytes + buffer_bytes,
+                              knobs=knobs, host_budget=host_budget)
         terms += plan.terms
     table = BudgetTable(budget=budget, terms=terms, host_budget=host_budget)
     if not table.host_fits():
@@ -720,57 +731,41 @@ def _concrete(expr, shape_env) -> int:
     return int(expr)
 
 
-def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_block: int | None = None,
-            max_tokens_per_rank: int | None = None, optimizer=None, offload_optimizer="auto",
-            optimizer_bucket: int | None = None, optimizer_slots: int | None = None, host_budget=None,
-            inner: str = "aot_eager", fullgraph: bool = True, dynamic=False, sco="auto", dispatch: bool = True,
-            dispatch_cap: int | None = None, launch=None, model_shape=None) -> BoundedModule:
-    """Compile `model` (+ `loss_fn(model_out, labels, *loss_args)`) so every bounded region fits `budget` bytes.
+def compile(model: nn.Module, config: Config | None = None, *, loss_fn=None, ring_group=None, optimizer=None,
+            launch=None, model_shape=None, fullgraph: bool = True, dynamic=False, **knobs) -> BoundedModule:
+    """Compile `model` (+ `loss_fn(model_out, labels, *loss_args)`) so every bounded region fits the budget.
 
     The result is called exactly like `model` when `loss_fn` is None (`step(*args, **kwargs)` returns what
     `model(*args, **kwargs)` returns; a loss computed in the forward is matched in-graph), and as
     `step(inputs, labels, *loss_args, **model_kwargs)` = `loss_fn(model(inputs, **model_kwargs), labels, *loss_args)`
     when `loss_fn` is given (torchtitan computes its loss outside the model).
 
-    budget / host_budget: per-rank device / host bytes ("60GiB", 2**30, ...). ring_group: the process group
-    Ring-DTP rotates vocab shards/batches over (None: one device, P = 1). vocab_block: strip width C (None: the
-    widest that fits, never past its knee: docs/knobs.md). max_tokens_per_rank: the largest N any ring / EP rank will hold (None: the group's largest N
-    at each compile, one all-reduce). Under a ring or EP group every compile runs on every rank at once: each call
-    all-gathers the ranks' input signatures first (docs/compile.md, "Ranks holding different N").
-    optimizer: a torch AdamW or torchtitan OptimizersContainer; offload_optimizer ("auto", True, False) swaps it
-    for OffloadStreamAdamW (state migrated; step `compiled.optimizer` and build LR schedulers on it) with
-    buckets of optimizer_bucket elements and optimizer_slots staging slots (None: each at the knee of its modelled
-    step time, narrower only when the budget requires it; docs/knobs.md).
-    sco ("auto", True, False): selective checkpoint offload of activation-checkpoint boundaries to host memory
-    (docs/sco.md). The host pool is what host_budget leaves after the optimizer's host terms; True offloads
-    the longest forward-order prefix of boundaries that fits it, "auto" the shortest prefix the device budget
-    needs (none when it fits), False none. Needs checkpointed blocks (e.g. torchtitan FullAC / SelectiveAC).
-    dispatch: rewrite torchtitan's routed-experts regions (token dispatch -> grouped experts -> combine), and
-    routed SwiGLU experts written in plain PyTorch found by what they compute (EP = 1; docs/compile.md), to
-    PipelinedLLEP, whose peak is set by launch configuration, not by the router (docs/pipelined_llep.md);
-    dispatch_cap: its per-source token cap per chunk c (None: the widest that fits the budget).
-    launch (boundpass.composed.Launch) + model_shape (boundpass.composed.ModelShape, e.g.
-    boundpass.plan.model_shape("deepseek_v3", "671B")): also check the composed per-rank budget of that launch
-    configuration (every term of a step, docs/plan.md) here, before any graph; explain() shows its table.
+    The knobs: a `boundpass.Config` (`config`), or its flat keywords (`budget="60GiB"`, `vocab_block=`,
+    `dispatch_cap=`, `sco_enable=`, `optimizer_offload=`, ...: each `<section>_<field>` of Config; docs/config.md has
+    every one with its default and meaning), or both: a keyword wins over the Config's value. `budget` is required.
+    Under a ring or EP group every compile runs on every rank at once: each call all-gathers the ranks' input
+    signatures first (docs/compile.md, "Ranks holding different N").
+
+    What is not a knob of Config: ring_group: the process group Ring-DTP rotates vocab shards/batches over (None:
+    one device, P = 1). optimizer: a torch AdamW or torchtitan OptimizersContainer (optimizer.offload may swap it for
+    OffloadStreamAdamW, state migrated: step `compiled.optimizer` and build LR schedulers on it). launch
+    (boundpass.composed.Launch) + model_shape (boundpass.composed.ModelShape, e.g. boundpass.plan.model_shape(
+    "deepseek_v3", "671B")): also check the composed per-rank budget of that launch configuration (every term of a
+    step, docs/plan.md) here, before any graph; explain() shows its table. fullgraph / dynamic: torch.compile's own
+    flags for the capture, kept out of Config on purpose: they change how Dynamo captures the step (graph breaks, a
+    symbolic N guarded on the budget), not what boundpass bounds; tests and block_compile set them.
     Raises InfeasibleBudgetError here when the state alone cannot fit, else on the first call before any real
-    compute.
+    compute; BoundpassInputError for a bad or unknown knob.
     """
-    budget_bytes = parse_bytes(budget, what="budget")
-    host_bytes = None if host_budget is None else parse_bytes(host_budget, what="host_budget")
+    config = config_from(config, **knobs)
     if not isinstance(model, nn.Module):
         raise BoundpassInputError(f"boundpass.compile expects an nn.Module, got {type(model).__name__}")
-    if inner not in INNER_COMPILERS:
-        raise BoundpassInputError(f"inner must be one of {INNER_COMPILERS}, got {inner!r}")
-    for name, value in (("vocab_block", vocab_block), ("optimizer_bucket", optimizer_bucket),
-                        ("dispatch_cap", dispatch_cap)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise BoundpassInputError(f"{name} must be a positive int, got {value!r}")
-    if optimizer_slots is not None and (isinstance(optimizer_slots, bool) or not isinstance(optimizer_slots, int)
-                                        or optimizer_slots < 1):
-        raise BoundpassInputError(f"optimizer_slots must be a positive int, got {optimizer_slots!r}")
-    sco_pass.check_mode(sco)
+    if config.budget is None:
+        raise BoundpassInputError("boundpass.compile needs a budget: budget=\"60GiB\" (bytes or a size), or "
+                                  "boundpass.Config(budget=...)")
     if ring_group is not None and not dist.is_initialized():
         raise BoundpassInputError("ring_group given but torch.distributed is not initialised")
+    budget_bytes, host_bytes = config.budget_bytes, config.host_budget_bytes
     composed_table = None
     if launch is not None or model_shape is not None:
         if launch is None or model_shape is None:
@@ -779,13 +774,9 @@ def compile(model: nn.Module, *, budget, loss_fn=None, ring_group=None, vocab_bl
         from boundpass import composed
         composed_table = composed.check(model_shape, launch, budget=budget_bytes, host_budget=host_bytes)
     state_terms, plan = _state_terms(model, optimizer, budget=budget_bytes, host_budget=host_bytes,
-                                     offload=offload_optimizer, bucket=optimizer_bucket, slots=optimizer_slots)
-    bounded = BoundedModule(model, loss_fn, budget=budget_bytes, ring_group=ring_group, vocab_block=vocab_block,
-                         max_tokens_per_rank=max_tokens_per_rank, inner=inner, fullgraph=fullgraph,
-                         dynamic=dynamic, state_terms=state_terms, optimizer_plan=plan, host_budget=host_bytes,
-                         sco=sco, dispatch=bool(dispatch), dispatch_cap=dispatch_cap, composed_table=composed_table)
-    bounded.optimizer_bucket = optimizer_bucket  # None: the planner may narrow beta to what the step leaves
-    return bounded
+                                     knobs=config.optimizer)
+    return BoundedModule(model, loss_fn, config, ring_group=ring_group, fullgraph=fullgraph, dynamic=dynamic,
+                         state_terms=state_terms, optimizer_plan=plan, composed_table=composed_table)
 
 
 def explain(compiled: BoundedModule) -> ExplainReport:

@@ -52,6 +52,7 @@ import sympy
 
 from boundpass import symbols as sym
 from boundpass.bounds import BoundTerm, BudgetTable, raise_infeasible
+from boundpass.config import OPTIMIZER_SLOTS, PLAN_DISPATCH_CAP, PLAN_VOCAB_BLOCK
 from boundpass.errors import BoundpassInputError
 from boundpass.plan_input import OPERATORS  # noqa: F401  (defined where the CLI reads it without torch)
 from boundpass.units import format_bytes
@@ -68,10 +69,6 @@ _nonneg = dict(integer=True, nonnegative=True)
 G_lead = sympy.Symbol("G_lead", **_nonneg)            # the dense blocks before the first MoE block
 G_dense_min = sympy.Symbol("G_dense_min", **_nonneg)  # the smallest dense block
 G_moe_min = sympy.Symbol("G_moe_min", **_nonneg)      # the smallest MoE block, routed experts included
-DEFAULT_CHUNK_CAP = 4096        # tokens per source rank per PipelinedLLEP chunk (c)
-DEFAULT_VOCAB_BLOCK = 4096      # Ring-DTP strip width (C)
-DEFAULT_BUCKET = oa.DEFAULT_BUCKET  # OffloadStreamAdamW bucket (β, parameters): from its staging-byte default
-DEFAULT_SLOTS = oa.DEFAULT_SLOTS    # OffloadStreamAdamW staging slots (S)
 
 
 @dataclass(frozen=True)
@@ -111,7 +108,8 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Launch:
-    """Launch configuration of one rank: degrees, token ceiling, operators, knobs (None: the default)."""
+    """Launch configuration of one rank: degrees, token ceiling, operators, knobs. The knobs carry boundpass.Config's
+    keyword names and defaults (None: the value ``resolved`` takes, defined in boundpass/config.py)."""
     ranks: int                      # W
     ep: int                         # E_p
     ring: int                       # P (Ring-DTP ring; the ZeRO-3 shard of the head when Ring-DTP is off)
@@ -119,14 +117,24 @@ class Launch:
     operators: frozenset = frozenset(OPERATORS)
     b: int = 2                      # bytes per element of weights / activations (bf16)
     b_acc: int = 4                  # fp32 accumulation / master state
-    chunk_cap: int | None = None    # c
-    vocab_block: int | None = None  # C
-    bucket: int | None = None       # β
-    slots: int = DEFAULT_SLOTS      # S
+    dispatch_cap: int | None = None     # c (Config's dispatch.cap)
+    vocab_block: int | None = None      # C (vocab.block)
+    optimizer_bucket: int | None = None  # β (optimizer.bucket)
+    optimizer_slots: int | None = None   # S (optimizer.slots)
+    sco_max_layers: int | None = None   # SCO host subset: offload at most this many boundaries (None: all that fit)
     borrowed_slots: int | None = None  # s_b (LLEP borrowed-weight slots per rank; None: E / E_p)
     routing: str = "worst"          # standard EP only: "worst" (a hot rank receives E_p·N·k rows) or "balanced"
-    sco_max_layers: int | None = None  # SCO host subset: offload at most this many boundaries (None: all that fit)
     grad_accumulation: int = 1      # microbatches per optimizer step (> 1: every gradient lives through all of them)
+
+    def resolved(self, knob: str) -> int:
+        """A Config knob's value at this launch: the one given, else what boundpass/config.py says a knob left to
+        the planner is taken as where no planner chooses it (c, C, S; β: OffloadStreamAdamW's default bucket, derived
+        from config.py's staging bytes and slots)."""
+        value = getattr(self, knob)
+        if value is not None:
+            return value
+        return {"dispatch_cap": PLAN_DISPATCH_CAP, "vocab_block": PLAN_VOCAB_BLOCK, "optimizer_slots": OPTIMIZER_SLOTS,
+                "optimizer_bucket": oa.DEFAULT_BUCKET}[knob]
 
 
 def check_launch(shape: ModelShape, launch: Launch) -> None:
@@ -151,8 +159,8 @@ def check_launch(shape: ModelShape, launch: Launch) -> None:
         raise BoundpassInputError(f"unknown operators {sorted(unknown)}; known: {', '.join(OPERATORS)}")
     if launch.routing not in ("worst", "balanced"):
         raise BoundpassInputError(f"routing must be 'worst' or 'balanced', got {launch.routing!r}")
-    for name in ("chunk_cap", "vocab_block", "bucket", "slots", "borrowed_slots", "sco_max_layers",
-                 "grad_accumulation"):
+    for name in ("dispatch_cap", "vocab_block", "optimizer_bucket", "optimizer_slots", "borrowed_slots",
+                 "sco_max_layers", "grad_accumulation"):
         value = getattr(launch, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < (
                 0 if name in ("borrowed_slots", "sco_max_layers") else 1)):
@@ -275,9 +283,9 @@ def symbol_values(shape: ModelShape, launch: Launch, *, host_budget: int | None 
         sym.A_q: shape.heads, sym.A_kv: shape.kv_heads, sym.D_h: shape.head_dim,
         sym.b: launch.b, sym.b_acc: launch.b_acc, sym.b_idx: 8,
         sym.Theta: theta, sym.Theta_blk: shape.block_params,
-        sym.c: min(launch.chunk_cap or DEFAULT_CHUNK_CAP, N),
-        sym.C: min(launch.vocab_block or DEFAULT_VOCAB_BLOCK, v_shard),
-        sym.beta: max(1, min(launch.bucket or DEFAULT_BUCKET, theta)), sym.S: launch.slots,
+        sym.c: min(launch.resolved("dispatch_cap"), N),
+        sym.C: min(launch.resolved("vocab_block"), v_shard),
+        sym.beta: max(1, min(launch.resolved("optimizer_bucket"), theta)), sym.S: launch.resolved("optimizer_slots"),
         sym.s_b: (shape.experts // E_p) if launch.borrowed_slots is None else launch.borrowed_slots,
         sym.R: (E_p if launch.routing == "worst" else 1) * N * max(shape.top_k, 1),
     }
@@ -508,7 +516,7 @@ def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied
     adamw = oa.reference_adamw_bound(mixed_precision=mixed) - 2 * Theta * b  # its master + moments, not weights/grads
     if "offload_adamw" in ops:
         out.append(("optimizer staging (OffloadStreamAdamW, S·β)", oa.offload_adamw_staging_bound(), "step",
-                    "a smaller bucket β (--bucket) or S = 1 (--slots)"))
+                    "a smaller bucket β (--optimizer-bucket) or S = 1 (--optimizer-slots)"))
         out.append(("optimizer state on host (fp32 master, exp_avg, exp_avg_sq)", oa.offload_adamw_host_bound(),
                     "host", "more ranks W or a larger host budget"))
     else:
@@ -586,7 +594,7 @@ def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied
         if "pipelined_llep" in ops:
             out.append(("expert dispatch (PipelinedLLEP, routing-independent)",
                         pl.pipelined_llep_bound(mixed_precision=mixed) - own_experts, "moe",
-                        "a smaller chunk cap c (--chunk-cap) or fewer borrowed slots s_b"))
+                        "a smaller chunk cap c (--dispatch-cap) or fewer borrowed slots s_b"))
         else:
             # torchtitan's GroupedExperts runs the expert MLP in bf16 whatever the parameters' dtype (it casts the
             # routed rows and the expert weights with .bfloat16()): standard_ep_bound counts the received rows and

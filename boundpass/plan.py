@@ -23,6 +23,7 @@ import torch
 
 from boundpass import composed, textwidth
 from boundpass.composed import Launch, ModelShape
+from boundpass.config import PLAN_BUDGET
 from boundpass.model_source import ModelSource, default_source
 from boundpass.plan_input import DTYPE_BYTES, OPERATORS, CostModel, PlanInput, make_input  # noqa: F401
 from boundpass.units import format_bytes, parse_bytes
@@ -113,8 +114,9 @@ def _share(term, table) -> float | None:
 
 def launch_of(inp: PlanInput, tokens_per_rank: int | None = None) -> Launch:
     return Launch(ranks=inp.ranks, ep=inp.ep, ring=inp.ring, tokens_per_rank=tokens_per_rank or inp.tokens_per_rank,
-                  operators=inp.operators, b=DTYPE_BYTES[inp.dtype], b_acc=4, chunk_cap=inp.chunk_cap,
-                  vocab_block=inp.vocab_block, bucket=inp.bucket, slots=inp.slots, routing=inp.routing)
+                  operators=inp.operators, b=DTYPE_BYTES[inp.dtype], b_acc=4, dispatch_cap=inp.dispatch_cap,
+                  vocab_block=inp.vocab_block, optimizer_bucket=inp.optimizer_bucket,
+                  optimizer_slots=inp.optimizer_slots, sco_max_layers=inp.sco_max_layers, routing=inp.routing)
 
 
 # ------------------------------------------------------------------------------------------- the model
@@ -315,15 +317,18 @@ def _fuse_unequal_head_dims(block: torch.nn.Module, attention_config) -> bool:
 
 # ------------------------------------------------------------------------------------------- plan
 def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None = None,
-         tokens_per_rank: int | None = None, context: int | None = None, global_batch: int = 1, budget="139GiB",
-         host_budget=None, operators=OPERATORS, dtype: str = "bf16", chunk_cap: int | None = None,
-         vocab_block: int | None = None, bucket: int | None = None, slots: int = 2, routing: str = "worst",
-         do_trace: bool = True, solve: bool = False, search: CostModel | bool | None = None,
+         tokens_per_rank: int | None = None, context: int | None = None, global_batch: int = 1, budget=PLAN_BUDGET,
+         host_budget=None, operators=OPERATORS, dtype: str = "bf16", dispatch_cap: int | None = None,
+         vocab_block: int | None = None, optimizer_bucket: int | None = None, optimizer_slots: int | None = None,
+         sco_max_layers: int | None = None, routing: str = "worst", do_trace: bool = True, solve: bool = False,
+         search: CostModel | bool | None = None,
          progress=None, source: ModelSource | None = None, trace_blocks: bool | None = None) -> PlanResult:
     """Compose the per-rank budget of (model, flavor) at this launch, trace it, and say whether it fits.
 
     budget / host_budget: per-rank bytes ("139GiB"; host None = unlimited). operators: any of ring_dtp,
     pipelined_llep, sco, offload_adamw (empty = the baseline: full logits, standard EP, no offload, ZeRO-3).
+    dispatch_cap, vocab_block, optimizer_bucket, optimizer_slots, sco_max_layers: boundpass.Config's knobs by the same
+    keywords (docs/config.md); None takes composed.Launch.resolved's value (defined in boundpass/config.py).
     solve: also find the largest context (or N) that fits. do_trace: trace torchtitan's blocks (fake tensors).
     search: True or a CostModel: choose (E_p, P, c, β, S, SCO subset) at the least predicted step time.
     progress: None, or called with one line per step (the CLI prints them to stderr).
@@ -336,8 +341,9 @@ def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None =
     start = time.perf_counter()
     inp = make_input(model, flavor, ranks=ranks, ep=ep, ring=ring, tokens_per_rank=tokens_per_rank,
                      context=context, global_batch=global_batch, budget=budget, host_budget=host_budget,
-                     operators=operators, dtype=dtype, chunk_cap=chunk_cap, vocab_block=vocab_block, bucket=bucket,
-                     slots=slots, routing=routing, source=source)
+                     operators=operators, dtype=dtype, dispatch_cap=dispatch_cap, vocab_block=vocab_block,
+                     optimizer_bucket=optimizer_bucket, optimizer_slots=optimizer_slots, sco_max_layers=sco_max_layers,
+                     routing=routing, source=source)
     source = source or default_source()
     model = inp.model  # the canonical family name (an alias resolved)
     # the blocks are traced in the launch's dtype
@@ -458,7 +464,7 @@ def step_seconds(shape: ModelShape, launch: Launch, context: int, cost: CostMode
     ep_link = cost.link_intra if E_p <= cost.gpus_per_node else cost.link_inter
     a2a = 6 * shape.moe_layers * N * shape.top_k * shape.hidden * b * (E_p - 1) / E_p / ep_link
     if "pipelined_llep" in ops:
-        chunks = -(-N // min(launch.chunk_cap or composed.DEFAULT_CHUNK_CAP, N))
+        chunks = -(-N // min(launch.resolved("dispatch_cap"), N))
         ep = a2a / chunks + 3 * shape.moe_layers * chunks * cost.chunk_latency
     else:
         ep = a2a
@@ -473,8 +479,8 @@ def step_seconds(shape: ModelShape, launch: Launch, context: int, cost: CostMode
     optimizer = 0.0
     if "offload_adamw" in ops:
         theta = -(-shape.params // W)
-        bucket = max(1, min(launch.bucket or composed.DEFAULT_BUCKET, theta))
-        optimizer = 12 * theta / cost.host_link * (1 if launch.slots >= 2 else 2) + \
+        bucket = max(1, min(launch.resolved("optimizer_bucket"), theta))
+        optimizer = 12 * theta / cost.host_link * (1 if launch.resolved("optimizer_slots") >= 2 else 2) + \
             -(-theta // bucket) * cost.bucket_latency
     parts = {"compute": compute, "ep": ep, "ring": ring, "zero3_exposed": zero3, "sco_exposed": sco_time,
              "optimizer": optimizer}
@@ -502,8 +508,9 @@ def search_knobs(inp: PlanInput, shape: ModelShape, cost: CostModel | None = Non
                 for bucket in (buckets if "offload_adamw" in inp.operators else [buckets[-1]]):
                     for slots in ((1, 2) if "offload_adamw" in inp.operators else (2,)):
                         for l_off in subsets:
-                            launch = dataclasses.replace(base, ep=ep, ring=ring, chunk_cap=cap, bucket=bucket,
-                                                         slots=slots, sco_max_layers=l_off)
+                            launch = dataclasses.replace(base, ep=ep, ring=ring, dispatch_cap=cap,
+                                                         optimizer_bucket=bucket, optimizer_slots=slots,
+                                                         sco_max_layers=l_off)
                             tried += 1
                             table = composed.compose(shape, launch, budget=inp.budget, host_budget=inp.host_budget,
                                                      fast=True)
@@ -519,8 +526,8 @@ def search_knobs(inp: PlanInput, shape: ModelShape, cost: CostModel | None = Non
         t, launch, _ = best
         exact = composed.compose(shape, launch, budget=inp.budget, host_budget=inp.host_budget)  # exact re-check
         if exact.fits():
-            out["best"] = {"knobs": {"E_p": launch.ep, "P": launch.ring, "c": launch.chunk_cap, "beta": launch.bucket,
-                                     "S": launch.slots, "sco_max_layers": launch.sco_max_layers},
+            knobs = ("ep", "ring", "dispatch_cap", "optimizer_bucket", "optimizer_slots", "sco_max_layers")
+            out["best"] = {"knobs": {name: getattr(launch, name) for name in knobs},
                            "step_seconds": t["total"], "parts": t, "peak_bytes": exact.total,
                            "host_bytes": exact.host_total}
     return out

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from boundpass.config import PLAN_BUDGET, config_from
 from boundpass.errors import BoundpassInputError
 from boundpass.model_source import ModelSource, default_source
-from boundpass.units import parse_bytes
 
 # the bounded operators a launch can switch on (boundpass/composed.py composes their terms)
 OPERATORS = ("ring_dtp", "pipelined_llep", "sco", "offload_adamw")
@@ -24,7 +24,8 @@ DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "fl
 
 @dataclass
 class PlanInput:
-    """Everything `plan` needs, validated before any model is built (units parsed into bytes / tokens)."""
+    """Everything `plan` needs, validated before any model is built (units parsed into bytes / tokens). The knobs
+    carry boundpass.Config's keyword names and defaults (None: composed.Launch.resolved's value)."""
     model: str
     flavor: str
     ranks: int
@@ -37,10 +38,11 @@ class PlanInput:
     dtype: str = "bf16"
     context: int | None = None
     global_batch: int | None = None
-    chunk_cap: int | None = None
+    dispatch_cap: int | None = None
     vocab_block: int | None = None
-    bucket: int | None = None
-    slots: int = 2
+    optimizer_bucket: int | None = None
+    optimizer_slots: int | None = None
+    sco_max_layers: int | None = None
     routing: str = "worst"
 
 
@@ -64,11 +66,18 @@ def _positive_int(name: str, value) -> int:
 
 def make_input(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None = None,
                tokens_per_rank: int | None = None, context: int | None = None, global_batch: int = 1,
-               budget="139GiB", host_budget=None, operators=OPERATORS, dtype: str = "bf16",
-               chunk_cap: int | None = None, vocab_block: int | None = None, bucket: int | None = None,
-               slots: int = 2, routing: str = "worst", source: ModelSource | None = None) -> PlanInput:
+               budget=PLAN_BUDGET, host_budget=None, operators=OPERATORS, dtype: str = "bf16",
+               dispatch_cap: int | None = None, vocab_block: int | None = None, optimizer_bucket: int | None = None,
+               optimizer_slots: int | None = None, sco_max_layers: int | None = None, routing: str = "worst",
+               source: ModelSource | None = None) -> PlanInput:
     """Validate and normalise plan inputs (raises BoundpassInputError naming what to change; builds nothing).
-    The model is given by its family name in the model source (an alias resolved: PlanInput.model is canonical)."""
+    The model is given by its family name in the model source (an alias resolved: PlanInput.model is canonical).
+    budget, host_budget and the knobs are boundpass.Config's, validated by it (boundpass/config.py)."""
+    knobs = config_from(budget=budget, host_budget=host_budget, dispatch_cap=dispatch_cap, vocab_block=vocab_block,
+                        optimizer_bucket=optimizer_bucket, optimizer_slots=optimizer_slots,
+                        sco_max_layers=sco_max_layers)
+    if knobs.budget is None:
+        raise BoundpassInputError(f"plan needs a device budget per rank (e.g. budget={PLAN_BUDGET!r})")
     model = check_model(model, flavor, source)
     ranks = _positive_int("ranks (W)", ranks)
     ep = _positive_int("ep (E_p)", ep)
@@ -93,10 +102,10 @@ def make_input(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | 
     ops = frozenset(operators)
     if ops - set(OPERATORS):
         raise BoundpassInputError(f"unknown operators {sorted(ops - set(OPERATORS))}; known: {', '.join(OPERATORS)}")
-    return PlanInput(model, flavor, ranks, ep, ring, tokens_per_rank, parse_bytes(budget, what="budget"),
-                     None if host_budget is None else parse_bytes(host_budget, what="host_budget"), ops, dtype,
-                     context, global_batch if context is not None else None, chunk_cap, vocab_block, bucket, slots,
-                     routing)
+    return PlanInput(model, flavor, ranks, ep, ring, tokens_per_rank, knobs.budget_bytes, knobs.host_budget_bytes, ops,
+                     dtype, context, global_batch if context is not None else None, dispatch_cap=dispatch_cap,
+                     vocab_block=vocab_block, optimizer_bucket=optimizer_bucket, optimizer_slots=optimizer_slots,
+                     sco_max_layers=sco_max_layers, routing=routing)
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ backward graphs, with each custom op's workspace in its knob's symbol. The devic
 
 with persistent state = parameters, buffers and optimizer state on this rank. The planner evaluates that
 expression, never a sum written elsewhere: SCO offloads the fewest checkpoint boundaries that make the step fit
-(sco="auto"; every boundary the host pool holds for sco=True), then each knob takes the widest value that still
-fits, but never past the knob's knee (the smallest value within a few percent of its best modelled time,
+(sco_enable="auto"; every boundary the host pool holds for sco_enable=True), then each knob takes the widest value
+that still fits, but never past the knob's knee (the smallest value within a few percent of its best modelled time,
 ``boundpass/cost_model.py``; docs/knobs.md), the user's value when given. The knobs of different ops sit at
 different program points, so each is chosen with the others at their narrowest. The planner writes the chosen values into the graphs' op nodes by
 argument name and raises InfeasibleBudgetError, before any real compute, when even the narrowest setting of
@@ -195,9 +195,9 @@ def sco_knob(plan, cert: StepCertificate, budget: int) -> Knob | None:
     """The SCO offload count as a knob, for explain: value, why and what the budget alone needs.
 
     The count's "knee" is the fewest boundaries (``cost_model.sco_knee``: offloading adds transfer time that
-    recompute does not hide, and never saves any), so sco="auto" offloads more only when the budget requires it:
+    recompute does not hide, and never saves any), so sco_enable="auto" offloads more only when the budget requires it:
     why = "knee" when nothing is offloaded, "budget" when the budget needed ``value`` (the fewest of the counts
-    tried that fit), "user" for sco=True (every boundary the host pool holds) and sco=False (none).
+    tried that fit), "user" for sco_enable=True (every boundary the host pool holds) and False (none).
     ``widest_fitting`` here is the fewest offloaded boundaries that fit among the counts the planner tried
     (None: none fit, or only the user's count was tried).
     """

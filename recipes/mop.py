@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from boundpass.config import PLAN_DISPATCH_CAP, DispatchConfig, VocabConfig
 from boundpass.errors import BoundpassInputError
 from boundpass.recipes.models import MODELS, apply_cpu_device_fix, debug_moe_config
 from boundpass.runtime.pipelined_llep import pipelined_llep
@@ -44,26 +45,28 @@ apply_cpu_device_fix()
 from torchtitan.protocols.module import Module as TorchtitanModule  # noqa: E402
 
 __all__ = ["mop_config", "build_model", "apply_seq_to_head", "apply_pipelined_llep", "prepare_mop", "finish_mop", "parallelize_mop",
-           "mop_loss", "shard_batch", "attention_heads", "MoPOptions", "DEFAULT_CHUNK_CAP"]
-
-DEFAULT_CHUNK_CAP = 4096  # c: tokens per source rank per PipelinedLLEP chunk (the composed budget's default)
+           "mop_loss", "shard_batch", "attention_heads", "MoPOptions"]
 
 
 @dataclass(frozen=True)
 class MoPOptions:
     """Which parts of the layout are on. The defaults are the plain layout (torchtitan's EP dispatcher and
-    full-logits head); ``pipelined_llep`` / ``ring_dtp`` switch the two bounded operators on."""
+    full-logits head); ``pipelined_llep`` / ``ring_dtp`` switch the two bounded operators on. ``dispatch_cap`` and
+    ``vocab_block`` are boundpass.Config's knobs by the same names, validated by it (boundpass/config.py)."""
     sequence_to_head: bool = True
     pipelined_llep: bool = False
-    chunk_cap: int = DEFAULT_CHUNK_CAP
+    dispatch_cap: int | None = None  # PipelinedLLEP chunk cap c (None: config.PLAN_DISPATCH_CAP, no planner here)
     ring_dtp: bool = False
-    vocab_block: int = 0  # Ring-DTP strip width C (0: the runtime's default)
+    vocab_block: int | None = None  # Ring-DTP strip width C (None: the whole local vocab shard, the runtime's default)
 
     def __post_init__(self):
-        if self.chunk_cap < 1:
-            raise BoundpassInputError(f"MoP: the PipelinedLLEP chunk cap must be >= 1 token, got {self.chunk_cap}")
-        if self.vocab_block < 0:
-            raise BoundpassInputError(f"MoP: the Ring-DTP strip width must be >= 0, got {self.vocab_block}")
+        DispatchConfig(cap=self.dispatch_cap)
+        VocabConfig(block=self.vocab_block)
+
+    @property
+    def cap(self) -> int:
+        """The chunk cap PipelinedLLEP runs with."""
+        return PLAN_DISPATCH_CAP if self.dispatch_cap is None else self.dispatch_cap
 
 
 @dataclass
@@ -223,7 +226,7 @@ def prepare_mop(model: torch.nn.Module, dims, options: MoPOptions) -> MoPState:
     if options.sequence_to_head:
         apply_seq_to_head(model, dims.get_mesh("fsdp").get_group())
     if options.pipelined_llep:
-        state.dispatch = apply_pipelined_llep(model, options.chunk_cap)
+        state.dispatch = apply_pipelined_llep(model, options.cap)
     if options.ring_dtp:
         if getattr(model, "lm_head", None) is None:
             raise BoundpassInputError("MoP ring_dtp: the model has no lm_head to shard")
@@ -252,19 +255,19 @@ def finish_mop(model: torch.nn.Module, dims, state: MoPState) -> None:
 
 
 def parallelize_mop(model: torch.nn.Module, cfg, *, world: int, ac_config=None, sequence_to_head: bool = True,
-                    pipelined_llep: bool = False, chunk_cap: int = DEFAULT_CHUNK_CAP, ring_dtp: bool = False,
-                    vocab_block: int = 0):
+                    pipelined_llep: bool = False, dispatch_cap: int | None = None, ring_dtp: bool = False,
+                    vocab_block: int | None = None):
     """Apply the MoP layout to a materialised model (same values on every rank); returns (model, parallel_dims).
 
     torchtitan's own parallelize function does EP + FSDP2; around it this adds sequence-to-head attention, the
-    sum-reduction of gradients and, if asked, PipelinedLLEP dispatch (cap ``chunk_cap``) and the Ring-DTP head
+    sum-reduction of gradients and, if asked, PipelinedLLEP dispatch (cap ``dispatch_cap``) and the Ring-DTP head
     (train with ``mop_loss(model, parallel_dims)``). ``ac_config``: torchtitan's activation checkpointing config
     (e.g. ``FullAC.Config()``), applied by the same parallelize function; None: off. Compile stays off.
     """
     import torch.distributed as dist
     from torchtitan.distributed import ParallelDims
 
-    options = MoPOptions(sequence_to_head=sequence_to_head, pipelined_llep=pipelined_llep, chunk_cap=chunk_cap,
+    options = MoPOptions(sequence_to_head=sequence_to_head, pipelined_llep=pipelined_llep, dispatch_cap=dispatch_cap,
                          ring_dtp=ring_dtp, vocab_block=vocab_block)
     if not dist.is_initialized() or dist.get_world_size() != world:
         raise BoundpassInputError(f"parallelize_mop needs an initialised process group of {world} ranks")
@@ -297,7 +300,7 @@ def mop_loss(model: torch.nn.Module, dims=None, *, vocab_block: int | None = Non
     if not isinstance(head, RingDTPHead):
         return torchtitan_loss()
     state = getattr(model, "_mop", None)
-    block = vocab_block if vocab_block is not None else (state.options.vocab_block if state else 0)
+    block = vocab_block if vocab_block is not None else (state.options.vocab_block if state else None)
     group = head.mesh.get_group() if head.mesh.size() > 1 else None
 
     def loss_fn(pred, labels, global_valid_tokens=None, **kwargs):
@@ -306,7 +309,7 @@ def mop_loss(model: torch.nn.Module, dims=None, *, vocab_block: int | None = Non
         if w.dtype != pred.dtype:  # FSDP2 mixed precision: the trunk computes in param_dtype, and so does the head
             w = w.to(pred.dtype)   # (as FSDP2 would cast lm_head's weight; the gradient comes back in w's dtype)
         total = ring_dtp_loss(pred.reshape(-1, pred.shape[-1]), w, labels.reshape(-1), vocab_size=head.vocab_size,
-                              group=group, block=block, ignore_index=ignore_index)
+                              group=group, block=block or 0, ignore_index=ignore_index)
         return (total / global_valid_tokens if global_valid_tokens is not None else total), {}
     return loss_fn
 

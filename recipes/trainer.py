@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from boundpass.config import Config
 from boundpass.errors import BoundpassError, BoundpassInputError, InfeasibleBudgetError
 from boundpass.units import format_bytes
 
@@ -49,36 +50,18 @@ from torchtitan.trainer import Trainer
 
 
 @dataclass(kw_only=True, slots=True)
-class BoundpassConfig:
-    """The `--boundpass.*` section. boundpass is on iff `budget` is set and `enable` is true."""
+class BoundpassConfig(Config):
+    """The `--boundpass.*` section: boundpass.Config (every knob by its one name, `--boundpass.<section>.<field>`:
+    `--boundpass.budget 2GiB`, `--boundpass.vocab.block 256`, `--boundpass.optimizer.offload True`; docs/config.md)
+    and the recipe's own fields below. boundpass is on iff `budget` is set and `enable` is true."""
 
     enable: bool = True
     """Master switch; `--boundpass.no-enable` trains as stock torchtitan even with a budget."""
-    budget: str | None = None
-    """Per-rank device budget ("2GiB", "700MiB", bytes). None: boundpass off (stock torchtitan)."""
-    host_budget: str | None = None
-    """Per-rank host budget for offloaded optimizer state and SCO's boundary pool (None: unchecked)."""
-    sco: Literal["auto", "true", "false"] = "auto"
-    """SCO of the blocks' checkpoint boundaries (per-block compile with activation checkpointing): auto (the fewest
-    blocks, a forward prefix, whose offload makes the step fit), true (every block the host pool takes), false."""
-    vocab: bool = True
-    """Ring-DTP vocab rewrite of lm_head -> cross-entropy (replaces ChunkedLossWrapper by its inner CE loss)."""
-    vocab_block: int | None = None
-    """Ring-DTP strip width C (None: the widest that fits the budget)."""
-    max_tokens_per_rank: int | None = None
-    """Largest token count N any rank holds at the vocab projection (None: this rank's)."""
-    offload_optimizer: Literal["auto", "true", "false"] = "auto"
-    """OffloadStreamAdamW swap: auto (when AdamW moments do not fit), true (always), false (never)."""
-    optimizer_bucket: int | None = None
-    """OffloadStreamAdamW bucket size in elements (None: the largest that fits)."""
-    optimizer_slots: int | None = None
-    """OffloadStreamAdamW staging slots (None: 2, or 1 when two do not fit)."""
-    inner: Literal["aot_eager", "inductor"] = "aot_eager"
-    """Kernels after boundpass's rewrite: eager (aot_eager) or Inductor."""
     capture: Literal["auto", "head", "model"] = "auto"
     """What boundpass.compile captures. "model": the whole model + loss (fullgraph; only for a model that is
     not FSDP2-wrapped). "head": lm_head -> loss as one graph while torchtitan runs the trunk as it always does
-    (the only way to keep the vocab region in one graph under FSDP2). "auto": "head" when FSDP2-wrapped."""
+    (the only way to keep the vocab region in one graph under FSDP2). "auto": "head" when FSDP2-wrapped.
+    `--boundpass.vocab.enable False` also replaces ChunkedLossWrapper by nothing: the loss stays torchtitan's."""
     blocks: bool = True
     """Compile every TransformerBlock through boundpass (torchtitan's per-block compile with boundpass as its backend:
     dispatch -> PipelinedLLEP, checkpoint boundaries -> SCO, each block graph checked against the whole step's
@@ -99,12 +82,13 @@ class BoundpassConfig:
     attention, FSDP2 dense weights, EP experts); boundpass.compile stays off, a budget is checked against the
     composed per-rank budget before anything is materialised (docs/recipe.md)."""
     mop_pipelined_llep: bool = False
-    """MoP layout: expert dispatch through PipelinedLLEP (chunk cap `chunk_cap`) instead of torchtitan's EP
-    all-to-all dispatcher (refused for experts other than torchtitan's bias-free SwiGLU ones, e.g. gpt_oss)."""
+    """MoP layout: expert dispatch through PipelinedLLEP (chunk cap `--boundpass.dispatch.cap`, default
+    config.PLAN_DISPATCH_CAP) instead of torchtitan's EP all-to-all dispatcher (refused for experts other than
+    torchtitan's bias-free SwiGLU ones, e.g. gpt_oss). The layout's own switch: off by default, where
+    `dispatch.enable` (boundpass.compile's rewrite) is on."""
     mop_ring_dtp: bool = False
-    """MoP layout: lm_head vocab-sharded over the W ranks (outside FSDP2) and the loss run as Ring-DTP."""
-    chunk_cap: int = 4096
-    """MoP layout: PipelinedLLEP chunk cap c (tokens per source rank per chunk)."""
+    """MoP layout: lm_head vocab-sharded over the W ranks (outside FSDP2) and the loss run as Ring-DTP (strip width
+    `--boundpass.vocab.block`, default the whole local shard). The layout's own switch, off by default."""
 
     @property
     def active(self) -> bool:
@@ -142,7 +126,7 @@ class BoundpassTrainer(Trainer):
         self.mop_state = None
         self.peaks: list[tuple[int, int]] = []  # (step, measured allocator peak bytes) with --boundpass.measure_peak
         bp = config.boundpass
-        if bp.active and bp.vocab and isinstance(config.loss, ChunkedLossWrapper.Config):
+        if bp.active and bp.vocab.enable and isinstance(config.loss, ChunkedLossWrapper.Config):
             config.loss = config.loss.loss_fn  # see the module docstring: a chunked eager backward cannot be captured
         self.block_backend = self._prepare_block_compile(config) if bp.active else None
         if bp.mop:
@@ -184,7 +168,7 @@ class BoundpassTrainer(Trainer):
                     "cannot hold torchtitan's per-block compile (--compile.enable) inside it; drop --compile.enable, "
                     "or use --boundpass.capture auto (every block compiled through boundpass, the head captured)")
             return None
-        if not bp.blocks or not bp.vocab:
+        if not bp.blocks or not bp.vocab.enable:
             return None
         if not (compile_config.enable or _world_size() > 1):
             return None  # one rank, not compiled: "auto" captures the whole model in one graph
@@ -218,9 +202,9 @@ class BoundpassTrainer(Trainer):
             raise ValueError("boundpass recipe: --boundpass.capture model needs a model that is not FSDP2-wrapped "
                              "(FSDP2's hooks break the graph between lm_head and the loss, so the vocab region "
                              "would not be rewritten); use --boundpass.capture head (the default here)")
-        if capture == "head" and not bp.vocab:
+        if capture == "head" and not bp.vocab.enable:
             raise ValueError("boundpass recipe: --boundpass.capture head only captures the vocab region; it needs "
-                             "--boundpass.vocab")
+                             "--boundpass.vocab.enable True")
         if self.block_backend is not None and capture != "head":
             raise BoundpassInputError("boundpass recipe: per-block compile needs --boundpass.capture head or auto")
         self.capture = capture
@@ -229,14 +213,10 @@ class BoundpassTrainer(Trainer):
             target = VocabHead(model)
         else:
             target = model
-        offload = {"auto": "auto", "true": True, "false": False}[bp.offload_optimizer]
         before = list(self.optimizers.optimizers)
-        self.bounded = boundpass.compile(
-            target, budget=bp.budget, host_budget=bp.host_budget,
-            loss_fn=self.loss_fn if bp.vocab else None,
-            vocab_block=bp.vocab_block, max_tokens_per_rank=bp.max_tokens_per_rank,
-            optimizer=self.optimizers, offload_optimizer=offload, optimizer_bucket=bp.optimizer_bucket,
-            optimizer_slots=bp.optimizer_slots, inner=bp.inner, fullgraph=True)
+        # the section is a boundpass.Config: compile reads every knob from it (the recipe's own fields are dropped)
+        self.bounded = boundpass.compile(target, bp, loss_fn=self.loss_fn if bp.vocab.enable else None,
+                                         optimizer=self.optimizers, fullgraph=True)
         plan = self.bounded.optimizer_plan
         if self.block_backend is not None:
             from boundpass.block_compile import CompiledBlocks
@@ -245,9 +225,8 @@ class BoundpassTrainer(Trainer):
             # one whose buffers die with the call, so the step's peak is the one the composition counts
             released = install_releasing_reduce_scatter(model) if self.fsdp_wrapped else 0
             self.blocks = CompiledBlocks(
-                model, list(model.layers.values()), budget=self.bounded.budget, host_budget=self.bounded.host_budget,
-                state_terms=self.bounded.state_terms, optimizer_plan=plan, inner=self.block_inner,
-                max_tokens_per_rank=bp.max_tokens_per_rank, sco={"auto": "auto", "true": True, "false": False}[bp.sco])
+                model, list(model.layers.values()), dataclasses.replace(self.bounded.config, inner=self.block_inner),
+                state_terms=self.bounded.state_terms, optimizer_plan=plan)
             self.blocks.check_tail()  # the backward's tail needs no graph: checked here, before step 1
             self.block_backend.target = self.blocks
             self.bounded.trunk = self.blocks  # the head runs with every block's saved tensors held
@@ -258,7 +237,7 @@ class BoundpassTrainer(Trainer):
         if plan is not None and list(self.optimizers.optimizers) != before:
             self._repoint_at_swapped_optimizers()
         self.metrics_processor.optimizers = self.optimizers
-        logger.info(f"[boundpass] on: budget {bp.budget}, vocab rewrite {'on' if bp.vocab else 'off'}, "
+        logger.info(f"[boundpass] on: budget {bp.budget}, vocab rewrite {'on' if bp.vocab.enable else 'off'}, "
                     f"capture={capture}{' (model is FSDP2-wrapped)' if self.fsdp_wrapped else ''}, optimizer: "
                     f"{plan.reason if plan else 'not given'}")
 
@@ -271,15 +250,15 @@ class BoundpassTrainer(Trainer):
         bp = config.boundpass
         world = _world_size()
         check_mop_launch(config, world)
-        options = MoPOptions(pipelined_llep=bp.mop_pipelined_llep, chunk_cap=bp.chunk_cap, ring_dtp=bp.mop_ring_dtp,
-                             vocab_block=bp.vocab_block or 0)
+        options = MoPOptions(pipelined_llep=bp.mop_pipelined_llep, dispatch_cap=bp.dispatch.cap,
+                             ring_dtp=bp.mop_ring_dtp, vocab_block=bp.vocab.block)
         if options.ring_dtp and isinstance(config.loss, ChunkedLossWrapper.Config):
             # the model's head becomes the identity and mop_loss runs projection + CE as Ring-DTP: the chunked
             # wrapper (which calls lm_head itself) must not be set up by torchtitan
             config.loss = config.loss.loss_fn
         original = config.model_spec.parallelize_fn
         self.mop_budget = self.mop_bucket = None
-        self.mop_offload = bp.offload_optimizer == "true"  # without a budget, "auto" keeps AdamW on the device
+        self.mop_offload = bp.optimizer.offload is True  # without a budget, "auto" keeps AdamW on the device
 
         def parallelize_under_mop(model, *, parallel_dims, **kwargs):
             if bp.budget is not None:  # model still on meta: nothing of size has been allocated
@@ -326,7 +305,7 @@ class BoundpassTrainer(Trainer):
             self._offload_optimizer_under_mop(config.boundpass)
         state = self.mop_state
         world = self.parallel_dims.world_size
-        dispatch = (f"PipelinedLLEP c={state.options.chunk_cap}" if state.options.pipelined_llep else "torchtitan EP")
+        dispatch = (f"PipelinedLLEP c={state.options.cap}" if state.options.pipelined_llep else "torchtitan EP")
         logger.info(f"[boundpass] MoP layout: W={world} ranks share each batch of {training.local_batch_size} x "
                     f"{training.seq_len} tokens ({training.seq_len // world} per sequence per rank; torchtitan's "
                     f"'global batch size' above counts W replicas; {self.gradient_accumulation_steps} batch(es) per "
@@ -344,11 +323,10 @@ class BoundpassTrainer(Trainer):
         schedulers hold the old optimizers, so they are rebuilt and the checkpointer re-pointed."""
         import importlib
 
-        composed = importlib.import_module("boundpass.composed")
         oa = importlib.import_module("boundpass.runtime.offload_adamw")
-        bucket = self.mop_bucket or bp.optimizer_bucket or composed.DEFAULT_BUCKET  # the budgeted β when checked
-        oa.offload_optimizers_container(self.optimizers, bucket_params=bucket,
-                                        staging_slots=bp.optimizer_slots or composed.DEFAULT_SLOTS)
+        # the budgeted β when checked, else the knobs (None: OffloadStreamAdamW's defaults, from boundpass/config.py)
+        oa.offload_optimizers_container(self.optimizers, bucket_params=self.mop_bucket or bp.optimizer.bucket,
+                                        staging_slots=bp.optimizer.slots)
         self._repoint_at_swapped_optimizers()
         self.metrics_processor.optimizers = self.optimizers
 
@@ -614,15 +592,15 @@ def check_mop_launch(config: Trainer.Config, world: int) -> None:
 
 def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
     """(composed per-rank budget of this MoP launch, OffloadStreamAdamW bucket β or None, whether AdamW's state goes
-    to the host), read off the model built on meta (boundpass.composed; `--boundpass.offload_optimizer` auto / true
-    / false decides the offload_adamw operator as boundpass.compile does); InfeasibleBudgetError naming the binding
+    to the host), read off the model built on meta (boundpass.composed; `--boundpass.optimizer.offload` auto / True
+    / False decides the offload_adamw operator as boundpass.compile does); InfeasibleBudgetError naming the binding
     term when it does not fit. Known gap: docs/recipe.md (the embedding's unsharded gradient at a large vocab)."""
     import importlib
 
     from boundpass.bounds import largest_fitting
-    from boundpass.units import parse_bytes
     # the modules: `boundpass.plan` is also the name of a function boundpass re-exports
     composed, plan = importlib.import_module("boundpass.composed"), importlib.import_module("boundpass.plan")
+    oa = importlib.import_module("boundpass.runtime.offload_adamw")
 
     bp, training = config.boundpass, config.training
     layers = config.model_spec.model.layers
@@ -632,8 +610,7 @@ def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
     base = frozenset(name for name, on in (("ring_dtp", options.ring_dtp),
                                            ("pipelined_llep", options.pipelined_llep)) if on)
 
-    budget = parse_bytes(bp.budget)
-    host_budget = parse_bytes(bp.host_budget) if bp.host_budget else None
+    budget, host_budget = bp.budget_bytes, bp.host_budget_bytes
 
     def launch(offload: bool, bucket: int | None = None):
         return composed.Launch(
@@ -643,25 +620,25 @@ def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
             # (only the gathered copies are bf16), and the composed budget counts both at b (b = 2 would undercount
             # them); activations are then counted at 4 bytes where torchtitan holds 2 (conservative there)
             b=4, b_acc=4,
-            chunk_cap=options.chunk_cap if options.pipelined_llep else None,
+            dispatch_cap=options.cap if options.pipelined_llep else None,
             # Ring-DTP's runtime strip is the whole local vocab shard unless a width is given
             vocab_block=(options.vocab_block or shape.vocab // world) if options.ring_dtp else None,
-            bucket=bucket, slots=bp.optimizer_slots or composed.DEFAULT_SLOTS)
+            optimizer_bucket=bucket, optimizer_slots=bp.optimizer.slots)
 
     def offloaded():
-        bucket = bp.optimizer_bucket
+        bucket = bp.optimizer.bucket
         if bucket is None:  # the largest β (up to the composed default) whose staging fits, as boundpass.compile
-            bucket = largest_fitting(1, composed.DEFAULT_BUCKET, lambda beta: composed.compose(
+            bucket = largest_fitting(1, oa.DEFAULT_BUCKET, lambda beta: composed.compose(
                 shape, launch(True, beta), budget=budget, host_budget=host_budget, fast=True).fits())
             bucket = bucket or 1  # nothing fits: the check below names what binds at the smallest bucket
         return composed.check(shape, launch(True, bucket), budget=budget, host_budget=host_budget), bucket
 
-    if bp.offload_optimizer == "true":
+    if bp.optimizer.offload is True:
         return (*offloaded(), True)
     try:
         return composed.check(shape, launch(False), budget=budget, host_budget=host_budget), None, False
     except InfeasibleBudgetError:
-        if bp.offload_optimizer == "false":
+        if bp.optimizer.offload is False:
             raise
         # "auto": AdamW's state on the host when that makes it fit; if it still does not, the error names what
         # binds with the state already offloaded

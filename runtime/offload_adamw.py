@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from boundpass import symbols as sym
+from boundpass.config import OPTIMIZER_SLOTS, OPTIMIZER_STAGING_BYTES
 from boundpass.errors import BoundpassInputError
 
 __all__ = ["OffloadStreamAdamW", "DEFAULT_STAGING_BYTES", "DEFAULT_SLOTS", "DEFAULT_BUCKET", "default_bucket",
@@ -37,9 +38,10 @@ _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 # staging's device bytes during step(), offload_adamw_staging_bound() = 16·S·β. 512 MiB = S = 2 slots of
 # β = 2^24 elements: the widest bucket boundpass.compile chooses (a wider one only adds staging bytes), and a
 # transient small beside the 16·Θ bytes torch AdamW keeps resident for a model large enough to need offloading
-# (Θ ≥ 2^25). Every other default of β and S (compile, plan, the recipe) is derived from these two constants.
-DEFAULT_STAGING_BYTES = 512 << 20
-DEFAULT_SLOTS = 2  # S: one bucket's copies overlap the next bucket's update (CUDA streams)
+# (Θ ≥ 2^25). Both are defined once, in boundpass/config.py (optimizer.slots / optimizer.bucket left at None); every
+# other default of β (plan, the composed budget, the MoP recipe) is derived from them here.
+DEFAULT_STAGING_BYTES = OPTIMIZER_STAGING_BYTES
+DEFAULT_SLOTS = OPTIMIZER_SLOTS  # S: one bucket's copies overlap the next bucket's update (CUDA streams)
 _SLOT_BYTES_PER_ELEMENT = 4 * 4  # master, exp_avg, exp_avg_sq, fp32 grad: offload_adamw_staging_bound() / (S·β)
 
 

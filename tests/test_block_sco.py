@@ -3,7 +3,7 @@ runtime/sco.py BlockSCO), on one process: a plain-PyTorch trunk of checkpointed 
 own with ``CompiledBlocks.backend`` as torchtitan's apply_compile does. Each block's checkpoint boundary is its graph
 input; one graph serves every block; the shared runtime offloads a forward prefix of the blocks and prefetches
 block l-1's boundary while block l's backward runs. Checked: loss and every gradient bitwise equal to the
-uncompiled model's, the runtime's log (what was offloaded, kept, prefetched), sco="auto" offloading the fewest
+uncompiled model's, the runtime's log (what was offloaded, kept, prefetched), sco_enable="auto" offloading the fewest
 blocks that make the budget fit, and the allocator's peak of the whole step under the certified peak.
 """
 import copy
@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from boundpass.block_compile import CompiledBlocks
 from boundpass.compiler import _state_terms
+from boundpass.config import Config
 from boundpass.errors import InfeasibleBudgetError
 from boundpass.testing.whole_step import allocator_peak_of
 
@@ -47,11 +48,10 @@ class Trunk(nn.Module):
         return (h * w).sum()
 
 
-def _compiled(model, *, budget=2**30, host_budget=None, sco=True):
-    terms, _ = _state_terms(model, None, budget=budget, host_budget=host_budget, offload=False, bucket=None,
-                            slots=None)
-    blocks = CompiledBlocks(model, list(model.layers), budget=budget, host_budget=host_budget, state_terms=terms,
-                            optimizer_plan=None, inner="aot_eager", sco=sco, dispatch=False)
+def _compiled(model, *, budget=2**30, host_budget=None, sco_enable=True):
+    config = Config(budget=budget, host_budget=host_budget, sco={"enable": sco_enable}, dispatch={"enable": False})
+    terms, _ = _state_terms(model, None, budget=budget, host_budget=host_budget, knobs=config.optimizer)
+    blocks = CompiledBlocks(model, list(model.layers), config, state_terms=terms, optimizer_plan=None)
     for block in model.layers:
         block.compile(backend=blocks.backend, fullgraph=True)
     return blocks
@@ -81,7 +81,7 @@ def models():
 
 def test_every_block_offloaded_exact_and_prefetched(models):
     ref, model, x = models
-    blocks = _compiled(model, sco=True)
+    blocks = _compiled(model, sco_enable=True)
     for step in range(2):
         want_loss, want_grads = _step(ref, None, *x)
         if blocks.sco_runtime is not None:  # created at the first block graph's compile
@@ -119,11 +119,11 @@ def _certified_and_measured(model, blocks, x):
 def test_auto_offloads_the_fewest_blocks_that_fit_and_the_step_stays_under_its_certificate(models):
     ref, model, x = models
     kept_model, all_model = copy.deepcopy(ref), copy.deepcopy(ref)
-    kept, _, _ = _certified_and_measured(kept_model, _compiled(kept_model, sco=False), x)
-    every, _, _ = _certified_and_measured(all_model, _compiled(all_model, sco=True), x)
+    kept, _, _ = _certified_and_measured(kept_model, _compiled(kept_model, sco_enable=False), x)
+    every, _, _ = _certified_and_measured(all_model, _compiled(all_model, sco_enable=True), x)
     assert every < kept - N * H * 4  # offloading saves at least one boundary of the step's peak
     budget = (kept + every) // 2
-    blocks = _compiled(model, budget=budget, sco="auto")
+    blocks = _compiled(model, budget=budget, sco_enable="auto")
     certified, host, measured = _certified_and_measured(model, blocks, x)
     trials = blocks.certificates[0].sco_trials  # offloaded count -> certified peak, as the planner tried them
     count = blocks.sco_count
@@ -142,9 +142,9 @@ def test_auto_offloads_the_fewest_blocks_that_fit_and_the_step_stays_under_its_c
 def test_a_budget_that_offloading_every_block_cannot_meet_is_refused_before_the_block_runs(models):
     ref, model, x = models
     kept_model = copy.deepcopy(ref)
-    full, _, _ = _certified_and_measured(kept_model, _compiled(kept_model, sco=False), x)
+    full, _, _ = _certified_and_measured(kept_model, _compiled(kept_model, sco_enable=False), x)
     boundary = N * H * 4
-    blocks = _compiled(model, budget=full - (L + 1) * boundary, sco="auto")
+    blocks = _compiled(model, budget=full - (L + 1) * boundary, sco_enable="auto")
     with pytest.raises(Exception) as err:  # raised inside Dynamo's backend (the trainer unwraps it)
         _step(model, blocks, *x)
     inner = getattr(err.value, "inner_exception", err.value)

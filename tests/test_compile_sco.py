@@ -1,4 +1,4 @@
-"""boundpass.compile(..., host_budget=, sco=): checkpoint-boundary offload inside compiled graphs.
+"""boundpass.compile(..., host_budget=, sco_enable=): checkpoint-boundary offload inside compiled graphs.
 
 Exactness: SCO vs the same compiled model without SCO is bit-equal (the recomputation reads a bitwise copy);
 vs the uncompiled model within the state tolerance of aot_autograd's decompositions. Device bytes are MEASURED
@@ -88,12 +88,13 @@ def model_runs(request):
     H = base.tok_embeddings.embedding_dim
     boundary = SEQ * H * 4
     runs = {}
-    # the compiled reference without SCO: sco=False, or (cheaper, one compile less) sco=True with a host budget
+    # the compiled reference without SCO: sco_enable=False, or (cheaper, one compile less) sco_enable=True with a
+    # host budget
     # that fits no boundary, which leaves the graphs untouched
     for count in ((None,) if 0 not in counts else ()) + counts:
         torch._dynamo.reset()
         model = copy.deepcopy(base)
-        compiled = boundpass.compile(model, budget="8GiB", loss_fn=_square_loss, sco=count is not None,
+        compiled = boundpass.compile(model, budget="8GiB", loss_fn=_square_loss, sco_enable=count is not None,
                                      host_budget=None if count is None else max(count * boundary, boundary - 1))
         steps = _run(compiled, model, batches, lambda: compiled.sco_plans[-1].runtime if compiled.sco_plans else None)
         if not runs:  # the compiled reference: vs uncompiled, then its grads are what every SCO run must equal
@@ -120,7 +121,7 @@ def test_exact_plan_window_bound_and_no_leaks(model_runs):
     m = model_runs
     off = m["runs"][None if None in m["runs"] else 0]
     if None in m["runs"]:
-        assert not off["plan"].regions and off["plan"].reason == "off (sco=False)"
+        assert not off["plan"].regions and off["plan"].reason == "off (sco_enable=False)"
     else:
         assert off["plan"].runtime is None and not off["plan"].rewritten  # nothing offloaded: graphs untouched
     for step in off["steps"]:  # compiled vs uncompiled: decomposition rounding only
@@ -211,7 +212,7 @@ def test_no_reordering_can_hoist_a_reload_past_the_window(monkeypatch, ordered):
     model = _mlp(layers, width)
     reference = copy.deepcopy(model)
     x = torch.randn(rows, width)
-    compiled = boundpass.compile(model, budget="1GiB", loss_fn=_square_loss, sco=True,
+    compiled = boundpass.compile(model, budget="1GiB", loss_fn=_square_loss, sco_enable=True,
                                  host_budget=layers * rows * width * 4)
     compiled(x).backward()
     runtime = compiled.sco_plans[-1].runtime
@@ -232,7 +233,7 @@ def test_inductor_schedule_keeps_each_reload_after_the_previous_boundary_dies(tm
     layers, width, rows = 3, 8, 4
     model = _mlp(layers, width)
     x = torch.randn(rows, width)
-    compiled = boundpass.compile(model, budget="1GiB", loss_fn=_square_loss, sco=True, inner="inductor",
+    compiled = boundpass.compile(model, budget="1GiB", loss_fn=_square_loss, sco_enable=True, inner="inductor",
                                  host_budget=layers * rows * width * 4)
     _, codes = run_and_get_code(lambda: compiled(x).backward())
     runtime = compiled.sco_plans[-1].runtime
@@ -257,7 +258,7 @@ def _certified_total(layers, width, rows, offloaded):
     """The certified step peak of the MLP with exactly ``offloaded`` boundaries on the host (bytes)."""
     boundary = rows * width * 4
     model = _mlp(layers, width)
-    compiled = boundpass.compile(model, budget="1GiB", loss_fn=_square_loss, sco=offloaded > 0,
+    compiled = boundpass.compile(model, budget="1GiB", loss_fn=_square_loss, sco_enable=offloaded > 0,
                                  host_budget=max(offloaded * boundary, 1))
     compiled(torch.randn(rows, width)).backward()
     assert compiled.sco_plans[-1].offloaded == offloaded
@@ -281,7 +282,7 @@ def test_explain_and_auto_offloads_only_what_the_device_budget_needs():
 
 def test_no_checkpointed_blocks_is_explained():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
-    compiled = boundpass.compile(model, budget="1GiB", loss_fn=_square_loss, host_budget="1MiB", sco=True)
+    compiled = boundpass.compile(model, budget="1GiB", loss_fn=_square_loss, host_budget="1MiB", sco_enable=True)
     compiled(torch.randn(2, 8)).backward()
     assert "no checkpointed blocks" in flat(boundpass.explain(compiled).text("none"))
 
@@ -290,7 +291,7 @@ def test_infeasible_device_budget_names_the_peak_and_its_knob():
     layers, width, rows = 4, 64, 1024  # boundaries (256 KiB) dominate the weights (16 KiB)
     every = _certified_total(layers, width, rows, layers)
     model = _mlp(layers, width)
-    compiled = boundpass.compile(model, budget=every - 1, loss_fn=_square_loss, host_budget="1GiB", sco=True)
+    compiled = boundpass.compile(model, budget=every - 1, loss_fn=_square_loss, host_budget="1GiB", sco_enable=True)
     with pytest.raises(boundpass.InfeasibleBudgetError) as info:
         compiled(torch.randn(rows, width))
     # every boundary is already on the host: more offload cannot help, so it is not offered
@@ -309,8 +310,8 @@ def test_infeasible_host_budget_names_the_host_budget_knob():
 
 
 def test_bad_sco_value():
-    with pytest.raises(boundpass.BoundpassInputError, match="sco must be one of"):
-        boundpass.compile(torch.nn.Linear(2, 2), budget="1GiB", sco="yes")
+    with pytest.raises(boundpass.BoundpassInputError, match="sco.enable"):
+        boundpass.compile(torch.nn.Linear(2, 2), budget="1GiB", sco_enable="yes")
 
 
 @pytest.mark.parametrize("roomy", [True, False])
@@ -325,7 +326,7 @@ def test_unmatched_regions_are_kept_noted_and_rebudgeted(monkeypatch, roomy):
     model = _mlp(layers, width)
     state = 2 * sum(p.numel() * 4 for p in model.parameters())
     compiled = boundpass.compile(model, budget="1GiB" if roomy else every, loss_fn=_square_loss,
-                                 host_budget=layers * boundary, sco=True)
+                                 host_budget=layers * boundary, sco_enable=True)
     if not roomy:  # the plan counted on offloading every boundary; the graphs keep them: the check sees it
         with pytest.raises(boundpass.InfeasibleBudgetError, match="cannot be met"):
             compiled(torch.randn(rows, width))

@@ -245,7 +245,7 @@ def _offloaded(budget, **kwargs):
     model = TinyLM(hidden=OPT_H)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     compiled = boundpass.compile(model, budget=budget, loss_fn=titan_style_ce, optimizer=opt,
-                                 offload_optimizer=True, **kwargs)
+                                 optimizer_offload=True, **kwargs)
     compiled(*_batch()).backward()
     compiled.optimizer.step()
     return compiled
@@ -298,7 +298,7 @@ def test_the_optimizer_step_is_exact_at_the_knee():
     model = TinyLM(hidden=OPT_H)
     reference = copy.deepcopy(model)
     compiled = boundpass.compile(model, budget="4GiB", loss_fn=titan_style_ce,
-                                 optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), offload_optimizer=True)
+                                 optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), optimizer_offload=True)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
     for seed in range(2):
         tokens, labels = _batch(seed)
@@ -412,9 +412,9 @@ def test_sco_offloads_none_at_a_loose_budget_and_the_fewest_the_budget_needs():
     text = flat(boundpass.explain(loose).text("none"))
     assert ("sco offloaded boundaries = 0 (knee; knee 0 (fewest: boundpass/cost_model.py); the budget alone "
             "allows as few as 0; range 0..4)") in text
-    # the certified peak at 1 and 2 offloaded, each from sco=True with a host pool of that many boundaries
+    # the certified peak at 1 and 2 offloaded, each from sco_enable=True with a host pool of that many boundaries
     boundary = 1024 * 64 * 4
-    totals = [boundpass.explain(_sco_compiled("1GiB", host_budget=k * boundary, sco=True)).table.total
+    totals = [boundpass.explain(_sco_compiled("1GiB", host_budget=k * boundary, sco_enable=True)).table.total
               for k in (1, 2)]
     assert totals[1] < totals[0]
     tight = _sco_compiled(totals[1], host_budget="1GiB")
@@ -426,7 +426,7 @@ def test_sco_offloads_none_at_a_loose_budget_and_the_fewest_the_budget_needs():
 
 def test_sco_true_is_the_users_count():
     boundary = 1024 * 64 * 4
-    compiled = _sco_compiled("1GiB", host_budget=3 * boundary, sco=True)
+    compiled = _sco_compiled("1GiB", host_budget=3 * boundary, sco_enable=True)
     assert compiled.sco_plans[-1].offloaded == 3
     text = flat(boundpass.explain(compiled).text("none"))
     assert "sco offloaded boundaries = 3 (user; knee 0 (fewest: boundpass/cost_model.py); the budget alone: " \

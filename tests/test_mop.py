@@ -52,7 +52,7 @@ def _composed_bound(model, cfg, world, ep, ops):
                                  top_k=cfg.model_spec.model.layers[1].moe.router.top_k)
     launch = composed.Launch(ranks=world, ep=ep, ring=world, tokens_per_rank=BATCH * SEQ // world,
                              operators=frozenset({"pipelined_llep", "ring_dtp"} if ops else ()), b=4, b_acc=4,
-                             chunk_cap=CAP if ops else None)
+                             dispatch_cap=CAP if ops else None)
     return composed.compose(shape, launch, budget=1 << 40).total
 
 
@@ -76,7 +76,7 @@ def _train(rank, world, ep, ops=False, skew=False):
     if world > 1:
         facts["bound"] = _composed_bound(model, cfg, world, ep, ops)
         parallelize_mop(model, cfg, world=world, ac_config=FullAC.Config(), pipelined_llep=ops, ring_dtp=ops,
-                        chunk_cap=CAP)
+                        dispatch_cap=CAP)
         routed = model.layers["1"].moe.routed_experts
         facts.update(ep=routed.token_dispatcher.ep_mesh.size(), experts=routed.inner_experts.w1_EFD.shape[0],
                      attention={type(b.attention.inner_attention).__name__ for b in model.layers.values()},
@@ -191,7 +191,7 @@ def _one_step(rank, world, name):
     tokens, labels = _batch(0)
     positions, loss_fn, facts = None, torchtitan_loss(), {}
     if world > 1:
-        parallelize_mop(model, cfg, world=world, pipelined_llep=spec["ops"], ring_dtp=True, chunk_cap=CAP)
+        parallelize_mop(model, cfg, world=world, pipelined_llep=spec["ops"], ring_dtp=True, dispatch_cap=CAP)
         tokens, labels, positions = shard_batch(tokens, labels, rank, world)
         loss_fn = mop_loss(model)
         facts = dict(dispatch=list(model._mop.dispatch), head=type(model.lm_head).__name__)

@@ -11,6 +11,7 @@ import torch.nn as nn
 from boundpass.errors import BoundpassInputError
 from boundpass.memtrack import LiveStorageTracker, rss_peak_in_subprocess
 from boundpass.optimizer_phase import optimizer_phase
+from boundpass.config import OptimizerConfig
 from boundpass.passes.optimizer_swap import plan_optimizer
 
 O = torch.optim
@@ -175,9 +176,9 @@ def test_plan_optimizer_budgets_any_kept_optimizer():
     assert tight.offloaded and "exceed the budget" in tight.reason
     roomy = plan_optimizer(O.AdamW(model.parameters()), budget=pg + phase.state_bytes + phase.step_peak_bytes,
                            persistent=pg)
-    assert not roomy.offloaded and "offload_optimizer=True" in roomy.terms[0].knob
+    assert not roomy.offloaded and "optimizer_offload=True" in roomy.terms[0].knob
     with pytest.raises(BoundpassInputError, match="needs torch.optim.AdamW"):
-        plan_optimizer(O.SGD(model.parameters()), budget=2**30, persistent=pg, offload=True)
+        plan_optimizer(O.SGD(model.parameters()), budget=2**30, persistent=pg, knobs=OptimizerConfig(offload=True))
 
 
 def test_fake_cuda_parameters_use_the_cuda_defaults():

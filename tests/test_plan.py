@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from boundpass import composed
+from boundpass.config import PLAN_VOCAB_BLOCK
 from boundpass.errors import BoundpassInputError
 from boundpass.plan import make_input, model_config, model_shape, plan, shape_of_module
 
@@ -104,7 +105,7 @@ def _measured_step_peak(model, batch: int, seq: int, vocab: int, loss: str) -> i
         if loss == "ring_dtp":  # P = 1; strip width C = the composed budget's default
             h = model(tokens)
             value = ring_dtp_loss(h.reshape(-1, h.shape[-1]), model.lm_head.weight, labels.reshape(-1),
-                                  vocab_size=vocab, block=composed.DEFAULT_VOCAB_BLOCK) / (batch * seq)
+                                  vocab_size=vocab, block=PLAN_VOCAB_BLOCK) / (batch * seq)
         else:
             value = loss_fn(model(tokens), labels, batch * seq)
             value = value[0] if isinstance(value, tuple) else value
@@ -334,9 +335,7 @@ def test_search_picks_knobs_that_fit_and_reports_none_when_nothing_can():
     best = result.search["best"]
     assert best is not None and result.search["candidates"] > 1
     knobs = best["knobs"]
-    launch = composed.Launch(ranks=2, ep=knobs["E_p"], ring=knobs["P"], tokens_per_rank=4096, b=4,
-                             chunk_cap=knobs["c"], bucket=knobs["beta"], slots=knobs["S"],
-                             sco_max_layers=knobs["sco_max_layers"])
+    launch = composed.Launch(tokens_per_rank=4096, b=4, ranks=2, **knobs)
     table = composed.compose(result.shape, launch, budget=result.inputs.budget, host_budget=result.inputs.host_budget)
     assert table.fits() and table.total == best["peak_bytes"]
     assert best["step_seconds"] == pytest.approx(sum(v for k, v in best["parts"].items() if k != "total"))

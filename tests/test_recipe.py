@@ -48,13 +48,13 @@ def _stock_vs_boundpass(rank, world, tmp, assets):
     stock = _train(tmp, "stock", "deepseek_v3_debug", ["--training.steps", "3", "--dump_folder", f"{tmp}/stock"])
     # offload forced: the run also exercises the OptimizersContainer swap and the rebuilt LR schedulers
     bp = _train(tmp, "bp", "deepseek_v3_debug", ["--training.steps", "3", "--dump_folder", f"{tmp}/bp",
-                                                 "--boundpass.budget", "2GiB", "--boundpass.offload_optimizer", "true"])
+                                                 "--boundpass.budget", "2GiB", "--boundpass.optimizer.offload", "True"])
     return stock, bp
 
 
 def _ep2_save_resume(rank, world, tmp, assets):
     os.environ["BOUNDPASS_ASSETS"] = assets
-    on = ["--boundpass.budget", "2GiB", "--boundpass.offload_optimizer", "true", "--dump_folder", f"{tmp}/ep2",
+    on = ["--boundpass.budget", "2GiB", "--boundpass.optimizer.offload", "True", "--dump_folder", f"{tmp}/ep2",
           "--checkpoint.enable", "--checkpoint.interval", "1"]
     full = _train(tmp, "full", "deepseek_v3_debug_ep2", [*on, "--training.steps", "3"])
     resumed = _train(tmp, "resumed", "deepseek_v3_debug_ep2", [*on, "--training.steps", "3",

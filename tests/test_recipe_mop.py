@@ -44,7 +44,7 @@ SHORT = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--trai
          "--lr_scheduler.decay_ratio", "0"]
 # the fp32 MoP run also swaps the optimizer for OffloadStreamAdamW (bitwise the same update as the fused AdamW here)
 PRECISIONS = {"fp32": ["--training.mixed_precision_param", "float32"], "bf16": []}
-MOP_EXTRA = {"fp32": ["--boundpass.offload_optimizer", "true"], "bf16": ["--boundpass.budget", "4GiB"]}
+MOP_EXTRA = {"fp32": ["--boundpass.optimizer.offload", "True"], "bf16": ["--boundpass.budget", "4GiB"]}
 OFFLOAD_BUDGET = "300MiB"
 REFUSED = {  # launch -> what the error must say
     "ragged": (["--training.seq_len", "63"], "pad or trim the sequence to 62 or 64 tokens"),
@@ -107,7 +107,7 @@ def _mop_two_ranks(rank, world, tmp, assets):
                                    materialised="init_weights" in frames or "to_empty" in frames)
 
     # a budget that fits only with AdamW's state on the host (composed: 391 MiB with it on the device): the default
-    # --boundpass.offload_optimizer auto offloads it; RingDTPHead was initialised by torchtitan's init walk
+    # --boundpass.optimizer.offload auto offloads it; RingDTPHead was initialised by torchtitan's init walk
     trainer = build_in_process(_argv(tmp, "fits", "deepseek_v3_debug_mop", ["--boundpass.budget", OFFLOAD_BUDGET]))
     try:
         model = trainer.model_parts[0]
@@ -205,7 +205,7 @@ def test_refusals_and_infeasible_budget_fail_fast(runs):
         err = f["infeasible"]
         assert err is not None, "a 64 MiB budget was accepted"
         assert err["budget"] == 64 << 20 and "cannot be met" in err["message"], err
-        # offload_optimizer auto already moved AdamW's state to the host: what binds is another term
+        # optimizer.offload auto already moved AdamW's state to the host: what binds is another term
         assert not err["term"].startswith("optimizer state on device"), err["term"]
         assert err["term"] in err["message"] and err["knob"] and err["knob"] in err["message"], err
         assert err["in_parallelize"] and not err["materialised"], err  # raised on the meta model

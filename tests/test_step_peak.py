@@ -105,7 +105,7 @@ def test_torchtitan_debug_models_whole_step(torchtitan_models, name, dispatch, d
     vocab, seq = 8192, 128
     model = _trimmed(build_debug_moe(name, vocab_size=vocab, seq_len=seq, dtype=dtype), name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    step = boundpass.compile(model, budget="8GiB", loss_fn=torchtitan_loss(), optimizer=opt, dispatch=dispatch)
+    step = boundpass.compile(model, budget="8GiB", loss_fn=torchtitan_loss(), optimizer=opt, dispatch_enable=dispatch)
     _, _, report = _check(step, model, step.optimizer, lm_batches(vocab, 2, seq, with_count=True))
     assert bool(report.rewritten_of("dispatch")) == (dispatch and name != "gpt_oss")
     excess = [t for t in report.table.terms if t.name.startswith("gradient storage beyond")]
@@ -124,7 +124,7 @@ def test_checkpointed_blocks_with_and_without_sco(torchtitan_models, sco):
         del model.layers[key]
     FullAC(FullAC.Config()).apply(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    step = boundpass.compile(model, budget="8GiB", loss_fn=torchtitan_loss(), optimizer=opt, sco=sco,
+    step = boundpass.compile(model, budget="8GiB", loss_fn=torchtitan_loss(), optimizer=opt, sco_enable=sco,
                              host_budget="8GiB")
     _, _, report = _check(step, model, opt, lm_batches(vocab, 2, seq, with_count=True))
     assert report.sco.offloaded == (3 if sco else 0)
@@ -139,7 +139,7 @@ def test_demo_model_smallest_accepted_budget_holds_the_measured_step(torchtitan_
     model = build_debug_moe("deepseek_v3", vocab_size=vocab, seq_len=seq)
     batches = lm_batches(vocab, 2, seq, with_count=True)
     probe = boundpass.compile(model, budget="64GiB", loss_fn=torchtitan_loss(), vocab_block=128, dispatch_cap=1,
-                              optimizer=torch.optim.AdamW(model.parameters()), offload_optimizer=True,
+                              optimizer=torch.optim.AdamW(model.parameters()), optimizer_offload=True,
                               optimizer_bucket=1)
     probe(*batches[0])
     narrowest = boundpass.explain(probe).table.total  # every knob at its narrowest: the least compile accepts
@@ -147,11 +147,11 @@ def test_demo_model_smallest_accepted_budget_holds_the_measured_step(torchtitan_
     torch._dynamo.reset()
     with pytest.raises(InfeasibleBudgetError):
         boundpass.compile(model, budget=narrowest - (1 << 20), loss_fn=torchtitan_loss(),
-                          optimizer=torch.optim.AdamW(model.parameters()), offload_optimizer=True)(*batches[0])
+                          optimizer=torch.optim.AdamW(model.parameters()), optimizer_offload=True)(*batches[0])
     torch._dynamo.reset()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     step = boundpass.compile(model, budget=narrowest, loss_fn=torchtitan_loss(), optimizer=opt,
-                             offload_optimizer=True)
+                             optimizer_offload=True)
     measured = measured_step_peak(step, model, step.optimizer, batches)
     assert measured <= boundpass.explain(step).table.total <= narrowest
     assert boundpass.explain(step).table.total <= TIGHT * measured

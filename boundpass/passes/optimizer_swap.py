@@ -15,14 +15,13 @@ import torch
 
 from boundpass import symbols as sym
 from boundpass.bounds import BoundTerm
+from boundpass.config import OptimizerConfig
 from boundpass.errors import BoundpassError, BoundpassInputError
 from boundpass.optimizer_phase import OptimizerPhase, optimizer_phase
 from boundpass.planner import Knob
 from boundpass.runtime import offload_adamw as oa
 from boundpass.units import format_bytes
 
-OFFLOAD_CHOICES = ("auto", True, False)
-DEFAULT_SLOTS = oa.DEFAULT_SLOTS    # two slots suffice to overlap copy-in, update and write-back
 MAX_BUCKET = oa.DEFAULT_BUCKET      # elements (2^24): the widest bucket compile considers (the knee is below it)
 MIN_OVERLAP_BUCKET = 1 << 16  # elements; below this per-bucket launch and copy latency dominates overlap
 
@@ -60,20 +59,21 @@ def _refuse_stale_steps(old: torch.optim.Optimizer) -> None:
     old.step = step
 
 
-def plan_optimizer(optimizer, *, budget: int, persistent: int, offload="auto", bucket: int | None = None,
-                   slots: int | None = None, host_budget: int | None = None) -> OptimizerPlan:
+def plan_optimizer(optimizer, *, budget: int, persistent: int, knobs: OptimizerConfig | None = None,
+                   host_budget: int | None = None) -> OptimizerPlan:
     """Decide offload (and β, S), migrate state if offloading, and return the optimizer's budget terms (bytes).
 
-    persistent: bytes already committed on the device (parameters + gradients). bucket / slots None: chosen by
-    the knee rule (``choose_knobs``, docs/knobs.md); the plan's ``knobs`` say what and why.
+    persistent: bytes already committed on the device (parameters + gradients). knobs: Config's optimizer section
+    (validated there): offload, and bucket / slots (None: chosen by the knee rule, ``choose_knobs``, docs/knobs.md;
+    the plan's ``knobs`` say what and why).
     """
-    if offload not in OFFLOAD_CHOICES:
-        raise BoundpassInputError(f"offload_optimizer must be one of {OFFLOAD_CHOICES}, got {offload!r}")
+    knobs = knobs if knobs is not None else OptimizerConfig()
+    offload, bucket, slots = knobs.offload, knobs.bucket, knobs.slots
     if isinstance(optimizer, oa.OffloadStreamAdamW):
         return _offloaded_plan(optimizer, [optimizer], "already OffloadStreamAdamW", host_budget)
     adamws = _adamws(optimizer)
     if adamws is None and offload is True:
-        raise BoundpassInputError(f"offload_optimizer=True needs torch.optim.AdamW or a torchtitan "
+        raise BoundpassInputError(f"optimizer_offload=True needs torch.optim.AdamW or a torchtitan "
                                   f"OptimizersContainer of AdamW; got {type(optimizer).__name__}")
     on_device = 0
     if offload is not True:  # what keeping it costs, measured by fake steps: state + step workspace, bytes
@@ -84,7 +84,7 @@ def plan_optimizer(optimizer, *, budget: int, persistent: int, offload="auto", b
                                  f"AdamW): state and step workspace measured by a fake step", terms=kept)
         on_device = phase.state_bytes + phase.step_peak_bytes
     if offload is False or (offload == "auto" and persistent + on_device <= budget):
-        kept[0].knob = (f"boundpass.compile(..., offload_optimizer=True) moves it to the host "
+        kept[0].knob = (f"boundpass.compile(..., optimizer_offload=True) moves it to the host "
                         f"(saves {format_bytes(phase.state_bytes)})")
         reason = "kept on device (asked)" if offload is False else "kept on device: it fits the budget"
         return OptimizerPlan(optimizer, False, reason, terms=kept)
@@ -92,12 +92,12 @@ def plan_optimizer(optimizer, *, budget: int, persistent: int, offload="auto", b
     b = _state_elements(adamws)[1]
     plan_knobs = choose_knobs(adamws, room=room, bucket=bucket, slots=slots, b=b)
     bucket, slots = (k.value for k in plan_knobs)
-    knobs = dict(bucket_params=bucket, staging_slots=slots)
+    chosen = dict(bucket_params=bucket, staging_slots=slots)
     if hasattr(optimizer, "optimizers"):
-        migrated = oa.offload_optimizers_container(optimizer, **knobs)  # in place: the container object stays
+        migrated = oa.offload_optimizers_container(optimizer, **chosen)  # in place: the container object stays
         inner = migrated.optimizers
     else:
-        migrated = oa.OffloadStreamAdamW.from_adamw(optimizer, **knobs)
+        migrated = oa.OffloadStreamAdamW.from_adamw(optimizer, **chosen)
         _refuse_stale_steps(optimizer)
         inner = [migrated]
     reason = "offloaded (asked)" if offload is True else (

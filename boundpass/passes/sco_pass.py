@@ -167,14 +167,14 @@ def host_term(plan: SCOPlan) -> BoundTerm:
     """The host pool the offloaded boundaries take (bytes), checked against the host budget."""
     return BoundTerm(f"SCO boundary pool on host (L_off={plan.offloaded})", sco_rt.sco_host_bound(),
                      plan.offloaded_bytes, kind="host",
-                     knob="boundpass.compile(..., host_budget=<larger>) or sco=False")
+                     knob="boundpass.compile(..., host_budget=<larger>) or sco_enable=False")
 
 
 def find_sco(gm: fx.GraphModule, mode, *, host_pool: int | None) -> SCOPlan:
     """Checkpointed blocks of the Dynamo graph and the most SCO may offload (``plan.most``); the planner picks."""
     plan = SCOPlan(mode=mode)
     if mode is False:
-        plan.reason = "off (sco=False)"
+        plan.reason = "off (sco_enable=False)"
         return plan
     plan.regions = find_checkpoint_regions(gm)
     eligible = plan.eligible
@@ -201,7 +201,7 @@ def find_block_sco(gm: fx.GraphModule, mode, *, runtime: sco_rt.BlockSCO, most: 
     """
     plan = SCOPlan(mode=mode, dynamic=True)
     if mode is False:
-        plan.reason = "off (sco=False)"
+        plan.reason = "off (sco_enable=False)"
         return plan
     plan.regions = find_checkpoint_regions(gm, input_boundary=True)
     if not plan.regions:
@@ -223,19 +223,20 @@ def apply_count(plan: SCOPlan, count: int) -> None:
     if plan.dynamic:  # per-block: ``count`` is the blocks' prefix; the shared runtime is set by the composition
         plan.offloaded = count
         plan.reason = "" if count else ("not needed: the device budget fits with every boundary on the device "
-                                        "(sco='auto')" if plan.most else "the host pool takes no boundary")
+                                        "(sco_enable='auto')" if plan.most else "the host pool takes no boundary")
         return
     plan.offloaded = count
     plan.rewritten, plan.rewrite_notes = False, []
     for region in plan.eligible:
         region.offloaded = region.layer < count
         region.reason = "" if region.offloaded else (
-            "the device budget fits without offloading it (sco='auto')" if plan.mode == "auto" and count < plan.most
+            "the device budget fits without offloading it (sco_enable='auto')"
+            if plan.mode == "auto" and count < plan.most
             else "does not fit the host pool (the offloaded set is a prefix)")
     if count == 0:
         plan.runtime = None
         plan.reason = ("host budget fits none of the boundaries" if plan.most == 0
-                       else "not needed: the device budget fits with every boundary on the device (sco='auto')")
+                       else "not needed: the device budget fits with every boundary on the device (sco_enable='auto')")
         return
     plan.reason = ""
     plan.runtime = sco_rt.CompiledSCO([r.offloaded for r in plan.eligible],
