@@ -280,6 +280,19 @@ def test_explain_and_auto_offloads_only_what_the_device_budget_needs():
     assert "the device budget fits without offloading it" in text and "SCO boundary pool on host" in text
 
 
+def test_sco_max_layers_caps_the_offloaded_boundaries():
+    """sco.max_layers (sco_max_layers=): at most that many boundaries go to the host, whatever the pool holds; the
+    certificate is the one of a pool that holds exactly that many."""
+    layers, width, rows = 4, 64, 1024
+    model = _mlp(layers, width)
+    compiled = boundpass.compile(model, budget="1GiB", loss_fn=_square_loss, sco_enable=True, sco_max_layers=2,
+                                 host_budget="1GiB")
+    compiled(torch.randn(rows, width)).backward()
+    plan = compiled.sco_plans[-1]
+    assert (plan.most, plan.offloaded) == (2, 2)
+    assert boundpass.explain(compiled).table.total == _certified_total(layers, width, rows, 2)
+
+
 def test_no_checkpointed_blocks_is_explained():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     compiled = boundpass.compile(model, budget="1GiB", loss_fn=_square_loss, host_budget="1MiB", sco_enable=True)

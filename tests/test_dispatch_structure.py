@@ -154,7 +154,7 @@ def test_checkpointed_block_is_exact(dispatch):
     With dispatch on, the block inside the checkpoint body is rewritten, and the step is still exact."""
     torch.manual_seed(0)
     model = MixtralLM(vocab=512, hidden=64, inter=128, experts=4, top_k=2, checkpointed=True)
-    step = _matches_aot_eager(model, lm_batches(512, 2, 64)[0], dispatch=dispatch)
+    step = _matches_aot_eager(model, lm_batches(512, 2, 64)[0], dispatch_enable=dispatch)
     assert bool(boundpass.explain(step).rewritten_of("dispatch")) == dispatch
 
 
