@@ -198,7 +198,7 @@ class CompiledBlocks(BoundedModule):
             pool = host_pool if host_pool is not None else self.num_blocks * self.boundary
             self.sco_runtime.host_budget = pool
             plan.host_pool = host_pool
-            plan.most = self._sco_most(sco_rt.planned_offloaded_layers([self.boundary] * self.num_blocks, pool))
+            self._cap_sco(plan, sco_rt.planned_offloaded_layers([self.boundary] * self.num_blocks, pool))
         return plan
 
     def offloaded_blocks(self, trial: int | None = None) -> list[bool]:

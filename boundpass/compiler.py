@@ -233,13 +233,13 @@ class BoundedModule(nn.Module):
     def _find_sco(self, gm: torch.fx.GraphModule, host_pool: int | None):
         """SCO's plan for this graph (boundpass/passes/sco_pass.py); per-block compile overrides it."""
         plan = sco_pass.find_sco(gm, self.config.sco.enable, host_pool=host_pool)
-        plan.most = self._sco_most(plan.most)
+        self._cap_sco(plan, plan.most)
         return plan
 
-    def _sco_most(self, most: int) -> int:
-        """The most boundaries SCO may offload: what the host pool holds, at most sco.max_layers."""
+    def _cap_sco(self, plan, most: int) -> None:
+        """The most boundaries SCO may offload (``plan.most``): what the host pool holds, at most sco.max_layers."""
         cap = self.config.sco.max_layers
-        return most if cap is None else min(most, cap)
+        plan.most, plan.capped = (most, False) if cap is None or most <= cap else (cap, True)
 
     def _vocab_knobs(self, regions, ring_size: int) -> list[Knob]:
         """Set each vocab op's branch from N_max (a launch fact) and open its strip width C for the planner."""
@@ -661,6 +661,9 @@ def _raise_step_infeasible(owner: "BoundedModule", cert, knobs: list[Knob], plan
         # more offload can only help when boundaries are still on the device that the host pool could take
         if plan.mode is False:
             knob = "boundpass.compile(..., sco_enable='auto', host_budget=<host bytes>) offloads checkpoint boundaries"
+        elif plan.capped:
+            knob = (f"boundpass.compile(..., sco_max_layers=<larger>): {plan.most} of {len(plan.eligible)} checkpoint "
+                    f"boundaries may be offloaded")
         else:
             knob = (f"boundpass.compile(..., host_budget=<larger>): the host pool holds {plan.most} of "
                     f"{len(plan.eligible)} checkpoint boundaries")
@@ -669,7 +672,8 @@ def _raise_step_infeasible(owner: "BoundedModule", cert, knobs: list[Knob], plan
     if opt is not None and not opt.offloaded and any(t.name.startswith("optimizer state") for t in table.terms):
         state = sum(t.value for t in table.terms if t.name.startswith("optimizer state") and t.counted)
         if table.total - state <= budget:
-            infeasible(cert, knob="boundpass.compile(..., optimizer_offload=True) moves the optimizer state to the host")
+            infeasible(cert, knob="boundpass.compile(..., optimizer_offload=True) moves the optimizer state to the "
+                                  "host")
     hint = "" if plan.regions or saved == 0 else " or checkpoint activations (e.g. torchtitan FullAC) and let SCO offload"
     infeasible(cert, knob=f"reduce tokens per rank (micro-batch x sequence length){hint}, or raise the budget")
 

@@ -289,7 +289,8 @@ def test_sco_max_layers_caps_the_offloaded_boundaries():
                                  host_budget="1GiB")
     compiled(torch.randn(rows, width)).backward()
     plan = compiled.sco_plans[-1]
-    assert (plan.most, plan.offloaded) == (2, 2)
+    assert (plan.most, plan.offloaded, plan.capped) == (2, 2, True)
+    assert "past sco_max_layers=2" in flat(boundpass.explain(compiled).text("none"))  # why the others are kept
     assert boundpass.explain(compiled).table.total == _certified_total(layers, width, rows, 2)
 
 

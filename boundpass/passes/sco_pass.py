@@ -77,6 +77,7 @@ class SCOPlan:
     rewritten: bool = False          # stage 2 ran and rewrote the partitioned graphs
     rewrite_notes: list[str] = field(default_factory=list)
     most: int = 0                    # boundaries the host pool can take (a prefix); the planner picks how many
+    capped: bool = False             # ``most`` is sco.max_layers (sco_max_layers=), not what the host pool holds
     device: torch.device | None = None
     # per-block compile (find_block_sco): the boundary is the graph's input, one graph serves several blocks, and
     # the shared runtime (BlockSCO) decides per block at run time; ``offloaded`` is the blocks' prefix count
@@ -232,6 +233,7 @@ def apply_count(plan: SCOPlan, count: int) -> None:
         region.reason = "" if region.offloaded else (
             "the device budget fits without offloading it (sco_enable='auto')"
             if plan.mode == "auto" and count < plan.most
+            else f"past sco_max_layers={plan.most}" if plan.capped
             else "does not fit the host pool (the offloaded set is a prefix)")
     if count == 0:
         plan.runtime = None
