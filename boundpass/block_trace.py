@@ -426,30 +426,127 @@ def trace_torchtitan_blocks(net: torch.nn.Module, heads_config, *, wide: bool = 
     a rank receives under EP depend on the routing; their routing-independent bound stays hand-written).
     one_rank: the kinds "dense" / "moe" (W = 1); False with wide: only the wide kinds (a launch at W > 1 reads
     nothing else: composed.uses_wide_trace), one MoE graph fewer to capture.
-    progress: None, or called with a line before each block is traced."""
+    progress: None, or called with a line before each block is traced.
+
+    With ``FORK_CAPTURES`` on (the plan CLI), a model with both kinds has its MoE block captured and analysed in a
+    forked second process while this one does the dense block (the two are independent; ~2 s each at full
+    scale): the same functions on the same module, the child's sympy results sent back pickled. If the child
+    fails or cannot start, this process traces that block itself."""
+    x = lambda block: torch.empty(1, 8, net.tok_embeddings.weight.shape[1],  # noqa: E731  (a block's input)
+                                  dtype=next(block.parameters()).dtype, device="meta", requires_grad=True)
+    blocks = _first_blocks(net)
+    side = None
+    if len(blocks) > 1 and _can_fork():
+        kind, block = blocks[-1]
+        if progress:
+            for _, message in _captures(kind, wide, one_rank):
+                progress(f"{message} (in a second process)")
+        side = _forked(lambda: _block_terms(kind, block, x(block), heads_config, wide=wide, one_rank=one_rank))
+    results = [_block_terms(kind, block, x(block), heads_config, wide=wide, one_rank=one_rank, progress=progress)
+               for kind, block in (blocks[:-1] if side else blocks)]
+    if side:
+        kind, block = blocks[-1]
+        results.append(side() or _block_terms(kind, block, x(block), heads_config, wide=wide, one_rank=one_rank,
+                                              progress=progress))
+    return tuple(t for out, _ in results for t in out) + tuple(t for _, wide_out in results for t in wide_out)
+
+
+def _captures(kind: str, wide: bool, one_rank: bool) -> list:
+    """[(routed experts stood in, progress line)] of the graphs one block kind is captured as: the block itself
+    (one rank; a dense block's wide form is the same graph) and, for a MoE block's wide form, the block with its
+    routed experts stood in (another graph)."""
+    out = []
+    if one_rank or (wide and kind == "dense"):
+        out.append((False, f"tracing the first {kind} block at symbolic N"))
+    if wide and kind == "moe":
+        out.append((True, "tracing the first moe block at symbolic N" + (" again" if one_rank else "")
+                    + ", its routed experts stood in (W > 1)"))
+    return out
+
+
+def _block_terms(kind: str, block, x, heads_config, *, wide: bool, one_rank: bool, progress=None) -> tuple:
+    """(one-rank terms, wide terms) of one block kind (trace_torchtitan_blocks)."""
     out, wide_out = [], []
-    for kind, block in _first_blocks(net):
-        x = torch.empty(1, 8, net.tok_embeddings.weight.shape[1], dtype=next(block.parameters()).dtype,
-                        device="meta", requires_grad=True)
-        captured = None
-        if one_rank or kind == "dense":  # a dense block's wide form is the same graph
-            if progress:
-                progress(f"tracing the first {kind} block at symbolic N")
-            captured = _capture_block(block, x, heads_config, routed_stand_in=False)
-        if one_rank:
+    for stand_in, message in _captures(kind, wide, one_rank):
+        if progress:
+            progress(message)
+        captured = _capture_block(block, x, heads_config, routed_stand_in=stand_in)
+        if one_rank and not stand_in:
             out += _phases_of(kind, _analyze(captured, weight_grads=True, count_inputs=False, ctx=None, split=True),
                               PHASES)
-        if not wide:
-            continue
-        if kind == "moe":  # the wide form stands in for the routed experts: another graph
-            if progress:
-                progress("tracing the first moe block at symbolic N" + (" again" if one_rank else "")
-                         + ", its routed experts stood in (W > 1)")
-            captured = _capture_block(block, x, heads_config, routed_stand_in=True)
-        # a dense block's wide form is the same graph without its weights' gradients counted: analysed again
-        wide_out += _phases_of(kind + "_wide", _analyze(captured, weight_grads=False, count_inputs=False, ctx=None,
-                                                        split=True), PHASES + FORWARD_PARTS)
-    return tuple(out + wide_out)
+        if wide and (stand_in or kind == "dense"):
+            # a dense block's wide form is the same graph without its weights' gradients counted: analysed again
+            wide_out += _phases_of(kind + "_wide", _analyze(captured, weight_grads=False, count_inputs=False,
+                                                            ctx=None, split=True), PHASES + FORWARD_PARTS)
+    return out, wide_out
+
+
+# trace_torchtitan_blocks: capture the last block kind in a forked second process (set by the plan CLI, a fresh
+# single-threaded process; off by default: a process with other threads, as a test run may be, is not forked)
+FORK_CAPTURES = False
+FORK_TIMEOUT_S = 300.0
+
+
+def _can_fork() -> bool:
+    import os
+    import sys
+    import threading
+    return (FORK_CAPTURES and sys.platform.startswith("linux") and (os.cpu_count() or 1) > 1
+            and threading.active_count() == 1 and not torch.cuda.is_initialized())
+
+
+def _forked(fn: Callable):
+    """Start fn() in a forked child; returns a function that waits for its (pickled) result: the result, or None
+    when the child failed, died or ran past FORK_TIMEOUT_S (the caller then computes it itself)."""
+    import gc
+    import os
+    import pickle
+    import select
+    import signal
+    import time
+    parent = os.getpid()
+    read, write = os.pipe()
+    gc.freeze()  # the objects both processes hold: the child's collections then leave them (and their pages) alone
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read)
+        os.close(write)
+        return lambda: None
+    finally:
+        if os.getpid() == parent:
+            gc.unfreeze()
+    if pid == 0:  # the child: compute, send, leave without running the parent's exit handlers
+        code = 1
+        try:
+            os.close(read)
+            data = pickle.dumps(fn())
+            with os.fdopen(write, "wb") as f:
+                f.write(data)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+
+    def result():
+        chunks, deadline = [], time.monotonic() + FORK_TIMEOUT_S
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([read], [], [], left)[0]:
+                    os.kill(pid, signal.SIGKILL)
+                    break
+                chunk = os.read(read, 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        finally:
+            os.close(read)
+            _, status = os.waitpid(pid, 0)
+        if status != 0 or not chunks:
+            return None
+        return pickle.loads(b"".join(chunks))
+    return result
 
 
 def _first_blocks(net) -> list:

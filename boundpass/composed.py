@@ -315,7 +315,13 @@ def offloaded_boundaries(shape: ModelShape, launch: Launch, host_budget: int | N
 
 def attention_bound(part: str = "peak") -> sympy.Expr:
     """Peak bytes of one sequence-to-head attention forward + backward, or (part="saved") what it holds from its
-    forward to its backward (runtime/seq_to_head.py)."""
+    forward to its backward (runtime/seq_to_head.py). Kept per process: the peak's sympy Max of three sums takes
+    ~0.15 s to build, and a plan reads it three times (its terms, the exchange terms, the reference budget)."""
+    return _attention_bound(part)
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_bound(part: str) -> sympy.Expr:
     # torchtitan's attention modules hold q/k/v only through the op and pass the output gradient on (measured)
     return importlib.import_module("boundpass.runtime.seq_to_head").seq_to_head_bound(part=part,
                                                                                       caller_keeps_inputs=False)
@@ -416,10 +422,12 @@ def _exchange_terms() -> tuple:
     for part, kind, what in (("peak", "attention_exchange", "fwd + bwd"),
                              ("saved", "attention_exchange_saved", "held while the FFN runs")):
         full = attention_bound(part)
-        extra = sympy.Max(0, full - full.subs(sym.W, 1))
+        parts = [0, full - full.subs(sym.W, 1)]
         if part == "peak":
             saved = attention_bound("saved")
-            extra = sympy.Max(extra, saved - saved.subs(sym.W, 1))
+            parts.append(saved - saved.subs(sym.W, 1))
+        # none of the parts dominates another: built unevaluated (sym.max_kept; test_plan.py checks it)
+        extra = sym.max_kept(*parts)
         out.append((f"attention exchange beyond one rank (sequence-to-head at W > 1, {what}): bound(W) - bound(1)",
                     extra, kind, "a shorter context or more ranks W", _lambdify(extra)))
     return tuple(out)
@@ -652,8 +660,22 @@ def _exact_value(formula, values: dict) -> int:
 
 
 def _lambdify(formula):
-    return sympy.lambdify(_ORDER, formula, modules=[{"Max": max, "Min": min, "ceiling": math.ceil,
-                                                     "floor": math.floor}, "math"])
+    """The formula's float function over _ORDER (compose(fast=True)), lambdified at its first call: an exact
+    compose never calls it (a plan without --solve / --search builds ~70 terms it would otherwise lambdify)."""
+    return _Lambdified(formula)
+
+
+class _Lambdified:
+    __slots__ = ("formula", "fn")
+
+    def __init__(self, formula):
+        self.formula, self.fn = formula, None
+
+    def __call__(self, *args):
+        if self.fn is None:
+            self.fn = sympy.lambdify(_ORDER, self.formula, modules=[
+                {"Max": max, "Min": min, "ceiling": math.ceil, "floor": math.floor}, "math"])
+        return self.fn(*args)
 
 
 def check(shape: ModelShape, launch: Launch, *, budget: int, host_budget: int | None = None) -> ComposedBudget:

@@ -36,6 +36,22 @@ def evaluate(expr: sympy.Expr, values: dict) -> int:
         raise ValueError(f"bound {expr} still has free symbols {sorted(map(str, out.free_symbols))}")
     return int(sympy.ceiling(out))
 
+
+def max_kept(*args) -> sympy.Expr:
+    """sympy.Max(*args) built unevaluated: for a bound's Max of large sums none of which dominates another.
+    Evaluation compares the arguments pairwise (factor_terms of each difference, assumption queries: up to
+    ~0.1 s per Max of the bounds' sums, ~0.5 s of a plan); where it drops none, the unevaluated Max is the same
+    expression (same arguments, same order). Each bound built with it is checked against ``evaluated`` of itself
+    for every flag it takes (tests/test_units_and_symbols.py)."""
+    return sympy.Max(*args, evaluate=False)
+
+
+def evaluated(expr: sympy.Expr) -> sympy.Expr:
+    """``expr`` with every Max / Min rebuilt through sympy's evaluation, innermost first (== expr when no
+    ``max_kept`` in it left an argument that evaluation would drop)."""
+    return expr.replace(lambda e: isinstance(e, (sympy.Max, sympy.Min)), lambda e: e.func(*e.args))
+
+
 # PipelinedLLEP / EP dispatch (added after ALL: only additions, existing names unchanged)
 # counts that may be 0 (no rows received, no borrowed slots): nonnegative, so sympy never simplifies them away
 R = sympy.Symbol("R", integer=True, nonnegative=True)    # routes this rank's experts received (realized)

@@ -21,6 +21,7 @@ of ``qwen3``. This module imports no torch at import time: the CLI resolves a na
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -110,7 +111,8 @@ def _package(family: str):
     from boundpass.recipes.models import apply_cpu_device_fix
     apply_cpu_device_fix()
     try:
-        return importlib.import_module(f"torchtitan.models.{family}")
+        with _inductor_config_not_read():
+            return importlib.import_module(f"torchtitan.models.{family}")
     except ModuleNotFoundError as err:
         raise BoundpassInputError(
             f"{family}: torchtitan.models.{family} cannot be imported here: it needs the package {err.name!r}, "
@@ -118,6 +120,31 @@ def _package(family: str):
     except Exception as err:  # noqa: BLE001 (ImportError, or a package that fails while it imports)
         raise BoundpassInputError(f"{family}: torchtitan.models.{family} cannot be imported here: "
                                   f"{type(err).__name__}: {err}") from err
+
+
+@contextlib.contextmanager
+def _inductor_config_not_read():
+    """Import torchtitan's model packages without Inductor's compiler (~0.7 s of a plan's imports: Inductor's
+    compile_fx, lowerings, kernel templates and code generators; nothing plan runs needs them).
+
+    torchtitan.models.common.attention compiles FlexAttention in its class body (``torch.compile(flex_attention,
+    ...)``); torch.compile then asks the Inductor backend for its config (``get_compiler_config``), which imports
+    ``torch._inductor.compile_fx``. That config is only what the compiled function's ``get_compiler_config()``
+    accessor returns (torch stores None for a backend without the method, as here while the package imports);
+    compiling, which imports compile_fx when it happens, is unchanged. plan swaps every block's attention for
+    SDPA, so the compiled FlexAttention never runs in it. Once compile_fx is imported there is nothing to save."""
+    import sys
+    import torch
+    wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
+    method = None if wrapper is None else wrapper.__dict__.get("get_compiler_config")
+    if method is None or "torch._inductor.compile_fx" in sys.modules:
+        yield
+        return
+    del wrapper.get_compiler_config
+    try:
+        yield
+    finally:
+        wrapper.get_compiler_config = method
 
 
 _NOTES: dict = {}

@@ -771,22 +771,24 @@ def pipelined_llep_bound(*, mixed_precision: bool, narrow_compute: bool = False,
     fwd_pools = 2 * n * H * b + depth_f * R * H * b + tokens
     block_fwd = c * H * b + 2 * c * I * b + narrow * (_expert_bytes() + c * H * b)  # rows, [c, I] x 2, casts
     combine_fwd = n * H * b_acc + n * b + cast * (n * H * (b_acc + b) + n * b_acc)  # score products, their casts
-    fwd_loop = fwd_pools + sympy.Max(2 * positions, positions + block_fwd, combine_fwd)
-    fwd = inputs + plan + N * H * b + sympy.Max(setup, fwd_loop)
+    fwd_loop = fwd_pools + sym.max_kept(2 * positions, positions + block_fwd, combine_fwd)
+    fwd = inputs + plan + N * H * b + sym.max_kept(setup, fwd_loop)
     # backward: packed [x | grad | score] rows out (c k) and in (depth_b x E_p c k), [dx | dscore] rows in
     # depth_b result buffers and one combine-receive buffer
     bwd_pools = n * (3 * H + 2) * b + depth_b * R * (3 * H + 2) * b + tokens
     # one block: gathered x, grad, score rows; h1, h3, silu, product, g w2, then the score-gradient product or
     # dy (and its casts); dscore
-    block_bwd = 2 * c * H * b + c * b + c * b_acc + sympy.Max(
+    block_bwd = 2 * c * H * b + c * b + c * b_acc + sym.max_kept(
         5 * c * I * b + c * I * b_acc + 2 * cast * c * I * b_acc,
         5 * c * I * b + c * H * b_acc + cast * c * H * (b_acc + b))
     block_bwd += narrow * (_expert_bytes() + I * H * b + 2 * c * H * b)  # casts, one weight-grad product, y
     combine_bwd = n * H * b + 2 * n * b  # a contiguous copy of the strided dx / dscore columns, the score gather
-    bwd_loop = bwd_pools + sympy.Max(2 * positions, positions + block_bwd, combine_bwd)
+    bwd_loop = bwd_pools + sym.max_kept(2 * positions, positions + block_bwd, combine_bwd)
     grads = N * H * b + N * k * b + weights  # dx, dscores, dw (own + borrowed slots)
-    bwd = inputs + plan + 2 * N * H * b + grads + sympy.Max(bwd_loop, _expert_bytes())
-    return sympy.Max(fwd, bwd)
+    bwd = inputs + plan + 2 * N * H * b + grads + sym.max_kept(bwd_loop, _expert_bytes())
+    # no Max here has an argument another dominates: built unevaluated (sym.max_kept; ~0.4 s of evaluation
+    # otherwise)
+    return sym.max_kept(fwd, bwd)
 
 
 def standard_ep_bound() -> sympy.Expr:

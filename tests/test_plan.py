@@ -372,6 +372,20 @@ def test_gradients_follow_the_phases_of_a_step():
         composed.compose(shape, dataclasses.replace(launch, grad_accumulation=0), budget=1 << 40)
 
 
+def test_exchange_terms_built_unevaluated_are_the_evaluated_max():
+    """composed._exchange_terms builds its Max unevaluated (sympy's pairwise comparisons of the parts took ~0.6 s
+    of every plan at W > 1): it must be the very expression sympy's evaluation gives (no part dominated)."""
+    import sympy
+    W = composed.sym.W
+    for (_, formula, *_), part in zip(composed._exchange_terms(), ("peak", "saved")):
+        full = composed.attention_bound(part)
+        evaluated = sympy.Max(0, full - full.subs(W, 1))
+        if part == "peak":
+            saved = composed.attention_bound("saved")
+            evaluated = sympy.Max(evaluated, saved - saved.subs(W, 1))
+        assert formula == evaluated and str(formula) == str(evaluated), part
+
+
 def test_plan_report_says_which_block_terms_are_traced_and_why_not():
     """plan traces every family's blocks in the launch's dtype (bf16 by default); gpt_oss in fp32 (which
     torchtitan cannot run) keeps the hand-written block terms, and the report says why; at W > 1 the blocks'

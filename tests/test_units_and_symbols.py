@@ -44,3 +44,23 @@ def test_symbols_evaluate_by_symbol_or_name():
         sym.evaluate(expr, {"N": 4})
     assert all(s.is_integer and s.is_nonnegative for s in sym.ALL.values())
     assert sym.evaluate(sym.s_b * sym.H + sympy.Max(sym.R, 1), {"s_b": 0, "H": 8, "R": 0}) == 1
+
+
+def test_bounds_built_with_max_kept_are_their_evaluated_expressions():
+    """sym.max_kept builds a Max unevaluated (sympy's pairwise comparisons cost ~0.5 s of every plan): each bound
+    built with it must be the expression sympy's evaluation gives, for every flag the bound takes; and
+    sym.evaluated tells when an argument would have been dropped."""
+    import importlib
+    import itertools
+    pl = importlib.import_module("boundpass.runtime.pipelined_llep")
+    sh = importlib.import_module("boundpass.runtime.seq_to_head")
+    bounds = [pl.pipelined_llep_bound(mixed_precision=m, narrow_compute=n, count_own_weights=o, overlap=v)
+              for m, n, o, v in itertools.product((False, True), repeat=4)]
+    bounds += [sh.seq_to_head_bound(count_io=io, caller_keeps_inputs=keep)
+               for io, keep in itertools.product((False, True), repeat=2)]
+    for bound in bounds:
+        assert bound.has(sympy.Max)
+        assert sym.evaluated(bound) == bound and str(sym.evaluated(bound)) == str(bound)
+    dominated = sym.max_kept(sym.N, 2 * sym.N)
+    assert sym.evaluated(dominated) == 2 * sym.N != dominated
+    assert sym.max_kept(sym.N, sym.H) == sympy.Max(sym.N, sym.H)
