@@ -218,11 +218,6 @@ def _families() -> dict:
                                "block_terms": r.trace_notes[0], "plan_seconds": cold, "plan_seconds_warm": warm})
         print(f"family {family} {flavor}: {'fits' if r.fits else 'does not fit'}, plan {cold:.1f} s cold, "
               f"{warm:.1f} s warm", flush=True)
-    # what a CLI run pays before its plan starts: torch + torchtitan's model package imported in a fresh process
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import boundpass.plan, boundpass.recipes.families as f; "
-                    "f._package('deepseek_v3')"], check=True, capture_output=True)
-    out["fresh_process_import_seconds"] = time.perf_counter() - start
     return out
 
 
@@ -302,8 +297,8 @@ def _render_families(fams: dict) -> list:
           f"{fams['launch']['host_budget']} host per rank, all four operators, traced (`do_trace=True`). `cold`: the "
           f"first plan of that model in the process (meta build, its blocks' graphs traced at symbolic N, "
           f"compose, the trace at N), torch already imported; `warm`: the same plan again (shape and block traces "
-          f"kept). A fresh `python -m boundpass plan` also pays the imports: "
-          f"{fams['fresh_process_import_seconds']:.1f} s here (torch + torchtitan's model package).", ""]
+          f"kept). A fresh `python -m boundpass plan` also pays the imports (torch + torchtitan's model package: "
+          f"the CLI section above).", ""]
     rows = [[f["family"], f["flavor"], f"{f['params'] / 1e9:,.1f}B", str(f["layers"]), str(f["experts"]),
              "FITS" if f["fits"] else "DOES NOT FIT", fmt_bytes(f["device_peak_bytes"]), f["binding_term"],
              f"{f['plan_seconds']:.1f} s", f"{f['plan_seconds_warm']:.1f} s"] for f in fams["planned"]]
