@@ -11,10 +11,9 @@ import sys
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import boundpass
+from boundpass.testing.dense_lm import LossLM
 from boundpass import config as bc
 from boundpass.config import Config, config_from, knob_paths
 
@@ -235,15 +234,8 @@ def test_unknown_keyword_lists_the_known_ones_and_keywords_override_a_config():
 VOCAB, HIDDEN = 512, 16
 
 
-class PlainLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, HIDDEN)
-        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
-
-    def forward(self, tok, labels):
-        logits = self.lm_head(torch.tanh(self.emb(tok)))
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+def PlainLM():
+    return LossLM(VOCAB, HIDDEN)
 
 
 def _step(step, model, tok, labels):

@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import boundpass
+from boundpass.testing.dense_lm import LossLM
 
 VOCAB, HIDDEN = 1000, 32
 
@@ -19,17 +20,9 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-class PlainLM(nn.Module):
+def PlainLM():
     """A plain PyTorch LM whose forward takes the labels positionally and returns its loss."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, HIDDEN)
-        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
-
-    def forward(self, tok, labels):
-        logits = self.lm_head(torch.tanh(self.emb(tok)))
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+    return LossLM(VOCAB, HIDDEN)
 
 
 class HFStyleLM(nn.Module):

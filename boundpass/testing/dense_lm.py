@@ -22,6 +22,20 @@ class DenseLM(nn.Module):
         return self.head(h)
 
 
+class LossLM(nn.Module):
+    """A plain PyTorch LM whose forward takes the labels positionally and returns its mean cross-entropy (no
+    loss_fn: boundpass.compile matches the loss in the graph)."""
+
+    def __init__(self, vocab: int = 1000, hidden: int = 32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tok, labels):
+        logits = self.lm_head(torch.tanh(self.emb(tok)))
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
 def ce(out, labels):
     """Mean token cross-entropy in fp32 (the vocab pass rewrites it)."""
     return F.cross_entropy(out.flatten(0, 1).float(), labels.flatten())
