@@ -127,12 +127,34 @@ def test_traced_torchtitan_deepseek_block_matches_its_measured_fwd_bwd(layer):
         assert measured <= traced <= 1.10 * measured
 
 
-def test_forked_block_capture_gives_the_serial_terms(monkeypatch):
+_FORKED_CHILD = """
+import json, time
+import torch
+from boundpass import block_trace
+from boundpass.plan import model_config
+cfg = model_config("deepseek_v3", "debugmodel")
+with torch.device("meta"):
+    net = cfg.build()
+block_trace.FORK_CAPTURES = True
+assert block_trace._can_fork(), "a fresh process on this machine cannot fork its captures"
+lines = []
+forked = block_trace.trace_torchtitan_blocks(net, cfg.layers[-1].attention, one_rank=False, progress=lines.append)
+checks = [block_trace._forked(lambda: ("terms", 2))(), block_trace._forked(lambda: 1 / 0)()]
+block_trace.FORK_TIMEOUT_S = 0.5
+checks.append(block_trace._forked(lambda: time.sleep(30))())
+print(json.dumps({"terms": [str(t) for t in forked], "lines": lines, "checks": checks}))
+"""
+
+
+def test_forked_block_capture_gives_the_serial_terms():
     """FORK_CAPTURES (the plan CLI): the MoE block of a model with both kinds is captured in a forked second
     process; the terms are the serial ones, in the same order. A child that raises, or runs past FORK_TIMEOUT_S,
-    returns None (the caller then traces that block itself)."""
+    returns None (the caller then traces that block itself). The forking runs in a fresh single-threaded process, as
+    the CLI is (a pytest-xdist worker has other threads, and block_trace does not fork there)."""
     pytest.importorskip("torchtitan")
-    import time
+    import json
+    import subprocess
+    import sys
 
     from boundpass import block_trace
     from boundpass.plan import model_config
@@ -140,20 +162,14 @@ def test_forked_block_capture_gives_the_serial_terms(monkeypatch):
     with torch.device("meta"):
         net = cfg.build()
     serial = block_trace.trace_torchtitan_blocks(net, cfg.layers[-1].attention, one_rank=False)
-    monkeypatch.setattr(block_trace, "FORK_CAPTURES", True)
-    if not block_trace._can_fork():
-        pytest.skip("this process cannot fork its captures here (another thread, one core, or not Linux)")
-    lines = []
-    forked = block_trace.trace_torchtitan_blocks(net, cfg.layers[-1].attention, one_rank=False,
-                                                 progress=lines.append)
-    assert [k for k, _, _ in serial] == [k for k, _, _ in forked] and {k for k, _, _ in serial} == {"dense_wide",
-                                                                                                 "moe_wide"}
-    assert forked == serial and [str(t) for t in forked] == [str(t) for t in serial]
-    assert any(line.startswith("tracing the first moe block") and "(in a second process)" in line for line in lines)
-    assert block_trace._forked(lambda: ("terms", 2))() == ("terms", 2)
-    assert block_trace._forked(lambda: 1 / 0)() is None
-    monkeypatch.setattr(block_trace, "FORK_TIMEOUT_S", 0.5)
-    assert block_trace._forked(lambda: time.sleep(30))() is None
+    assert [k for k, _, _ in serial] and {k for k, _, _ in serial} == {"dense_wide", "moe_wide"}
+    child = subprocess.run([sys.executable, "-c", _FORKED_CHILD], capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    out = json.loads(child.stdout.strip().splitlines()[-1])
+    assert out["terms"] == [str(t) for t in serial]
+    assert any(line.startswith("tracing the first moe block") and "(in a second process)" in line
+               for line in out["lines"]), out["lines"]
+    assert out["checks"] == [["terms", 2], None, None]
 
 
 @pytest.mark.parametrize("head", ["full_logits", "ring_dtp"])
