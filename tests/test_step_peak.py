@@ -17,6 +17,12 @@ from boundpass.testing.whole_step import measured_step_peak
 
 warnings.filterwarnings("ignore", message="In CPU autocast")
 TIGHT = 1.10
+# The certificate counts tensor bytes; a step's process RSS also grows by what no tensor holds (Python objects and
+# autograd nodes in pymalloc's 1 MiB arenas, glibc's page rounding of each mmap'd storage). On the plain LM's
+# ~105 MiB step that came to -300 KiB..+20 KiB against the certificate over 4 runs (CI failed once on +20 KiB),
+# so the RSS check allows 1 MiB of it. Byte-exact soundness is the tracker's and the allocator's tests here; this
+# one catches memory only RSS sees (Inductor's kernels, BLAS buffers) at MiB scale.
+RSS_NON_TENSOR = 1 << 20
 
 
 def _check(step, model, opt, batches):
@@ -160,11 +166,11 @@ def test_demo_model_smallest_accepted_budget_holds_the_measured_step(torchtitan_
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 def test_certified_peak_holds_against_process_rss(inner):
     """RSS growth of one step in a fresh process (Inductor's kernels allocate where no tracker sees) against the
-    certified peak less the state resident before the step: within 1.10 both ways. Inductor's is certified on the
-    schedule it emits (after fusion), the eager one on the partitioned graphs."""
+    certified peak less the state resident before the step, plus RSS_NON_TENSOR: within 1.10 both ways. Inductor's
+    is certified on the schedule it emits (after fusion), the eager one on the partitioned graphs."""
     from boundpass.testing.whole_step import certified_and_rss
     certified, grown = certified_and_rss(inner)
-    assert grown <= certified <= TIGHT * grown, (grown, certified)
+    assert grown <= certified + RSS_NON_TENSOR <= TIGHT * grown, (grown, certified)
 
 
 def test_inductor_certifies_the_schedule_it_emits_and_checks_it_before_compute():
