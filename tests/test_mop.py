@@ -42,18 +42,26 @@ def _local(t):
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-def _composed_bound(model, cfg, world, ep, ops):
-    """The composed per-rank budget (boundpass.composed) of this launch: AdamW on the device, every block
-    checkpointed, fp32 (b = b_acc = 4); standard EP at worst-case routing and full logits, or PipelinedLLEP (cap
-    CAP) and Ring-DTP (P = W)."""
-    import importlib
-    composed, plan = importlib.import_module("boundpass.composed"), importlib.import_module("boundpass.plan")
-    shape = plan.shape_of_module(model, name=NAME, heads_config=cfg.model_spec.model.layers[0].attention,
-                                 top_k=cfg.model_spec.model.layers[1].moe.router.top_k)
-    launch = composed.Launch(ranks=world, ep=ep, ring=world, tokens_per_rank=BATCH * SEQ // world,
-                             operators=frozenset({"pipelined_llep", "ring_dtp"} if ops else ()), b=4, b_acc=4,
-                             dispatch_cap=CAP if ops else None)
-    return composed.compose(shape, launch, budget=1 << 40).total
+def _composed_bounds():
+    """The composed per-rank budget (boundpass.composed) of the 4-rank launch per layout, traced once here in the
+    test process (the block traces are the same on every rank): AdamW on the device, every block checkpointed,
+    fp32 (b = b_acc = 4); standard EP at worst-case routing and full logits, or PipelinedLLEP (cap CAP) and
+    Ring-DTP (P = W)."""
+    from boundpass import composed
+    from boundpass.plan import shape_of_module
+    from boundpass.recipes.mop import build_model, mop_config
+    world, ep = 4, 2
+    cfg = mop_config(NAME, world=world, ep=ep, seq_len=SEQ, vocab_size=VOCAB)
+    shape = shape_of_module(build_model(cfg, layers=LAYERS), name=NAME,
+                            heads_config=cfg.model_spec.model.layers[0].attention,
+                            top_k=cfg.model_spec.model.layers[1].moe.router.top_k)
+    bounds = {}
+    for ops in (False, True):
+        launch = composed.Launch(ranks=world, ep=ep, ring=world, tokens_per_rank=BATCH * SEQ // world,
+                                 operators=frozenset({"pipelined_llep", "ring_dtp"} if ops else ()), b=4, b_acc=4,
+                                 dispatch_cap=CAP if ops else None)
+        bounds[ops] = composed.compose(shape, launch, budget=1 << 40).total
+    return bounds
 
 
 def _train(rank, world, ep, ops=False, skew=False):
@@ -74,7 +82,6 @@ def _train(rank, world, ep, ops=False, skew=False):
         route_all_to(model, HOT)
     facts = {}
     if world > 1:
-        facts["bound"] = _composed_bound(model, cfg, world, ep, ops)
         parallelize_mop(model, cfg, world=world, ac_config=FullAC.Config(), pipelined_llep=ops, ring_dtp=ops,
                         dispatch_cap=CAP)
         routed = model.layers["1"].moe.routed_experts
@@ -115,11 +122,34 @@ LAYOUTS = {"plain": dict(ops=False, skew=False), "operators": dict(ops=True, ske
            "operators_all_to_rank0": dict(ops=True, skew=True)}
 
 
+def _every_run(rank, world):
+    """Everything this module trains, in one launch per world size (each launch costs ~8 s of spawning and imports
+    per rank): at W = 1 the references (both routings, and one step of each model in OTHER), at W = 4 every layout
+    and one step of each model in OTHER. Each run builds its model afresh from the same seed."""
+    if world == 1:
+        train = {skew: _train(rank, 1, 1, False, skew) for skew in (False, True)}
+    else:
+        train = {name: _train(rank, world, 2, kw["ops"], kw["skew"]) for name, kw in LAYOUTS.items()}
+    return train, {name: _one_step(rank, world, name) for name in OTHER}
+
+
 @pytest.fixture(scope="module")
-def runs():
-    single = {skew: run_on_ranks(_train, 1, 1, False, skew, timeout_s=300)[0] for skew in (False, True)}
-    return {name: (single[kw["skew"]], run_on_ranks(_train, 4, 2, kw["ops"], kw["skew"], timeout_s=400))
-            for name, kw in LAYOUTS.items()}
+def launches():
+    """(W = 1's results, W = 4's results per rank, the composed bounds per operator set)."""
+    return run_on_ranks(_every_run, 1, timeout_s=400)[0], run_on_ranks(_every_run, 4, timeout_s=900), \
+        _composed_bounds()
+
+
+@pytest.fixture(scope="module")
+def runs(launches):
+    (single, _), wide, bounds = launches
+    out = {}
+    for name, kw in LAYOUTS.items():
+        ranks = [train[name] for train, _ in wide]
+        for _, _, facts in ranks:
+            facts["bound"] = bounds[kw["ops"]]
+        out[name] = (single[kw["skew"]], ranks)
+    return out
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -207,9 +237,9 @@ def _one_step(rank, world, name):
 
 
 @pytest.fixture(scope="module")
-def other_models():
-    return {name: (run_on_ranks(_one_step, 1, name, timeout_s=300)[0], run_on_ranks(_one_step, 4, name, timeout_s=400))
-            for name in OTHER}
+def other_models(launches):
+    (_, single), wide, _ = launches
+    return {name: (single[name], [one_step[name] for _, one_step in wide]) for name in OTHER}
 
 
 @pytest.mark.parametrize("name", OTHER)
