@@ -48,10 +48,13 @@ def set_vocab(config, vocab: int) -> None:
 
 
 def recipe_config(name: str, *, ep: int = 1, vocab: int = VOCAB, seq_len: int = SEQ_LEN, batch: int = BATCH,
-                  steps: int = STEPS) -> BoundpassTrainer.Config:
+                  steps: int = STEPS, blocks: int | None = None) -> BoundpassTrainer.Config:
+    """torchtitan's config of `name` with the settings above; `blocks`: keep only its first blocks (None: all)."""
     package, fn = _SOURCES[name]
     registry = importlib.import_module(f"torchtitan.models.{package}.config_registry")
     config = upgrade_config(getattr(registry, fn)())
+    if blocks is not None:
+        config.model_spec.model.layers = config.model_spec.model.layers[:blocks]
     set_vocab(config, vocab)
     config.training.seq_len = seq_len
     config.training.local_batch_size = batch
@@ -79,6 +82,12 @@ def qwen3_moe_debug() -> BoundpassTrainer.Config:
 
 def qwen3_moe_debug_ep2() -> BoundpassTrainer.Config:
     return recipe_config("qwen3_moe", ep=2)
+
+
+def qwen3_moe_debug_ep2_3blocks() -> BoundpassTrainer.Config:
+    """qwen3_moe_debug_ep2 cut to its first 3 blocks: 64 experts per block make the 8-block model 331 M parameters,
+    most of a quick 2-rank check's time (tests/test_block_compile.py's SCO run)."""
+    return recipe_config("qwen3_moe", ep=2, blocks=3)
 
 
 def gpt_oss_debug() -> BoundpassTrainer.Config:

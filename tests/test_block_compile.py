@@ -235,7 +235,7 @@ def _sco_run(rank, world, tmp, assets, sco, tag="", extra=()):
     os.environ["BOUNDPASS_ASSETS"] = assets
     from boundpass.recipes.train import build_in_process
     losses = os.path.join(tmp, f"sco_{sco}{tag}.jsonl")
-    trainer = build_in_process(["--module", "boundpass.recipes", "--config", "qwen3_moe_debug_ep2", *SHORT,
+    trainer = build_in_process(["--module", "boundpass.recipes", "--config", "qwen3_moe_debug_ep2_3blocks", *SHORT,
                                 "--training.steps", "3", "--dump_folder", f"{tmp}/sco_{sco}", "--compile.enable",
                                 "--compile.backend", "aot_eager", "--boundpass.budget", "2GiB",
                                 "--boundpass.host_budget", "4GiB", "--boundpass.sco.enable", sco,
@@ -265,12 +265,13 @@ def _sco_run(rank, world, tmp, assets, sco, tag="", extra=()):
 @pytest.mark.torchtitan
 @pytest.mark.distributed
 def test_sco_across_blocks_in_torchtitans_trainer(tmp_path, assets):
-    """qwen3 MoE debug (FullAC: every block checkpointed) at EP = 2 + FSDP2, per-block compile: SCO offloads every
-    block's boundary (sco.enable True) through the shared runtime; the losses equal the run with SCO off bitwise; the
-    head's certificate counts every block's saved tensors but the boundaries on the host; every steady
-    step's allocator peak stays under the certified device + host peak (on CPU the host pool is the same memory).
-    A trainer resuming from step 2's checkpoint continues bitwise. At this shape the step's peak is elsewhere (FSDP2's units and gradients dwarf the 64 KiB boundaries), so the
-    certified step peak does not move: sco.enable auto would offload nothing here."""
+    """qwen3 MoE debug cut to 3 blocks (torchtitan's SelectiveAC) at EP = 2 + FSDP2, per-block compile: SCO
+    offloads every block's boundary (sco.enable True) through the shared runtime; the losses equal the run with SCO
+    off bitwise; the head's certificate counts every block's saved tensors but the boundaries on the host; every
+    steady step's allocator peak stays under the certified device + host peak (on CPU the host pool is the same
+    memory). A trainer resuming from step 2's checkpoint continues bitwise. At this shape the step's peak is
+    elsewhere (FSDP2's units and gradients dwarf the 64 KiB boundaries), so the certified step peak does not move:
+    sco.enable auto would offload nothing here."""
     on = run_on_ranks(_sco_run, 2, str(tmp_path), assets, "True", "",
                       ("--checkpoint.enable", "--checkpoint.interval", "2"), timeout_s=900)
     off = run_on_ranks(_sco_run, 2, str(tmp_path), assets, "False", timeout_s=900)
