@@ -186,8 +186,9 @@ class CompiledBlocks(BoundedModule):
         from boundpass.passes import sco_pass
         from boundpass.runtime import sco as sco_rt
         if self.sco_runtime is None and self.config.sco.enable is not False:
+            runs = self.runs  # not self: the runtime is reachable from the compiled graphs (see _counting)
             self.sco_runtime = sco_rt.BlockSCO(self.num_blocks, 0, sco_pass._boundary_device(gm),
-                                               current_block=lambda: len(self.runs) - 1)
+                                               current_block=lambda: len(runs) - 1)
         first = next((n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"), None)
         if isinstance(first, torch.Tensor) and first.is_floating_point():
             # the block's first argument: the trunk's hidden states, block i-1's output (see _block_rows)
@@ -469,9 +470,16 @@ def _scatter_row(units: list[FSDPUnit], output_counted: bool = False) -> BoundTe
 
 def _counting(compiled, blocks: CompiledBlocks, index: int):
     """``compiled`` that records, on each forward call, which graph a block ran; arguments pass through as Dynamo
-    gives them (its boxed flag copied)."""
+    gives them (its boxed flag copied).
+
+    It holds ``blocks.runs`` (a list cleared in place each step), not ``blocks``: Dynamo installs the compiled
+    function as a global of the traced module (torchtitan's decoder), where ``torch._dynamo.reset()`` leaves it, so a
+    reference to ``blocks`` kept every trainer's model alive for the rest of the process (2 GiB of parameters per
+    trainer on the 3-block qwen3 at EP = 2; docs/results/test_times.md, session 11)."""
+    runs = blocks.runs
+
     def run(*args, **kwargs):
-        blocks.runs.append(index)
+        runs.append(index)
         return compiled(*args, **kwargs)
     if hasattr(compiled, "_boxed_call"):
         run._boxed_call = compiled._boxed_call

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import time
 import types
+import weakref
 import uuid
 
 import torch
@@ -100,8 +101,16 @@ class BoundedModule(nn.Module):
         f = BoundedModule._call_model if self.loss_fn is None else BoundedModule._step
         fn = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__)
 
+        # the backend holds this module weakly: Dynamo keeps compiled functions as globals of the traced code's
+        # module (torch._dynamo.reset() leaves them), and through them a strong reference kept the last model
+        # compiled alive after its owner let go (docs/results/test_times.md, session 11)
+        owner = weakref.ref(self)
+
         def backend(gm, example_inputs):
-            return self._backend(gm, example_inputs)
+            module = owner()
+            if module is None:
+                raise RuntimeError("boundpass: a graph was compiled for a BoundedModule that no longer exists")
+            return module._backend(gm, example_inputs)
         return torch.compile(types.MethodType(fn, self), backend=backend, fullgraph=self.fullgraph,
                              dynamic=self.dynamic)
 

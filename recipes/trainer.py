@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -516,14 +517,29 @@ class BoundpassTrainer(Trainer):
 
 class _BlockBackend:
     """The Dynamo backend torchtitan's apply_compile is handed: forwards each block graph to the CompiledBlocks the
-    trainer fills in once the optimizer exists (blocks compile at the first forward, after that)."""
+    trainer fills in once the optimizer exists (blocks compile at the first forward, after that).
 
-    target = None
+    It holds that CompiledBlocks weakly (the trainer holds it): Dynamo keeps each compiled block function as a
+    global of torchtitan's decoder module, where ``torch._dynamo.reset()`` leaves it, and that function reaches this
+    backend; a strong reference kept every trainer's model alive for the rest of the process (2 GiB of parameters
+    per trainer on the 3-block qwen3 at EP = 2, docs/results/test_times.md, session 11)."""
+
+    _target = None
+
+    @property
+    def target(self):
+        return self._target() if self._target is not None else None
+
+    @target.setter
+    def target(self, blocks) -> None:
+        self._target = weakref.ref(blocks)
 
     def __call__(self, gm, example_inputs):
-        if self.target is None:
-            raise RuntimeError("boundpass recipe: a block was compiled before the trainer set boundpass up")
-        return self.target.backend(gm, example_inputs)
+        target = self.target
+        if target is None:
+            raise RuntimeError("boundpass recipe: a block was compiled before the trainer set boundpass up (or after "
+                               "the trainer was gone)")
+        return target.backend(gm, example_inputs)
 
     def __repr__(self) -> str:  # torchtitan logs the backend
         return "boundpass"

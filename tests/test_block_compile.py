@@ -298,3 +298,31 @@ def test_sco_across_blocks_in_torchtitans_trainer(tmp_path, assets):
         steady = [peak for step, peak in with_sco["peaks"] if step >= 2]
         assert steady and max(steady) <= with_sco["device"] + with_sco["host"], (steady, with_sco["device"],
                                                                                   with_sco["host"])
+
+
+def _released(rank, world, tmp, assets):
+    """Weak references to a trained and closed trainer's parameters, CompiledBlocks and head module, after the
+    trainer is dropped and collected: which of them are still alive."""
+    import gc
+    import weakref
+    os.environ["BOUNDPASS_ASSETS"] = assets
+    from boundpass.recipes.train import train_in_process
+    trainer = train_in_process(["--module", "boundpass.recipes", "--config", "deepseek_v3_debug", *SHORT,
+                                "--training.steps", "1", "--dump_folder", f"{tmp}/released", "--compile.enable",
+                                "--compile.backend", "aot_eager", "--boundpass.budget", "2GiB"])
+    assert trainer.blocks is not None and trainer.bounded is not None
+    refs = {"parameters": [weakref.ref(p) for p in trainer.model_parts[0].parameters()],
+            "blocks": [weakref.ref(trainer.blocks)], "head": [weakref.ref(trainer.bounded)]}
+    del trainer
+    gc.collect()
+    return {name: sum(r() is not None for r in rs) for name, rs in refs.items()}
+
+
+@pytest.mark.torchtitan
+def test_a_closed_trainer_is_released(tmp_path, assets):
+    """Dynamo keeps each compiled function as a global of the traced module, where torch._dynamo.reset() leaves it;
+    the block backend and the head's backend reach their owners from there, so they hold them weakly. Before, a
+    process that ran trainers one after another kept every trainer's model (2 GiB of parameters per trainer on the
+    3-block qwen3 at EP = 2: an OOM on the third)."""
+    alive = run_on_ranks(_released, 1, str(tmp_path), assets, timeout_s=600)[0]
+    assert alive == {"parameters": 0, "blocks": 0, "head": 0}, alive
