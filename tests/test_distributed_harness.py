@@ -60,30 +60,33 @@ def _die_hard(rank, world_size):
 # ---- helpers ------------------------------------------------------------------------------------------
 
 def _child_pids() -> set[int]:
-    """Live (non-zombie) child processes of this process, other than multiprocessing's resource tracker."""
-    me = os.getpid()
-    out = set()
+    """Live (non-zombie) descendants of this process, other than multiprocessing's resource tracker and the fork
+    server (both started once per parent and kept; the ranks are children of the fork server)."""
+    parent, helper = {}, set()
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
         try:
             with open(f"/proc/{d}/stat") as f:
                 stat = f.read()
-        except OSError:
-            continue
-        # field 4 (ppid) comes after the parenthesised comm, which may contain spaces
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) != me or fields[0] == "Z":
-            continue
-        try:
             with open(f"/proc/{d}/cmdline", "rb") as f:
                 cmdline = f.read()
         except OSError:
             continue
-        # spawn starts multiprocessing's resource tracker once per parent; it is not one of the ranks
-        if b"resource_tracker" in cmdline:
+        # field 4 (ppid) comes after the parenthesised comm, which may contain spaces
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] == "Z":
             continue
-        out.add(int(d))
+        parent[int(d)] = int(fields[1])
+        if b"resource_tracker" in cmdline or b"forkserver" in cmdline:
+            helper.add(int(d))
+    me, out = os.getpid(), set()
+    for pid in parent:
+        p = pid
+        while p in parent and p != me:
+            p = parent[p]
+        if p == me and pid not in helper:
+            out.add(pid)
     return out
 
 
