@@ -1,4 +1,4 @@
-"""Tests for boundpass.testing.distributed.run_on_ranks (real gloo ranks, spawned CPU processes)."""
+"""Tests for boundpass.testing.distributed.run_on_ranks (real gloo ranks, CPU processes forked from a fork server)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from boundpass.testing.distributed import RankError, run_on_ranks
 pytestmark = pytest.mark.distributed
 
 
-# ---- rank functions: top level so that spawn can import them by module name ----------------------------
+# ---- rank functions: top level so that a rank can import them by module name ----------------------------
 
 def _all_reduce_rank(rank, world_size, scale, *, offset=0.0):
     import torch.distributed as dist
@@ -152,3 +152,44 @@ def test_rank_dying_without_exception_is_reported():
 def test_unpicklable_fn_fails_fast():
     with pytest.raises(TypeError, match="picklable"):
         run_on_ranks(lambda rank, ws: rank, 2, timeout_s=5)
+
+
+_SCRIPT = '''
+import torch.distributed as dist
+from boundpass.testing.distributed import run_on_ranks
+
+def _script_rank(rank, world_size):
+    return f"{__name__}:{rank}/{dist.get_world_size()}"
+
+if __name__ == "__main__":
+    print(run_on_ranks(_script_rank, 2, timeout_s=120))
+'''
+
+
+def test_a_scripts_own_function_runs_on_the_ranks(tmp_path):
+    """A script run as ``python script.py`` hands run_on_ranks a function of its own ``__main__``: each rank imports
+    the script as ``__mp_main__`` (its main guard keeps it from launching again) and finds the function there. The
+    fork server cannot do it for them (Python 3.11 never passes it the script's path)."""
+    import subprocess
+    import sys
+    script = tmp_path / "launch_from_a_script.py"
+    script.write_text(_SCRIPT)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "['__mp_main__:0/2', '__mp_main__:1/2']", out.stdout
+
+
+def _env_of(rank, world_size, name):
+    return os.environ.get(name)
+
+
+def test_ranks_see_the_launchers_environment_at_launch(monkeypatch):
+    """The fork server keeps the environment it started with; each launch hands the ranks the launcher's current
+    one, as a freshly spawned process would see it."""
+    run_on_ranks(_env_of, 1, "BOUNDPASS_HARNESS_PROBE", timeout_s=60)  # the fork server is up from here on
+    monkeypatch.setenv("BOUNDPASS_HARNESS_PROBE", "set after the server started")
+    assert run_on_ranks(_env_of, 2, "BOUNDPASS_HARNESS_PROBE", timeout_s=60) == ["set after the server started"] * 2
+    monkeypatch.delenv("BOUNDPASS_HARNESS_PROBE")
+    assert run_on_ranks(_env_of, 1, "BOUNDPASS_HARNESS_PROBE", timeout_s=60) == [None]

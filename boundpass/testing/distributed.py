@@ -41,7 +41,8 @@ What it does
 * If not every rank has returned ``timeout_s`` seconds after the start (spawn/import time included),
   every child is killed (SIGKILL, its whole process group: each child makes itself a group leader) and
   ``TimeoutError`` names the ranks that did not finish.
-* The fork server imports the parent's ``__main__`` file (as spawn did in every child), so a *script* that calls
+* When ``fn`` is defined in the launching script, each child imports that script as ``__mp_main__`` (as spawn
+  did), so a *script* that calls
   ``run_on_ranks`` must guard its top-level code with ``if __name__ == "__main__":`` (pytest and
   ``python -m`` are fine). Code fed on stdin / ``python -c`` cannot host ``fn``.
 * Children are started with ``PR_SET_PDEATHSIG=SIGKILL`` on Linux: they die with the fork server, which exits
@@ -74,9 +75,10 @@ _ENV_LOCK = threading.Lock()
 # server imports torch (torch sizes its OpenMP pool from it).
 _CHILD_ENV = {"OMP_NUM_THREADS": "1"}
 # Imported once by the fork server (an ImportError there is skipped by multiprocessing, the child then imports
-# what it needs itself). "__main__" keeps what spawn did: a script's top-level functions resolve in the child.
+# what it needs itself). Not "__main__": Python 3.11's fork server never receives the main script's path (it asks
+# spawn's preparation data for a 'main_path' key that spawn names 'init_main_from_path'), so a script's own
+# functions are resolved in each child instead (``_main_of``), as spawn did.
 PRELOAD = [
-    "__main__",
     "torch",
     "torch.distributed",
     "torch._dynamo",
@@ -110,7 +112,18 @@ def _set_pdeathsig() -> None:
         pass
 
 
-def _child_main(rank, world_size, payload, init_method, backend, pg_timeout_s, sys_path, env, conn, parent_pid):
+def _main_of(fn) -> dict:
+    """How a child imports the launcher's ``__main__`` (a script, or ``python -m`` module) when ``fn`` lives there:
+    spawn's own preparation data, the entries that name the main module; empty when ``fn`` lives elsewhere."""
+    if getattr(fn, "__module__", None) != "__main__":
+        return {}
+    from multiprocessing import spawn
+    data = spawn.get_preparation_data("run_on_ranks")
+    return {k: v for k, v in data.items() if k in ("init_main_from_name", "init_main_from_path")}
+
+
+def _child_main(rank, world_size, payload, init_method, backend, pg_timeout_s, sys_path, env, conn, parent_pid,
+                main=None):
     # Runs in the forked child. Order matters: process group + env + sys.path before torch/fn imports.
     try:
         os.setpgid(0, 0)  # own process group, so the parent can kill grandchildren too
@@ -123,6 +136,7 @@ def _child_main(rank, world_size, payload, init_method, backend, pg_timeout_s, s
         os._exit(1)
     except PermissionError:
         pass
+    os.environ.clear()
     os.environ.update(env)
     sys.path[:] = list(sys_path)
     code = 1
@@ -132,6 +146,9 @@ def _child_main(rank, world_size, payload, init_method, backend, pg_timeout_s, s
         from datetime import timedelta
 
         torch.set_num_threads(1)
+        if main:  # the script's top-level code runs as __mp_main__ (its main guard keeps it from running again)
+            from multiprocessing import spawn
+            spawn.prepare(main)
         fn, args, kwargs = pickle.loads(payload)
         dist.init_process_group(
             backend,
@@ -227,6 +244,7 @@ def run_on_ranks(
             f"(define fn at module top level, not as a lambda/closure): {e!r}"
         ) from e
 
+    main = _main_of(fn)
     ctx = multiprocessing.get_context(_START_METHOD)
     ctx.set_forkserver_preload(PRELOAD)  # takes effect when this process's fork server starts
     tmpdir = tempfile.mkdtemp(prefix="boundpass_ranks_")
@@ -246,7 +264,9 @@ def run_on_ranks(
             os.environ.update(_CHILD_ENV)
             try:
                 for rank in range(world_size):
-                    env = dict(_CHILD_ENV)
+                    # the launcher's environment as it is now (os.environ holds _CHILD_ENV here): a fork of the
+                    # server would otherwise see the environment the server started with
+                    env = dict(os.environ)
                     env.update(
                         RANK=str(rank),
                         WORLD_SIZE=str(world_size),
@@ -257,7 +277,7 @@ def run_on_ranks(
                     p = ctx.Process(
                         target=_child_main,
                         args=(rank, world_size, payload, init_method, backend, pg_timeout_s,
-                              list(sys.path), env, w, os.getpid()),
+                              list(sys.path), env, w, os.getpid(), main),
                         name=f"run_on_ranks-rank{rank}",
                         daemon=False,  # daemonic processes may not have children (DataLoader workers etc.)
                     )
