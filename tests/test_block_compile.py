@@ -192,18 +192,21 @@ def _sound_and_tight(peaks, certified) -> None:
     so the steady steps measure the same within a few KiB (measured: 1.035-1.037x at 2 ranks, 1.040-1.042x at
     4; docs/recipe.md)."""
     steady = [peak for step, peak in peaks if step >= 2]
+    print(f"certified {certified} B, steady steps {min(steady, default=0)}..{max(steady, default=0)} B, "
+          f"certified / worst {certified / max(steady, default=1):.4f}")
     assert steady and max(steady) <= certified, (peaks, certified)
     assert certified <= 1.10 * max(steady), (peaks, certified)
 
 
-def _bound_run(rank, world, tmp, assets):
+def _bound_run(rank, world, tmp, assets, ac=()):
     os.environ["BOUNDPASS_ASSETS"] = assets
     from boundpass.recipes.train import build_in_process
     from boundpass.testing.routing import route_all_to
+    # ac last: a tyro subcommand (activation-checkpoint:...) takes every argument after it
     trainer = build_in_process(["--module", "boundpass.recipes", "--config", "deepseek_v3_debug_ep2", *SHORT,
                                 "--training.steps", "3", "--dump_folder", f"{tmp}/bp{world}", "--compile.enable",
                                 "--compile.backend", "aot_eager", "--boundpass.budget", "2GiB",
-                                "--boundpass.measure_peak"])
+                                "--boundpass.measure_peak", *ac])
     certified = []
     step = trainer.train_step
 
@@ -215,17 +218,23 @@ def _bound_run(rank, world, tmp, assets):
         return out
     _train_with(trainer, train_step)
     return {"peaks": trainer.peaks, "certified": certified, "summary": trainer.summary(),
-            "phases": len(trainer.blocks.phase_tables())}
+            "phases": len(trainer.blocks.phase_tables()),
+            "ac": type(trainer.config.activation_checkpoint).__qualname__, "runs": list(trainer.blocks.runs)}
 
 
 @pytest.mark.torchtitan
 @pytest.mark.distributed
 def test_per_block_bound_both_ways_on_4_ranks(tmp_path, assets):
-    """deepseek_v3 debug on 4 gloo ranks (FSDP2 over 4, EP = 2), per-block compile: every steady step's measured
-    peak (torch's allocator) within [certified / 1.10, certified], the certificate unmoved by all-to-one routing.
-    The reduce-scatters are phases of their own (one per block graph, the head's, the tail)."""
-    results = run_on_ranks(_bound_run, 4, str(tmp_path), assets, timeout_s=900)
+    """deepseek_v3 debug on 4 gloo ranks (FSDP2 over 4, EP = 2), every block checkpointed (torchtitan's FullAC; the
+    2-rank tests here run its SelectiveAC), per-block compile: every steady step's measured peak (torch's allocator)
+    within [certified / 1.10, certified], the certificate unmoved by all-to-one routing. The reduce-scatters are
+    phases of their own (one per block graph, the head's, the tail)."""
+    results = run_on_ranks(_bound_run, 4, str(tmp_path), assets, ("activation-checkpoint:full",), timeout_s=900)
     for result in results:
+        assert result["ac"] == "FullAC.Config", result["ac"]
+        # every MoE block's dispatch through the pass under the checkpoint: one graph serves blocks 1..5
+        assert result["runs"] == [0, 1, 1, 1, 1, 1] and result["summary"].count("REWRITTEN dispatch") == 1, \
+            result["summary"]
         assert len(set(result["certified"])) == 1, f"the certified peak moved with the routing: {result['certified']}"
         assert result["phases"] == 2 + 1 + 1, result["summary"]  # 2 block graphs' reduce-scatters, head's, tail
         _sound_and_tight(result["peaks"], result["certified"][0])
