@@ -193,3 +193,18 @@ def test_ranks_see_the_launchers_environment_at_launch(monkeypatch):
     assert run_on_ranks(_env_of, 2, "BOUNDPASS_HARNESS_PROBE", timeout_s=60) == ["set after the server started"] * 2
     monkeypatch.delenv("BOUNDPASS_HARNESS_PROBE")
     assert run_on_ranks(_env_of, 1, "BOUNDPASS_HARNESS_PROBE", timeout_s=60) == [None]
+
+
+def test_a_module_that_fails_to_import_does_not_stop_the_preload(tmp_path, monkeypatch, capsys):
+    """The fork server's preload skips a missing module quietly and one that raises while importing with a line on
+    stderr, and imports the rest (multiprocessing's own preload lets anything but ImportError kill the server)."""
+    import sys
+    from boundpass.testing.distributed import preload
+    (tmp_path / "bp_preload_raises.py").write_text("raise AttributeError('an incompatible dependency')\n")
+    (tmp_path / "bp_preload_fine.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    failed = preload(["bp_preload_missing", "bp_preload_raises", "bp_preload_fine"])
+    assert set(failed) == {"bp_preload_missing", "bp_preload_raises"}
+    assert "bp_preload_fine" in sys.modules
+    err = capsys.readouterr().err
+    assert "could not preload bp_preload_raises" in err and "bp_preload_missing" not in err

@@ -74,8 +74,10 @@ _ENV_LOCK = threading.Lock()
 # first start launches the fork server, a fresh interpreter that inherits it, so it is in place before the
 # server imports torch (torch sizes its OpenMP pool from it).
 _CHILD_ENV = {"OMP_NUM_THREADS": "1"}
-# Imported once by the fork server (an ImportError there is skipped by multiprocessing, the child then imports
-# what it needs itself). Not "__main__": Python 3.11's fork server never receives the main script's path (it asks
+# Imported once by the fork server, through ``boundpass.testing.fork_server_preload`` (the one module multiprocessing
+# is asked to preload, which calls ``preload``): a module that is missing or fails to import there is skipped (a failure other than a missing
+# module is reported on stderr), and a rank that needs it imports it itself. multiprocessing's own preload would
+# let any exception other than ImportError kill the server and with it every launch. Not "__main__": Python 3.11's fork server never receives the main script's path (it asks
 # spawn's preparation data for a 'main_path' key that spawn names 'init_main_from_path'), so a script's own
 # functions are resolved in each child instead (``_main_of``), as spawn did.
 # Beyond the import-time modules: the third-party packages a torchtitan trainer rank imports lazily on its first
@@ -100,6 +102,25 @@ PRELOAD = [
     "boundpass.recipes.mop",
 ]
 _START_METHOD = "forkserver"
+
+
+def preload(names) -> dict:
+    """Import each of ``names`` (in the fork server); returns the ones that failed with their exception. A missing
+    module is skipped silently (a CPU-only bench on a machine without torchtitan); one that raises anything else is
+    skipped with a line on stderr. Either way the server keeps running, and a rank that needs the module imports it
+    itself, where its error surfaces as that rank's traceback."""
+    import importlib
+    failed = {}
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            failed[name] = e
+        except Exception as e:  # noqa: BLE001 - an import-time error must not take the fork server down
+            failed[name] = e
+            sys.stderr.write(f"[run_on_ranks] the fork server could not preload {name} ({e!r}); "
+                             f"ranks that need it import it themselves\n")
+    return failed
 
 
 class RankError(RuntimeError):
@@ -258,7 +279,7 @@ def run_on_ranks(
 
     main = _main_of(fn)
     ctx = multiprocessing.get_context(_START_METHOD)
-    ctx.set_forkserver_preload(PRELOAD)  # takes effect when this process's fork server starts
+    ctx.set_forkserver_preload(["boundpass.testing.fork_server_preload"])  # from when this process's server starts
     tmpdir = tempfile.mkdtemp(prefix="boundpass_ranks_")
     init_method = "file://" + os.path.join(tmpdir, "store")
     t0 = time.monotonic()
