@@ -97,10 +97,9 @@ def _measured_step_peak(model, batch: int, seq: int, vocab: int, loss: str) -> i
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     loss_fn = torchtitan_loss()
     gen = torch.Generator().manual_seed(0)
-    model._skip_lm_head = loss == "ring_dtp"
-
     tokens = torch.randint(0, vocab, (batch, seq), generator=gen)
     labels = torch.randint(0, vocab, (batch, seq), generator=gen)
+    model._skip_lm_head = loss == "ring_dtp"
 
     def step():
         if loss == "ring_dtp":  # P = 1; strip width C = the composed budget's default

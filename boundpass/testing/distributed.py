@@ -16,10 +16,11 @@ What it does
 
 * Starts ``world_size`` processes with the ``forkserver`` start method. The fork server is started once per
   parent process, with ``OMP_NUM_THREADS=1`` in its environment, and imports ``PRELOAD`` (torch, Dynamo,
-  Inductor, torchtitan through the recipe, boundpass's compiler) once; every rank is a fork of it, so a
-  launch no longer pays ~5-7 CPU-seconds of imports per rank (measured: a 2-rank launch that imports
+  Inductor, boundpass's compiler and recipes, the packages a torchtitan trainer imports) once; every rank is a
+  fork of it, so a launch no longer pays ~5-7 CPU-seconds of imports per rank (measured: a 2-rank launch that imports
   torchtitan took 6.9 s with ``spawn``, 0.06 s after the first with the preloaded fork server). The server
-  runs no torch op and starts no thread pool, so forking it is safe; Python's ``random`` reseeds in each
+  runs no torch op and starts no OpenMP pool (its one extra thread is jemalloc's, see ``PRELOAD``), so
+  forking it is safe; Python's ``random`` reseeds in each
   fork (``os.register_at_fork``), torch's generator starts at its import-time default seed as it did under
   spawn. Each child also calls ``torch.set_num_threads(1)``, sets
   ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``, and gets the parent's ``sys.path``, so
@@ -48,12 +49,14 @@ What it does
 * Children are started with ``PR_SET_PDEATHSIG=SIGKILL`` on Linux: they die with the fork server, which exits
   when the parent does (multiprocessing closes its pipe), so they die if the parent is killed.
 
-Nothing here imports torch at module level (the child sets the environment first) and nothing imports
-torchtitan; a 4-rank gloo all_reduce round trip takes ~3-5 s on a 2-core machine (mostly ``import torch``).
+Nothing here imports torch or torchtitan at module level (the fork server's environment is set first); the first
+launch in a process starts the fork server (~10 s of imports on a 2-core machine), later ones take well under a
+second to start their ranks.
 """
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -75,17 +78,15 @@ _ENV_LOCK = threading.Lock()
 # server imports torch (torch sizes its OpenMP pool from it).
 _CHILD_ENV = {"OMP_NUM_THREADS": "1"}
 # Imported once by the fork server, through ``boundpass.testing.fork_server_preload`` (the one module multiprocessing
-# is asked to preload, which calls ``preload``): a module that is missing or fails to import there is skipped (a failure other than a missing
-# module is reported on stderr), and a rank that needs it imports it itself. multiprocessing's own preload would
-# let any exception other than ImportError kill the server and with it every launch. Not "__main__": Python 3.11's fork server never receives the main script's path (it asks
-# spawn's preparation data for a 'main_path' key that spawn names 'init_main_from_path'), so a script's own
-# functions are resolved in each child instead (``_main_of``), as spawn did.
-# Beyond the import-time modules: the third-party packages a torchtitan trainer rank imports lazily on its first
-# build (measured in a rank of test_block_compile's per-block run: 1,286 new modules, pandas, datasets, tensorboard,
-# huggingface_hub, pyarrow among them). Not torchtitan's own trainer modules: they bind torchtitan's device type
-# ("cuda" on a machine without one) at import, before recipes/cpu_support.py's shims run in the rank. Importing
-# pyarrow (through datasets) starts jemalloc's background thread in the server; jemalloc's own fork handlers make
-# forking it safe (a fork child restarts the thread when it needs it).
+# is asked to preload; it calls ``preload``, which skips a module that fails to import instead of letting the error
+# kill the server and every launch). Besides the import-time modules: the third-party packages a torchtitan trainer
+# rank imports lazily on its first build (in a rank of test_block_compile's per-block run: 1,286 new modules, pandas,
+# datasets, tensorboard, huggingface_hub, pyarrow among them). Not torchtitan's own trainer modules: they bind
+# torchtitan's device type ("cuda" on a machine without one) at import, before recipes/cpu_support.py's shims run in
+# the rank. Importing pyarrow (through datasets) starts jemalloc's background thread in the server; jemalloc's own
+# fork handlers make forking it safe. Not "__main__": Python 3.11's fork server never receives the main script's
+# path (it asks spawn's preparation data for a 'main_path' key that spawn names 'init_main_from_path'), so a
+# script's own functions are resolved in each child instead (``_main_of``), as spawn did.
 PRELOAD = [
     "torch",
     "torch.distributed",
@@ -107,9 +108,9 @@ _START_METHOD = "forkserver"
 def preload(names) -> dict:
     """Import each of ``names`` (in the fork server); returns the ones that failed with their exception. A missing
     module is skipped silently (a CPU-only bench on a machine without torchtitan); one that raises anything else is
-    skipped with a line on stderr. Either way the server keeps running, and a rank that needs the module imports it
-    itself, where its error surfaces as that rank's traceback."""
-    import importlib
+    skipped with a line on stderr (multiprocessing's own preload catches only ImportError). Either way the server
+    keeps running, and a rank that needs the module imports it itself, where its error surfaces as that rank's
+    traceback."""
     failed = {}
     for name in names:
         try:
