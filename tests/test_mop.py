@@ -54,7 +54,7 @@ def _composed_bounds():
     cfg = mop_config(NAME, world=world, ep=ep, seq_len=SEQ, vocab_size=VOCAB)
     shape = shape_of_module(build_model(cfg, layers=LAYERS), name=NAME,
                             heads_config=cfg.model_spec.model.layers[0].attention,
-                            top_k=cfg.model_spec.model.layers[1].moe.router.top_k)
+                            top_k=cfg.model_spec.model.layers[1].moe.router.top_k, traces="wide")
     bounds = {}
     for ops in (False, True):
         launch = composed.Launch(ranks=world, ep=ep, ring=world, tokens_per_rank=BATCH * SEQ // world,

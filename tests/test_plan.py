@@ -209,7 +209,7 @@ def _mop_prediction(world, ep, batch, seq, vocab, layers):
     cfg = mop_config("deepseek_v3", world=world, ep=ep, seq_len=seq, vocab_size=vocab)
     shape = shape_of_module(build_model(cfg, layers=layers), name="deepseek_v3 debug",
                             heads_config=cfg.model_spec.model.layers[0].attention,
-                            top_k=cfg.model_spec.model.layers[1].moe.router.top_k)
+                            top_k=cfg.model_spec.model.layers[1].moe.router.top_k, traces="wide")
     launch = composed.Launch(ranks=world, ep=ep, ring=world, tokens_per_rank=batch * seq // world,
                              operators=frozenset(), b=4, b_acc=4)
     table = composed.compose(shape, launch, budget=1 << 40)
