@@ -271,6 +271,17 @@ def _sco_run(rank, world, tmp, assets, sco, tag="", extra=()):
                                                             if "SCO" in t.name]}
 
 
+def _sco_runs(rank, world, tmp, assets):
+    """The three trainers of the SCO test one after another in one launch (a launch of 2 ranks costs ~5 s of
+    process start and imports): SCO on, saving step 2; SCO off; SCO on resuming from step 2's checkpoint (a new
+    trainer loads the model, OffloadStreamAdamW's state and the data position). Each is closed before the next
+    (test_a_closed_trainer_is_released) and compiles its own blocks."""
+    return (_sco_run(rank, world, tmp, assets, "True", "", ("--checkpoint.enable", "--checkpoint.interval", "2")),
+            _sco_run(rank, world, tmp, assets, "False"),
+            _sco_run(rank, world, tmp, assets, "True", "_resumed", ("--checkpoint.enable", "--checkpoint.load_step",
+                                                                    "2")))
+
+
 @pytest.mark.torchtitan
 @pytest.mark.distributed
 def test_sco_across_blocks_in_torchtitans_trainer(tmp_path, assets):
@@ -281,12 +292,7 @@ def test_sco_across_blocks_in_torchtitans_trainer(tmp_path, assets):
     memory). A trainer resuming from step 2's checkpoint continues bitwise. At this shape the step's peak is
     elsewhere (FSDP2's units and gradients dwarf the 64 KiB boundaries), so the certified step peak does not move:
     sco.enable auto would offload nothing here."""
-    on = run_on_ranks(_sco_run, 2, str(tmp_path), assets, "True", "",
-                      ("--checkpoint.enable", "--checkpoint.interval", "2"), timeout_s=900)
-    off = run_on_ranks(_sco_run, 2, str(tmp_path), assets, "False", timeout_s=900)
-    # save -> resume: a new trainer loads step 2's checkpoint (model, OffloadStreamAdamW's state, data position)
-    resumed = run_on_ranks(_sco_run, 2, str(tmp_path), assets, "True", "_resumed",
-                           ("--checkpoint.enable", "--checkpoint.load_step", "2"), timeout_s=900)
+    on, off, resumed = zip(*run_on_ranks(_sco_runs, 2, str(tmp_path), assets, timeout_s=900))
     assert resumed[0]["losses"] and set(resumed[0]["losses"]) == {3}, resumed[0]["losses"]
     assert resumed[0]["losses"][3] == on[0]["losses"][3], (resumed[0]["losses"], on[0]["losses"])  # bitwise
     first = on[0]
