@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 from boundpass.errors import BoundpassError
 
-__all__ = ["LiveStorageTracker", "measure_peak", "rss_peak_in_subprocess", "MeasurementError"]
+__all__ = ["LiveStorageTracker", "measure_peak", "rss_peak_in_subprocess", "rss_run_in_subprocess", "MeasurementError"]
 
 
 class MeasurementError(BoundpassError, RuntimeError):
@@ -283,6 +283,13 @@ def rss_peak_in_subprocess(code: str, *, env: dict[str, str] | None = None, time
     `code` must define ``measured(state)`` and may define ``setup() -> state`` (imports, inputs: excluded
     from the figure). Returns VmHWM during measured minus VmRSS just before it, never below 0.
     """
+    return rss_run_in_subprocess(code, env=env, timeout=timeout)[0]
+
+
+def rss_run_in_subprocess(code: str, *, env: dict[str, str] | None = None,
+                          timeout: float = 300.0) -> tuple[int, str]:
+    """(``rss_peak_in_subprocess``'s figure, everything else the child printed to stdout): what ``setup`` reports
+    about the state it built (a certified peak, say) comes back from the same run instead of a second one."""
     child_env = dict(os.environ)
     # Without this glibc raises its mmap threshold after the first large free and RSS stops dropping on free.
     child_env["MALLOC_MMAP_THRESHOLD_"] = "65536"
@@ -295,9 +302,11 @@ def rss_peak_in_subprocess(code: str, *, env: dict[str, str] | None = None, time
         raise MeasurementError(f"RSS measurement subprocess timed out after {timeout} s; stderr:\n{err}") from None
     if proc.returncode != 0:
         raise MeasurementError(f"RSS measurement subprocess exited with {proc.returncode}; stderr:\n{proc.stderr}")
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("__MEMTRACK_RSS__ "):
-            rec = json.loads(line.split(" ", 1)[1])
-            return max(0, rec["hwm_kib"] - rec["base_kib"]) * 1024
+    lines = proc.stdout.splitlines()
+    for i in reversed(range(len(lines))):
+        if lines[i].startswith("__MEMTRACK_RSS__ "):
+            rec = json.loads(lines[i].split(" ", 1)[1])
+            rest = "\n".join(lines[:i] + lines[i + 1:])
+            return max(0, rec["hwm_kib"] - rec["base_kib"]) * 1024, rest
     raise MeasurementError(f"RSS measurement subprocess printed no result; stdout:\n{proc.stdout}\n"
                            f"stderr:\n{proc.stderr}")

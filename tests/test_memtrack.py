@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from boundpass import memtrack
-from boundpass.memtrack import LiveStorageTracker, MeasurementError, measure_peak, rss_peak_in_subprocess
+from boundpass.memtrack import (LiveStorageTracker, MeasurementError, measure_peak, rss_peak_in_subprocess,
+                                rss_run_in_subprocess)
 
 F32 = 4
 
@@ -218,8 +219,10 @@ def test_rss_peak_measures_256mib():
         "    x = torch.ones(64 * 2**20)  # 256 MiB, every page touched\n"
         "    del x\n"
     )
-    peak = rss_peak_in_subprocess(code, timeout=120)
+    peak, stdout = rss_run_in_subprocess(code.replace("    torch.ones(16).sum()", "    print('SET UP', flush=True)\n"
+                                                      "    torch.ones(16).sum()"), timeout=120)
     assert abs(peak - 256 * 2**20) <= 0.15 * 256 * 2**20, peak
+    assert stdout == "SET UP"  # what setup printed comes back; the measurement's own line does not
 
 
 def test_rss_child_failure_and_timeout_raise_clearly():

@@ -204,16 +204,12 @@ def measured(state):
 
 
 def certified_and_rss(inner: str, model: str = "dense", timeout: float = 900) -> tuple[int, int]:
-    """(certified peak above the resident state, RSS growth of the step) of RSS_STEP_SNIPPET, bytes."""
-    import subprocess
-    import sys
-
-    from boundpass.memtrack import rss_peak_in_subprocess
+    """(certified peak above the resident state, RSS growth of the step) of RSS_STEP_SNIPPET, bytes: both from
+    one fresh interpreter (setup prints the certificate of the step it then measures)."""
+    from boundpass.memtrack import rss_run_in_subprocess
     code = RSS_STEP_SNIPPET.replace("{inner}", inner).replace("{model}", RSS_MODELS[model].strip("\n"))
-    grown = rss_peak_in_subprocess(code, timeout=timeout)
-    probe = subprocess.run([sys.executable, "-c", code + "\nsetup()\n"], capture_output=True, text=True,
-                           timeout=timeout)
-    line = next((ln for ln in probe.stdout.splitlines() if ln.startswith("CERTIFIED")), None)
+    grown, stdout = rss_run_in_subprocess(code, timeout=timeout)
+    line = next((ln for ln in stdout.splitlines() if ln.startswith("CERTIFIED")), None)
     if line is None:
-        raise RuntimeError(f"the certified-peak probe printed nothing; stderr:\n{probe.stderr[-2000:]}")
+        raise RuntimeError(f"the measured step's setup printed no certificate; stdout:\n{stdout[-2000:]}")
     return int(line.split()[1]), grown
