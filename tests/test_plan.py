@@ -48,7 +48,7 @@ MOP_TIGHTNESS = 1.10
 # bf16 model under torch AdamW keeps bf16 moments and no fp32 master, so its launch says b_acc = 2)
 FAMILIES = {"qwen3_moe": ("qwen3", "debugmodel_moe", torch.float32, 4),
             "gpt_oss": ("gpt_oss", "debugmodel", torch.bfloat16, 2)}
-FAMILY_CASES = [(1, 1024, 2048, "full logits"), (1, 2048, 2048, "full logits"), (1, 1024, 32768, "ring_dtp")]
+FAMILY_CASES = [(1, 512, 2048, "full logits"), (1, 1024, 2048, "full logits"), (1, 1024, 32768, "ring_dtp")]
 
 
 def _trimmed_debug_model(vocab: int, seq: int, family: str = "deepseek_v3", dtype=torch.float32):
