@@ -1,4 +1,4 @@
-"""The MoP layout on torchtitan's deepseek_v3 debug MoE model: 5 training steps on 4 gloo ranks (W = 4 sequence
+"""The MoP layout on torchtitan's deepseek_v3 debug MoE model: 3 training steps on 4 gloo ranks (W = 4 sequence
 shards, FSDP2 dense weights, sequence-to-head attention, E_p = 2 expert parallelism) match the same model
 trained on one rank with the same global batch. Three layouts: the plain one (torchtitan's EP dispatcher,
 full-logits head); with both bounded operators (PipelinedLLEP dispatch over the EP group with a small chunk
@@ -9,11 +9,12 @@ the same routing.
 Tolerance: the forward is the same function (attention per head on the full sequence, every other op per token;
 MLA's attention runs the fused SDPA kernel on zero-padded v instead of the reference's math path, so step 1's
 loss agrees to rounding: 1e-6 relative); what differs is how gradients are summed: each rank's partial gradient,
-reduce-scattered, instead of one sum over the whole batch. In fp32 that moves the dense weights by ~3e-6
-(measured) after 5 AdamW steps: bound 2e-5 relative (L2 per tensor). torchtitan's GroupedExperts runs the
-expert matmuls in bf16, so each rank's partial expert-weight gradient is rounded to bf16 (unit roundoff
-2^-8 = 3.9e-3) before the sum: routed experts and the router gate they feed move by ~2e-3 (measured): bound
-5e-3. Losses (global, all-reduced) within 1e-5 relative. A wrong position, head, shard or expert placement
+reduce-scattered, instead of one sum over the whole batch. In fp32 that moves the dense weights by 4.0e-6 to
+7.4e-6 (measured, the three layouts) after 3 AdamW steps: bound 2e-5 relative (L2 per tensor). torchtitan's
+GroupedExperts runs the expert matmuls in bf16, so each rank's partial expert-weight gradient is rounded to bf16
+(unit roundoff 2^-8 = 3.9e-3) before the sum: routed experts and the router gate they feed move by 2.0e-3 to 2.8e-3
+(measured): bound 5e-3. Losses (global, all-reduced) within 1e-5 relative (measured: 3.2e-7). The test prints
+these worst figures. (Until 2026-12-03 it ran 5 steps: ~3e-6 and ~2e-3 then.) A wrong position, head, shard or expert placement
 gives O(1) differences.
 """
 import contextlib
@@ -26,7 +27,7 @@ from boundpass.testing.distributed import run_on_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.torchtitan, pytest.mark.distributed]
 
-NAME, SEQ, BATCH, VOCAB, LAYERS, STEPS, LR = "deepseek_v3", 32, 2, 256, 3, 5, 1e-3
+NAME, SEQ, BATCH, VOCAB, LAYERS, STEPS, LR = "deepseek_v3", 32, 2, 256, 3, 3, 1e-3
 CAP = 4  # PipelinedLLEP chunk cap c: 16 tokens per rank x top-3 -> several chunks per layer
 HOT = (0, 1, 2)  # adversarial routing: every token to these experts (EP rank 0's)
 LOSS_RTOL, WEIGHT_RTOL, BF16_EXPERT_RTOL = 1e-5, 2e-5, 5e-3
@@ -181,9 +182,15 @@ def test_mop_matches_single_rank(runs, layout):
     assert mop[0][0][0] == pytest.approx(ref_losses[0], rel=1e-6)  # step 1: same weights, same function
     weights = mop[0][1]
     assert weights.keys() == ref_weights.keys()
+    worst = {True: 0.0, False: 0.0}
     for n, ref in ref_weights.items():
         rel = ((weights[n] - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-        assert rel <= (BF16_EXPERT_RTOL if any(p in n for p in BF16_PATHS) else WEIGHT_RTOL), f"{n}: {rel:.2e}"
+        bf16 = any(p in n for p in BF16_PATHS)
+        assert rel <= (BF16_EXPERT_RTOL if bf16 else WEIGHT_RTOL), f"{n}: {rel:.2e}"
+        worst[bf16] = max(worst[bf16], rel)
+    losses = max(abs(a - b) / abs(b) for a, b in zip(mop[0][0], ref_losses))
+    print(f"{layout}: worst weight rel-L2 after {STEPS} steps (bf16 expert paths, other) {worst[True]:.2e}, "
+          f"{worst[False]:.2e}; worst loss rel {losses:.1e}")
     # the weights moved (the comparison is not between two initialisations)
     moved = max(((weights[n] - w0).norm() / w0.norm().clamp_min(1e-30)).item()
                 for n, w0 in _initial_weights().items())
