@@ -36,6 +36,7 @@ import torch.nn as nn
 from boundpass.bounds import BoundTerm, BudgetTable, raise_infeasible
 from boundpass.compiler import BoundedModule, _int_or_hint, _raise_step_infeasible
 from boundpass.config import Config
+from boundpass.errors import BoundpassInputError
 from boundpass.units import format_bytes
 
 SHARD = "shard over more ranks (--parallelism.data_parallel_shard_degree) or raise --boundpass.budget"
@@ -484,3 +485,113 @@ def _counting(compiled, blocks: CompiledBlocks, index: int):
     if hasattr(compiled, "_boxed_call"):
         run._boxed_call = compiled._boxed_call
     return run
+
+
+class DispatchBlocks:
+    """boundpass's per-block compile backend for a launch that checks no budget: each block graph Dynamo hands it
+    goes through the dispatch pass (every torchtitan routed-experts region -> ``boundpass::pipelined_llep_fwd`` at
+    chunk cap ``cap``), then through the lowering (``inner``: "aot_eager" or "inductor").
+
+    The MoP layout's PipelinedLLEP (recipes/mop.py, ``parallelize_mop`` and the recipe's ``--boundpass.layout mop``):
+    the model's own forwards stay torchtitan's and torchtitan's ``apply_compile`` hands every TransformerBlock to this
+    backend, as the per-block compile of the default layout hands them to ``CompiledBlocks`` (which also plans SCO and
+    checks each graph against the composed budget; here the launch's budget, if any, is the MoP layout's composed one,
+    checked before anything is built: recipes/trainer.py ``check_mop_budget``).
+
+    A routed-experts region the pass skips (an unsupported dispatcher or experts, a split region) is an error, not a
+    fall-back: the layout asked for PipelinedLLEP, and its composed budget counted it.
+    """
+
+    def __init__(self, layers: nn.ModuleDict, cap: int, inner: str = "aot_eager"):
+        """layers: the model's block container (``model.layers``), read when a graph compiles: by then the blocks in
+        it are the modules torchtitan compiled (an activation-checkpoint wrapper around the block, under AC)."""
+        if inner not in ("aot_eager", "inductor"):
+            raise ValueError(f"DispatchBlocks: inner must be 'aot_eager' or 'inductor', got {inner!r}")
+        self.layers = layers
+        self.cap = int(cap)
+        self.inner = inner
+        self.graphs = 0                             # block graphs compiled
+        self.regions: list = []                     # every DispatchRegion the pass found, in compile order
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        from boundpass.passes.dispatch_pass import _graphs, rewrite_dispatch_regions
+        from boundpass.planner import set_op_arg
+
+        regions = rewrite_dispatch_regions(gm, self._root())
+        skipped = [r for r in regions if not r.rewritten]
+        if skipped:
+            raise BoundpassInputError("boundpass per-block compile: PipelinedLLEP was asked for, but the dispatch "
+                                      "pass skipped " + "; ".join(f"{r.module_path}: {r.reason}" for r in skipped))
+        for region in regions:
+            region.cap = self.cap
+            set_op_arg(region.op_node, "cap", self.cap)
+        for graph_module in _graphs(gm):
+            graph_module.recompile()
+        self.graphs += 1
+        self.regions.extend(regions)
+        return _lower(gm, example_inputs, self.inner)
+
+    def rewritten_paths(self, prefix: str = "layers") -> list[str]:
+        """Per block, the model path of each routed-experts module whose region the pass rewrote (``layers.1.moe.
+        routed_experts``, ...). One graph serves every block of the same structure, and a region the pass skips is an
+        error, so a block's region is on PipelinedLLEP when a graph compiled so far rewrote its module path. Empty
+        until the blocks compiled (the first forward)."""
+        from torchtitan.models.common.moe import RoutedExperts
+        done = {r.module_path.strip(".") for r in self.regions if r.rewritten}
+        out = []
+        for name, block in self.layers.items():
+            for path, module in block.named_modules():
+                rel = path.replace("_checkpoint_wrapped_module.", "").replace("_checkpoint_wrapped_module", "")
+                if isinstance(module, RoutedExperts) and rel in done:
+                    out.append(f"{prefix}.{name}.{rel}")
+        return out
+
+    def _root(self) -> nn.Module | None:
+        """The module a block graph's paths start at. The pass resolves a region's module (its dispatcher, the EP mesh)
+        from them; every MoE block of a model has the same structure and EP mesh, so the first MoE block serves every
+        block graph (a dense block's graph has no region to resolve)."""
+        from torchtitan.models.common.moe import RoutedExperts
+        blocks = list(self.layers.values())
+        moe = [b for b in blocks if any(isinstance(m, RoutedExperts) for m in b.modules())]
+        return moe[0] if moe else (blocks[0] if blocks else None)
+
+    def __repr__(self) -> str:  # torchtitan logs the backend
+        return f"boundpass.DispatchBlocks(cap={self.cap}, inner={self.inner})"
+
+
+def _partition(joint, joint_inputs, *, inductor: bool, **kwargs):
+    """torch's own partitioner (min-cut for Inductor, default for eager kernels), its saved values reordered by the
+    AOTAutograd workaround every boundpass block graph needs at EP > 1 under FSDP2 (boundpass/aot_workarounds.py)."""
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    from boundpass.aot_workarounds import saved_tensors_before_opaque
+    fw, bw = (min_cut_rematerialization_partition if inductor else default_partition)(joint, joint_inputs, **kwargs)
+    saved_tensors_before_opaque(fw, bw, kwargs["num_fwd_outputs"])
+    return fw, bw
+
+
+def _lower(gm, example_inputs, inner: str):
+    import functools
+
+    from torch._dynamo.backends.common import aot_autograd
+
+    from boundpass.passes import sco_pass
+    if inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+        class _Partitioner(CustomPartitionerFn):
+            def __call__(self, joint, joint_inputs, **kwargs):
+                return _partition(joint, joint_inputs, inductor=True, **kwargs)
+
+            def uuid(self):
+                return "boundpass-dispatch-blocks"
+        # fx_graph_cache off: its key pickles the graph, whose PipelinedLLEP arguments hold runtime objects
+        return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": _Partitioner(),
+                                                              "fx_graph_cache": False})
+
+    def eager(graph, inputs):
+        return sco_pass.eager_callable(graph)  # boxed: saved tensors die at their last use
+    # aot_autograd even for eager kernels: torchtitan's MoE mutates a buffer in forward
+    return aot_autograd(fw_compiler=eager, bw_compiler=eager,
+                        partition_fn=functools.partial(_partition, inductor=False))(gm, example_inputs)

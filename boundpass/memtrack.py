@@ -94,6 +94,14 @@ class LiveStorageTracker(TorchDispatchMode):
     is off while compiling and on while the compiled artifacts run (``ignore_compile_internals``).
     """
 
+    # Higher-order operators reach __torch_dispatch__ (torch refuses them under a mode that does not say it takes
+    # them). Only the ones that wrap a single op are taken: AOTAutograd's RNG functionalization of a compiled
+    # activation-checkpointed block (run_and_save_rng_state / run_with_rng_state run one random op and save or restore
+    # the generator state); their outputs are counted like any op's. A HOP with a body of many ops (its intermediates
+    # would go unseen) is refused by name.
+    supports_higher_order_operators = True
+    _SINGLE_OP_HOPS = frozenset({"run_and_save_rng_state", "run_with_rng_state"})
+
     def __init__(self, record: bool = False) -> None:
         """record=True: append the all-device live bytes to ``self.samples`` after every op that allocates (or
         grows a storage), and once per ``track_existing`` call: the measured memory timeline of what ran."""
@@ -196,6 +204,9 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator) and func.name() not in self._SINGLE_OP_HOPS:
+            raise NotImplementedError(f"LiveStorageTracker does not measure the higher-order operator {func.name()!r}: "
+                                      "the ops inside its body would not be seen")
         out = self._run(func, args, kwargs)
         if func in _RESIZE_OPS and (st := _storage(args[0])) is not None \
                 and (alloc := self._by_key.get(st._cdata)) is not None:

@@ -9,9 +9,11 @@ One rank set of W ranks, overlapping sub-groups (docs/design.md §2, docs/mop.md
 - dense weights: FSDP2 (``fully_shard`` per block over the W-rank "fsdp" mesh), experts: torchtitan's expert
   parallelism over the "ep" sub-mesh (E_p ranks) and FSDP over "efsdp" (W/E_p); all built by torchtitan's
   own ``parallelize_fn`` of the model (``parallelize_deepseekv3``, ...) from ParallelDims;
-- expert dispatch (``pipelined_llep=True``): every routed-experts region runs through the PipelinedLLEP op
-  (``boundpass::pipelined_llep_fwd``, the same op the dispatch pass emits) over the EP sub-group, chunk cap c,
-  instead of torchtitan's all-to-all dispatcher: its peak no longer depends on the routing;
+- expert dispatch (``pipelined_llep=True``): torchtitan's per-block compile hands every TransformerBlock graph to
+  boundpass's dispatch pass (``boundpass.block_compile.DispatchBlocks``), which rewrites each routed-experts region
+  into the PipelinedLLEP op (``boundpass::pipelined_llep_fwd``) over the EP sub-group, chunk cap c, in place of
+  torchtitan's all-to-all dispatcher: its peak no longer depends on the routing; the model's forwards stay
+  torchtitan's;
 - vocabulary projection + loss (``ring_dtp=True``): lm_head's weight is sharded by vocab rows over the W ranks
   (a DTensor ``Shard(0)`` parameter, the same name and global shape as FSDP2's shard of it) and left out of
   FSDP2; ``mop_loss`` runs Ring-DTP over the W-rank ring, so no rank gathers the weight or forms [N, V] logits.
@@ -29,15 +31,13 @@ head). ``parallelize_mop`` does both around the call for a model built outside a
 from __future__ import annotations
 
 import dataclasses
-import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from boundpass.config import PLAN_DISPATCH_CAP, DispatchConfig, VocabConfig
 from boundpass.errors import BoundpassInputError
 from boundpass.recipes.models import MODELS, apply_cpu_device_fix, debug_moe_config
-from boundpass.runtime.pipelined_llep import pipelined_llep
 from boundpass.runtime.ring_dtp import ring_dtp_loss
 from boundpass.runtime.seq_to_head import SeqToHeadAttention, check_head_counts, shard_positions, shard_sequence
 
@@ -45,7 +45,8 @@ from boundpass.runtime.seq_to_head import SeqToHeadAttention, check_head_counts,
 apply_cpu_device_fix()
 from torchtitan.protocols.module import Module as TorchtitanModule  # noqa: E402
 
-__all__ = ["mop_config", "build_model", "apply_seq_to_head", "apply_pipelined_llep", "prepare_mop", "finish_mop", "parallelize_mop",
+__all__ = ["mop_config", "build_model", "apply_seq_to_head", "apply_pipelined_llep", "compile_config_under_mop",
+           "prepare_mop", "finish_mop", "parallelize_mop",
            "mop_loss", "shard_batch", "attention_heads", "MoPOptions"]
 
 
@@ -75,7 +76,13 @@ class MoPState:
     """What ``prepare_mop`` hands ``finish_mop``: the options and the lm_head it took out of FSDP2's reach."""
     options: MoPOptions
     lm_head: torch.nn.Module | None = None
-    dispatch: list[str] = field(default_factory=list)   # routed-experts regions on PipelinedLLEP
+    dispatch_backend: object = None  # the per-block compile backend giving PipelinedLLEP (DispatchBlocks), if on
+
+    @property
+    def dispatch(self) -> list[str]:
+        """The routed-experts modules whose regions the dispatch pass rewrote to PipelinedLLEP (``layers.1.moe.
+        routed_experts``, ...): known once the blocks compiled, at the first forward."""
+        return self.dispatch_backend.rewritten_paths() if self.dispatch_backend is not None else []
 
 
 def mop_config(name: str = "deepseek_v3", *, world: int, ep: int, seq_len: int, vocab_size: int | None = None,
@@ -144,21 +151,23 @@ def apply_seq_to_head(model: torch.nn.Module, group) -> None:
         block.attention.inner_attention = SeqToHeadAttention(inner, group)
 
 
-def apply_pipelined_llep(model: torch.nn.Module, cap: int) -> list[str]:
-    """Route every MoE block's routed experts through PipelinedLLEP (in place; before ``parallelize``).
+def apply_pipelined_llep(model: torch.nn.Module, cap: int, inner: str = "aot_eager"):
+    """The backend that gives every MoE block's routed experts PipelinedLLEP through the dispatch pass: a
+    ``boundpass.block_compile.DispatchBlocks`` for torchtitan's per-block compile (``prepare_mop`` hands it to the
+    parallelize function as ``--compile.backend``). No forward is replaced: the module tree, its parameters, names and
+    FSDP2/EP sharding stay torchtitan's, and each block graph's routed-experts region (the dispatcher's all-to-all +
+    grouped experts + combine) becomes one ``boundpass::pipelined_llep_fwd`` over the EP group torchtitan wires into the
+    dispatcher, with this rank's experts and torchtitan's bf16 expert matmuls.
 
-    The routed-experts module keeps its parameters, names and FSDP2/EP sharding; only its forward changes: the
-    dispatcher's all-to-all + grouped experts + combine become one ``boundpass::pipelined_llep_fwd`` over the EP
-    group torchtitan wires into the dispatcher (None at E_p = 1), with this rank's experts (``to_local`` of the
-    EP-sharded weights) and torchtitan's bf16 expert matmuls. Exactly the region the dispatch pass rewrites, with
-    the same checks: a dispatcher or experts class other than torchtitan's plain SwiGLU ones (e.g. gpt_oss's
-    biased experts, DeepEP) is refused, not reinterpreted. Returns the rewritten module paths.
+    Checked here, before anything is sharded or compiled, with the pass's own checks: a dispatcher or experts class
+    other than torchtitan's plain SwiGLU ones (e.g. gpt_oss's biased experts, DeepEP) is refused, not
+    reinterpreted.
     """
     from torchtitan.models.common.moe import RoutedExperts
 
+    from boundpass.block_compile import DispatchBlocks
     from boundpass.passes.dispatch_pass import unsupported_reason
 
-    paths = []
     for path, module in model.named_modules():
         if not isinstance(module, RoutedExperts):
             continue
@@ -167,26 +176,28 @@ def apply_pipelined_llep(model: torch.nn.Module, cap: int) -> list[str]:
             raise BoundpassInputError(f"MoP pipelined_llep: {path}: {reason}; PipelinedLLEP reproduces only "
                                       "torchtitan's bias-free SwiGLU experts behind its local / all-to-all "
                                       "dispatcher: run this model's layout with pipelined_llep=False")
-        module.forward = types.MethodType(_pipelined_routed_forward(cap), module)
-        paths.append(path)
-    return paths
+    return DispatchBlocks(model.layers, cap, inner)
 
 
-def _pipelined_routed_forward(cap: int):
-    def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E):
-        # Runs inside torchtitan's local_map region (after parallelize): x, scores and ids are local tensors.
-        del num_local_tokens_per_expert_E  # PipelinedLLEP exchanges the per-rank counts itself
-        B, L, D = x_BLD.shape
-        experts = self.inner_experts
-        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w
-                      for w in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD))
-        ep_mesh = getattr(self.token_dispatcher, "ep_mesh", None)
-        group = ep_mesh.get_group() if ep_mesh is not None and ep_mesh.size() > 1 else None
-        out = pipelined_llep(x_BLD.reshape(B * L, D), topk_expert_ids_BLK.reshape(B * L, -1),
-                             topk_scores_BLK.reshape(B * L, -1), w1, w2, w3, group, cap=cap,
-                             compute_dtype=torch.bfloat16)  # torchtitan's GroupedExperts runs its matmuls in bf16
-        return out.view(B, -1, D)
-    return forward
+def compile_config_under_mop(compile_config, state: "MoPState"):
+    """The compile config to hand torchtitan's parallelize function: with PipelinedLLEP on, torchtitan's own
+    per-block compile (``apply_compile``: every TransformerBlock, fullgraph) with ``state.dispatch_backend`` as its
+    backend, lowered as ``--compile.backend`` asked when ``--compile.enable`` was given ("inductor" or "aot_eager"),
+    else by aot_eager; otherwise ``compile_config`` unchanged."""
+    import copy
+    backend = state.dispatch_backend
+    if backend is None:
+        return compile_config
+    asked = compile_config.backend if compile_config.enable and "model" in compile_config.components else None
+    if asked is not None and asked not in ("inductor", "aot_eager"):
+        raise BoundpassInputError(f"MoP pipelined_llep: --compile.backend {asked!r}: boundpass lowers block graphs "
+                                  "with 'inductor' or 'aot_eager'")
+    backend.inner = asked or "aot_eager"
+    out = copy.copy(compile_config)
+    out.enable = True
+    out.components = sorted({*compile_config.components, "model"}) if compile_config.enable else ["model"]
+    out.backend = backend
+    return out
 
 
 class RingDTPHead(TorchtitanModule):
@@ -231,7 +242,7 @@ def prepare_mop(model: torch.nn.Module, dims, options: MoPOptions) -> MoPState:
     if options.sequence_to_head:
         apply_seq_to_head(model, dims.get_mesh("fsdp").get_group())
     if options.pipelined_llep:
-        state.dispatch = apply_pipelined_llep(model, options.cap)
+        state.dispatch_backend = apply_pipelined_llep(model, options.cap)
     if options.ring_dtp:
         if getattr(model, "lm_head", None) is None:
             raise BoundpassInputError("MoP ring_dtp: the model has no lm_head to shard")
@@ -267,7 +278,9 @@ def parallelize_mop(model: torch.nn.Module, cfg, *, world: int, ac_config=None, 
     torchtitan's own parallelize function does EP + FSDP2; around it this adds sequence-to-head attention, the
     sum-reduction of gradients and, if asked, PipelinedLLEP dispatch (cap ``dispatch_cap``) and the Ring-DTP head
     (train with ``mop_loss(model, parallel_dims)``). ``ac_config``: torchtitan's activation checkpointing config
-    (e.g. ``FullAC.Config()``), applied by the same parallelize function; None: off. Compile stays off.
+    (e.g. ``FullAC.Config()``), applied by the same parallelize function; None: off. With ``pipelined_llep`` every
+    block is compiled by torchtitan's ``apply_compile`` with boundpass's dispatch backend (``compile_config_under_mop``;
+    the blocks compile at the first forward, which every rank runs together); otherwise ``cfg.compile`` as given.
     """
     import torch.distributed as dist
     from torchtitan.distributed import ParallelDims
@@ -289,7 +302,7 @@ def parallelize_mop(model: torch.nn.Module, cfg, *, world: int, ac_config=None, 
     dims.build_mesh()
     state = prepare_mop(model, dims, options)
     cfg.model_spec.parallelize_fn(model, parallel_dims=dims, training=cfg.training, parallelism=cfg.parallelism,
-                                  compile_config=cfg.compile, ac_config=ac_config, dump_folder=cfg.dump_folder)
+                                  compile_config=compile_config_under_mop(cfg.compile, state), ac_config=ac_config, dump_folder=cfg.dump_folder)
     finish_mop(model, dims, state)
     model._mop = state  # what the layout did (options, PipelinedLLEP regions): for tests, reports and mop_loss
     return model, dims

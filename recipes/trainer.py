@@ -246,7 +246,7 @@ class BoundpassTrainer(Trainer):
     def _prepare_mop_layout(self, config: Config) -> None:
         """Before torchtitan builds anything: refuse what the layout cannot do, and wrap the model's parallelize
         function (torchtitan calls it itself in Trainer.__init__, on the meta model) with the layout's halves."""
-        from boundpass.recipes.mop import MoPOptions, finish_mop, prepare_mop
+        from boundpass.recipes.mop import MoPOptions, compile_config_under_mop, finish_mop, prepare_mop
 
         bp = config.boundpass
         world = _world_size()
@@ -266,6 +266,11 @@ class BoundpassTrainer(Trainer):
                 self.mop_budget, self.mop_bucket, self.mop_offload = check_mop_budget(model, config, parallel_dims,
                                                                                       options)
             state = prepare_mop(model, parallel_dims, options)
+            if "compile_config" in kwargs:  # PipelinedLLEP: torchtitan's per-block compile, boundpass's dispatch pass
+                kwargs["compile_config"] = compile_config_under_mop(kwargs["compile_config"], state)
+            elif state.dispatch_backend is not None:
+                raise BoundpassInputError("boundpass MoP layout: torchtitan's parallelize function was called without "
+                                          "compile_config, so PipelinedLLEP's per-block compile cannot be set up")
             model = original(model, parallel_dims=parallel_dims, **kwargs)
             finish_mop(model, parallel_dims, state)
             model._mop = state  # mop_loss reads the options from it
@@ -306,13 +311,15 @@ class BoundpassTrainer(Trainer):
             self._offload_optimizer_under_mop(config.boundpass)
         state = self.mop_state
         world = self.parallel_dims.world_size
-        dispatch = (f"PipelinedLLEP c={state.options.cap}" if state.options.pipelined_llep else "torchtitan EP")
+        dispatch = (f"PipelinedLLEP c={state.options.cap} from boundpass's dispatch pass in torchtitan's per-block "
+                    f"compile, lowered by {state.dispatch_backend.inner}; the rewritten regions are logged after step 1"
+                    if state.options.pipelined_llep else "torchtitan EP")
         logger.info(f"[boundpass] MoP layout: W={world} ranks share each batch of {training.local_batch_size} x "
                     f"{training.seq_len} tokens ({training.seq_len // world} per sequence per rank; torchtitan's "
                     f"'global batch size' above counts W replicas; {self.gradient_accumulation_steps} batch(es) per "
                     f"optimizer step), E_p={self.parallel_dims.ep}, "
                     f"sequence-to-head attention, dispatch="
-                    f"{dispatch} ({len(state.dispatch)} regions), "
+                    f"{dispatch}, "
                     f"head={'Ring-DTP' if state.options.ring_dtp else 'FSDP2 lm_head'}"
                     f", optimizer {'OffloadStreamAdamW (host state)' if self.mop_offload else 'on the device'}"
                     f"; boundpass.compile off" + (f"; composed budget {format_bytes(self.mop_budget.total)} of "
@@ -372,7 +379,19 @@ class BoundpassTrainer(Trainer):
     def _forward_backward_body(self, inputs: torch.Tensor, labels: torch.Tensor, global_valid_tokens: torch.Tensor,
                                extra_kwargs: dict[str, Any]) -> torch.Tensor:
         if self.bounded is None:
-            return super()._forward_backward_body(inputs, labels, global_valid_tokens, extra_kwargs)
+            if self.mop_state is None or self.mop_state.dispatch_backend is None:
+                return super()._forward_backward_body(inputs, labels, global_valid_tokens, extra_kwargs)
+            try:
+                loss = super()._forward_backward_body(inputs, labels, global_valid_tokens, extra_kwargs)
+            except torch._dynamo.exc.BackendCompilerFailed as exc:  # the dispatch pass refused a region: say it plainly
+                inner = getattr(exc, "inner_exception", None)
+                if isinstance(inner, BoundpassError):
+                    raise inner.with_traceback(None) from None
+                raise
+            if not self._reported and self.config.boundpass.report:
+                self._reported = True
+                logger.info("[boundpass] " + self._mop_dispatch_summary().replace("\n", "\n[boundpass] "))
+            return loss
         if self.blocks is not None:
             self.blocks.begin_step()
             try:
@@ -485,6 +504,14 @@ class BoundpassTrainer(Trainer):
         if worst is not None:
             lines.append(worst.render())
         return lines
+
+    def _mop_dispatch_summary(self) -> str:
+        """The MoP layout's dispatch after step 1: every block graph the dispatch pass saw and what it rewrote."""
+        backend = self.mop_state.dispatch_backend
+        lines = [f"MoP layout: {backend.graphs} block graph(s) through boundpass's dispatch pass ({backend!r}); "
+                 f"routed-experts modules on PipelinedLLEP: {len(self.mop_state.dispatch)}"]
+        lines += [f"  {r.describe()}" for r in backend.regions]
+        return "\n".join(lines)
 
     def summary(self) -> str:
         """What boundpass did, over every graph Dynamo handed it: rewritten and skipped regions, graph count."""

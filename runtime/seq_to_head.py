@@ -263,6 +263,13 @@ class SeqToHeadAttention(torch.nn.Module):
         if attention_masks is not None:
             raise BoundpassInputError("SeqToHeadAttention supports causal attention without attention_masks "
                                       "(document masks would need the global mask sharded by heads)")
+        if torch.compiler.is_compiling():
+            # inside a compiled block (torchtitan's per-block compile): no cross-rank check and no cached shapes,
+            # which Dynamo would guard on (the cache set after the first call failed that guard and recompiled every
+            # block graph at step 2). The graph's shapes are static; the layout's launch checks (mop_config,
+            # check_mop_launch: sequence and head counts divisible by W) ran before anything was built.
+            return seq_to_head_attention(q, k, v, self.group, attention=self._inner, scale=scale,
+                                         is_causal=is_causal, check_shapes=False, **kwargs)
         shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
         check = self._checked != shapes
         out = seq_to_head_attention(q, k, v, self.group, attention=self._inner, scale=scale, is_causal=is_causal,

@@ -209,6 +209,31 @@ def test_real_funcol_async_tensor_not_double_counted(fake_pg):
     del y, z
 
 
+def test_compiled_checkpointed_random_op_is_measured():
+    """A compiled activation-checkpointed region that draws random numbers runs AOTAutograd's RNG HOPs
+    (run_and_save_rng_state in forward, run_with_rng_state in the recompute): torch refuses a HOP under a mode that
+    does not take them, which is how the MoP layout's compiled FullAC blocks first failed under the tracker
+    (tests/test_mop.py). The tracker takes those two (one op each, outputs counted) and refuses a HOP with a body."""
+    def f(x):
+        return torch.utils.checkpoint.checkpoint(lambda y: torch.nn.functional.dropout(y, 0.5).sin(), x,
+                                                 use_reentrant=False)
+    x = torch.randn(1 << 16, requires_grad=True)
+    torch.manual_seed(0)
+    ref = f(x)
+    ref.sum().backward()
+    ref_grad, x.grad = x.grad, None
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    torch.manual_seed(0)
+    with LiveStorageTracker() as tr:
+        out = compiled(x)
+        out.sum().backward()
+    assert torch.equal(out, ref) and torch.equal(x.grad, ref_grad)  # same draws in forward and recompute
+    # live at the peak, measured 4.25 x: the output, the gradient and the recompute's dropout output and mask
+    assert 3 * x.nbytes <= tr.peak_bytes() <= 6 * x.nbytes, tr.peak_bytes()
+    with pytest.raises(NotImplementedError, match="higher-order operator 'cond'"):
+        tr.__torch_dispatch__(torch.ops.higher_order.cond, [], (torch.tensor(True), lambda: x, lambda: x, ()))
+
+
 # ---- RSS in a fresh subprocess ------------------------------------------------------------------------
 def test_rss_peak_measures_256mib():
     code = (

@@ -119,7 +119,7 @@ def _mop_two_ranks(rank, world, tmp, assets):
             head_shape=tuple(head.weight.shape),
             local_rows=local.shape[0], head_std=float(local.float().std()), head_finite=bool(local.isfinite().all()),
             attention={type(b.attention.inner_attention).__name__ for b in model.layers.values()},
-            dispatch=list(model._mop.dispatch), loss=trainer.loss_fn.__qualname__,
+            loss=trainer.loss_fn.__qualname__,
             ep=trainer.parallel_dims.ep)
     finally:
         trainer.close()
@@ -155,6 +155,11 @@ def _train_measuring_last_step(trainer):
     trainer.train_step = measured_train_step
     try:
         trainer.train()
+        # PipelinedLLEP from the dispatch pass: the block graphs compiled at step 1 by torchtitan's per-block compile
+        backend = model._mop.dispatch_backend
+        facts.update(dispatch=list(model._mop.dispatch), graphs=backend.graphs,
+                     rewritten={r.module_path for r in backend.regions if r.rewritten},
+                     skipped=[r.reason for r in backend.regions if not r.rewritten])
     finally:
         trainer.close()
     facts["bound"] = trainer.mop_budget.total
@@ -176,7 +181,10 @@ def test_layout_is_built_by_the_trainer(runs):
     _, head_std, facts = runs
     for rank, f in enumerate(facts):
         assert f["attention"] == {"SeqToHeadAttention"}, f
-        assert f["ep"] == 2 and len(f["dispatch"]) == 5, f  # deepseek_v3 debug: 5 MoE blocks on PipelinedLLEP
+        # deepseek_v3 debug: 5 MoE blocks on PipelinedLLEP, from the dispatch pass in the block graphs torchtitan's
+        # per-block compile handed boundpass (the dense block 0's and one graph the MoE blocks share)
+        assert f["ep"] == 2 and f["dispatch"] == [f"layers.{i}.moe.routed_experts" for i in range(1, 6)], f
+        assert f["graphs"] == 2 and f["rewritten"] == {"moe.routed_experts"} and f["skipped"] == [], f
         assert f["head"] == "RingDTPHead" and f["head_shape"] == (32_768, 256) and f["local_rows"] == 16_384, f
         assert "mop_loss" in f["loss"], f
         # torchtitan's init walk reached RingDTPHead._init_self_parameters: lm_head's own init (trunc. normal,
