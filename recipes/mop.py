@@ -10,7 +10,7 @@ One rank set of W ranks, overlapping sub-groups (docs/design.md §2, docs/mop.md
   parallelism over the "ep" sub-mesh (E_p ranks) and FSDP over "efsdp" (W/E_p); all built by torchtitan's
   own ``parallelize_fn`` of the model (``parallelize_deepseekv3``, ...) from ParallelDims;
 - expert dispatch (``pipelined_llep=True``): torchtitan's per-block compile hands every TransformerBlock graph to
-  boundpass's dispatch pass (``boundpass.block_compile.DispatchBlocks``), which rewrites each routed-experts region
+  boundpass's dispatch pass (``boundpass.layout_compile.DispatchBlocks``), which rewrites each routed-experts region
   into the PipelinedLLEP op (``boundpass::pipelined_llep_fwd``) over the EP sub-group, chunk cap c, in place of
   torchtitan's all-to-all dispatcher: its peak no longer depends on the routing; the model's forwards stay
   torchtitan's;
@@ -77,6 +77,7 @@ class MoPState:
     options: MoPOptions
     lm_head: torch.nn.Module | None = None
     dispatch_backend: object = None  # the per-block compile backend giving PipelinedLLEP (DispatchBlocks), if on
+    head_backend: object = None      # the head step's backend giving Ring-DTP (RingDTPHeadBackend), set by mop_loss
 
     @property
     def dispatch(self) -> list[str]:
@@ -153,7 +154,7 @@ def apply_seq_to_head(model: torch.nn.Module, group) -> None:
 
 def apply_pipelined_llep(model: torch.nn.Module, cap: int, inner: str = "aot_eager"):
     """The backend that gives every MoE block's routed experts PipelinedLLEP through the dispatch pass: a
-    ``boundpass.block_compile.DispatchBlocks`` for torchtitan's per-block compile (``prepare_mop`` hands it to the
+    ``boundpass.layout_compile.DispatchBlocks`` for torchtitan's per-block compile (``prepare_mop`` hands it to the
     parallelize function as ``--compile.backend``). No forward is replaced: the module tree, its parameters, names and
     FSDP2/EP sharding stay torchtitan's, and each block graph's routed-experts region (the dispatcher's all-to-all +
     grouped experts + combine) becomes one ``boundpass::pipelined_llep_fwd`` over the EP group torchtitan wires into the
@@ -165,7 +166,7 @@ def apply_pipelined_llep(model: torch.nn.Module, cap: int, inner: str = "aot_eag
     """
     from torchtitan.models.common.moe import RoutedExperts
 
-    from boundpass.block_compile import DispatchBlocks
+    from boundpass.layout_compile import DispatchBlocks
     from boundpass.passes.dispatch_pass import unsupported_reason
 
     for path, module in model.named_modules():
@@ -311,7 +312,17 @@ def parallelize_mop(model: torch.nn.Module, cfg, *, world: int, ac_config=None, 
 def mop_loss(model: torch.nn.Module, dims=None, *, vocab_block: int | None = None, ignore_index: int = -100):
     """The training loss of a MoP-laid-out model, with torchtitan's signature and normalisation
     ``(pred, labels, global_valid_tokens) -> (loss, {})``: Ring-DTP over the W-rank ring when the head is a
-    RingDTPHead (``pred`` is then the normed hidden state), torchtitan's CrossEntropyLoss otherwise."""
+    RingDTPHead (``pred`` is then the normed hidden state), torchtitan's CrossEntropyLoss otherwise.
+
+    Ring-DTP comes from the vocab pass: the head step is written as the standard schedule (the vocab-sharded weight
+    all-gathered over the ring, lm_head's projection, the cross-entropy summed over this rank's tokens) and compiled
+    with ``boundpass.layout_compile.RingDTPHeadBackend``, which rewrites gather + projection + loss into
+    ``boundpass::ring_dtp_fwd`` on this rank's shard: no rank gathers the weight or forms [N, V] logits. It compiles
+    at the first call, on every rank together (every rank of the ring calls the loss each step)."""
+    import torch.distributed._functional_collectives as funcol
+    import torch.nn.functional as F
+
+    from boundpass.layout_compile import RingDTPHeadBackend
     from boundpass.recipes.models import torchtitan_loss
 
     head = getattr(model, "lm_head", None)
@@ -321,13 +332,27 @@ def mop_loss(model: torch.nn.Module, dims=None, *, vocab_block: int | None = Non
     block = vocab_block if vocab_block is not None else (state.options.vocab_block if state else None)
     group = head.mesh.get_group() if head.mesh.size() > 1 else None
 
+    def head_step(h, w_shard, labels):
+        # the standard schedule, which the vocab pass replaces: gather the head's rows from every rank of the ring
+        w = funcol.all_gather_tensor_autograd(w_shard, 0, group) if group is not None else w_shard
+        logits = F.linear(h, w)
+        return F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=ignore_index)
+
+    backend = RingDTPHeadBackend(group, block or 0) if group is not None else None
+    compiled = torch.compile(head_step, backend=backend, fullgraph=True) if backend is not None else None
+    if state is not None:
+        state.head_backend = backend
+
     def loss_fn(pred, labels, global_valid_tokens=None, **kwargs):
         del kwargs
         w = head.weight.to_local() if hasattr(head.weight, "to_local") else head.weight
         if w.dtype != pred.dtype:  # FSDP2 mixed precision: the trunk computes in param_dtype, and so does the head
             w = w.to(pred.dtype)   # (as FSDP2 would cast lm_head's weight; the gradient comes back in w's dtype)
-        total = ring_dtp_loss(pred.reshape(-1, pred.shape[-1]), w, labels.reshape(-1), vocab_size=head.vocab_size,
-                              group=group, block=block or 0, ignore_index=ignore_index)
+        h, y = pred.reshape(-1, pred.shape[-1]), labels.reshape(-1)
+        if compiled is not None:
+            total = compiled(h, w, y)
+        else:  # a ring of one rank: the whole vocabulary is this rank's shard
+            total = ring_dtp_loss(h, w, y, vocab_size=head.vocab_size, block=block or 0, ignore_index=ignore_index)
         return (total / global_valid_tokens if global_valid_tokens is not None else total), {}
     return loss_fn
 

@@ -320,7 +320,7 @@ class BoundpassTrainer(Trainer):
                     f"optimizer step), E_p={self.parallel_dims.ep}, "
                     f"sequence-to-head attention, dispatch="
                     f"{dispatch}, "
-                    f"head={'Ring-DTP' if state.options.ring_dtp else 'FSDP2 lm_head'}"
+                    f"head={'Ring-DTP from the vocab pass (the head step compiles at step 1)' if state.options.ring_dtp else 'FSDP2 lm_head'}"
                     f", optimizer {'OffloadStreamAdamW (host state)' if self.mop_offload else 'on the device'}"
                     f"; boundpass.compile off" + (f"; composed budget {format_bytes(self.mop_budget.total)} of "
                                                    f"{config.boundpass.budget}" if self.mop_budget else ""))
@@ -379,18 +379,19 @@ class BoundpassTrainer(Trainer):
     def _forward_backward_body(self, inputs: torch.Tensor, labels: torch.Tensor, global_valid_tokens: torch.Tensor,
                                extra_kwargs: dict[str, Any]) -> torch.Tensor:
         if self.bounded is None:
-            if self.mop_state is None or self.mop_state.dispatch_backend is None:
+            if self.mop_state is None or (self.mop_state.dispatch_backend is None
+                                          and self.mop_state.head_backend is None):
                 return super()._forward_backward_body(inputs, labels, global_valid_tokens, extra_kwargs)
             try:
                 loss = super()._forward_backward_body(inputs, labels, global_valid_tokens, extra_kwargs)
-            except torch._dynamo.exc.BackendCompilerFailed as exc:  # the dispatch pass refused a region: say it plainly
+            except torch._dynamo.exc.BackendCompilerFailed as exc:  # a pass refused a region: say it plainly
                 inner = getattr(exc, "inner_exception", None)
                 if isinstance(inner, BoundpassError):
                     raise inner.with_traceback(None) from None
                 raise
             if not self._reported and self.config.boundpass.report:
                 self._reported = True
-                logger.info("[boundpass] " + self._mop_dispatch_summary().replace("\n", "\n[boundpass] "))
+                logger.info("[boundpass] " + self._mop_passes_summary().replace("\n", "\n[boundpass] "))
             return loss
         if self.blocks is not None:
             self.blocks.begin_step()
@@ -505,12 +506,18 @@ class BoundpassTrainer(Trainer):
             lines.append(worst.render())
         return lines
 
-    def _mop_dispatch_summary(self) -> str:
-        """The MoP layout's dispatch after step 1: every block graph the dispatch pass saw and what it rewrote."""
-        backend = self.mop_state.dispatch_backend
-        lines = [f"MoP layout: {backend.graphs} block graph(s) through boundpass's dispatch pass ({backend!r}); "
-                 f"routed-experts modules on PipelinedLLEP: {len(self.mop_state.dispatch)}"]
-        lines += [f"  {r.describe()}" for r in backend.regions]
+    def _mop_passes_summary(self) -> str:
+        """The MoP layout's passes after step 1: every block graph the dispatch pass saw and what it rewrote, and the
+        head step's vocab region."""
+        backend, head = self.mop_state.dispatch_backend, self.mop_state.head_backend
+        lines = []
+        if backend is not None:
+            lines += [f"MoP layout: {backend.graphs} block graph(s) through boundpass's dispatch pass ({backend!r}); "
+                      f"routed-experts modules on PipelinedLLEP: {len(self.mop_state.dispatch)}"]
+            lines += [f"  {r.describe()}" for r in backend.regions]
+        if head is not None:
+            lines += [f"MoP layout: the head step through boundpass's vocab pass ({head!r})"]
+            lines += [f"  {r.describe()}" for r in head.regions]
         return "\n".join(lines)
 
     def summary(self) -> str:

@@ -122,12 +122,15 @@ def _train(rank, world, ep, ops=False, skew=False):
 
 
 def _dispatch_facts(model) -> dict:
-    """Where the layout's PipelinedLLEP came from: the routed-experts modules the dispatch pass rewrote in the block
+    """Where the layout's operators came from: the routed-experts modules the dispatch pass rewrote in the block
     graphs torchtitan's per-block compile handed it, whether any module's forward was replaced (it must not be: the
-    op comes from the pass), and how many block graphs the backend compiled."""
+    op comes from the pass), how many block graphs the backend compiled, and the head step's vocab region."""
     from torchtitan.models.common.moe import RoutedExperts
-    backend = model._mop.dispatch_backend
+    backend, head = model._mop.dispatch_backend, model._mop.head_backend
     return dict(dispatch=list(model._mop.dispatch), graphs=backend.graphs if backend is not None else 0,
+                # Ring-DTP from the vocab pass: the head step's gather + projection + loss rewritten (the backend
+                # refuses a graph where the weight's all-gather remains)
+                head_regions=[(r.rewritten, r.vocab) for r in head.regions] if head is not None else [],
                 # torchtitan's EP sets an instance forward itself (its local_map wrapper): look for one of boundpass's
                 replaced=[n for n, m in model.named_modules() if isinstance(m, RoutedExperts) and "forward" in vars(m)
                           and str(getattr(vars(m)["forward"], "__module__", "")).startswith("boundpass")])
@@ -179,6 +182,7 @@ def test_layout_is_what_it_says(runs, layout):
         assert facts["dispatch"] == ["layers.1.moe.routed_experts", "layers.2.moe.routed_experts"]
         assert facts["replaced"] == [] and facts["graphs"] == 2, facts  # one recompile per block would be more
         assert facts["head"] == "RingDTPHead" and facts["head_rows"] == VOCAB // 4  # a quarter of the vocab
+        assert facts["head_regions"] == [(True, VOCAB)], facts  # one compile of the head step, rewritten
     else:
         assert facts["dispatch"] == [] and facts["head"] != "RingDTPHead"
 
@@ -274,7 +278,7 @@ def other_models(launches):
 def test_other_models_one_step_matches_single_rank(other_models, name):
     spec = OTHER[name]
     (ref_loss, ref_grads, _), mop = other_models[name]
-    assert mop[0][2]["head"] == "RingDTPHead"
+    assert mop[0][2]["head"] == "RingDTPHead" and mop[0][2]["head_regions"] == [(True, VOCAB)]
     print(name, "PipelinedLLEP regions:", mop[0][2]["dispatch"])
     assert bool(mop[0][2]["dispatch"]) == spec["ops"] and mop[0][2]["replaced"] == []
     for rank, (loss, _, _) in enumerate(mop):
@@ -321,3 +325,69 @@ def test_ring_dtp_refuses_a_vocabulary_the_ring_does_not_divide_before_paralleli
     with pytest.raises(BoundpassInputError, match=r"vocabulary \(256\) must divide by the 3 ranks"):
         prepare_mop(model, _Dims(), MoPOptions(sequence_to_head=False, ring_dtp=True))
     assert model.lm_head is not None  # refused before the head was taken out of the model
+
+
+# ---- the head step through the vocab pass ------------------------------------------------------------------------
+def _head_step_vs_direct(rank, world):
+    """mop_loss's head step (the gathered vocab-sharded weight, projection, cross-entropy) compiled through the vocab
+    pass, against Ring-DTP called directly on the shard: loss and both gradients, fp32 and bf16, labels with
+    ignore_index. Then a head step the pass cannot rewrite to Ring-DTP on the shard (the weight gathered along the
+    hidden dim) is refused."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from boundpass.errors import BoundpassInputError
+    from boundpass.layout_compile import RingDTPHeadBackend
+    from boundpass.recipes.mop import RingDTPHead, mop_loss
+    from boundpass.runtime.ring_dtp import ring_dtp_loss
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(rank)
+    N, H, V = 24, 16, 40
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        shard = torch.randn(V // world, H, generator=gen)
+        model = torch.nn.Module()
+        model.lm_head = RingDTPHead(torch.nn.Parameter(DTensor.from_local(shard, mesh, [Shard(0)], run_check=False)),
+                                    mesh)
+        pred = torch.randn(2, N // 2, H, generator=gen).to(dtype)
+        labels = torch.randint(0, V, (2, N // 2), generator=gen)
+        labels[0, :3] = -100
+        results = []
+        for way in ("pass", "direct"):
+            h = pred.clone().requires_grad_()
+            model.lm_head.weight.grad = None
+            if way == "pass":
+                loss, _ = mop_loss(model)(h, labels, torch.tensor(N * world))
+            else:
+                w = model.lm_head.weight.to_local().to(dtype)
+                loss = ring_dtp_loss(h.reshape(-1, H), w, labels.reshape(-1), vocab_size=V,
+                                     group=mesh.get_group()) / (N * world)
+            loss.backward()
+            results.append((loss.detach(), h.grad, model.lm_head.weight.grad.to_local()))
+        (a, ha, wa), (b, hb, wb) = results
+        out[str(dtype)] = (torch.equal(a, b), torch.equal(ha, hb), torch.equal(wa, wb))
+    group = mesh.get_group()
+
+    def wrong_dim(h, w_shard, labels):  # [V/W, H] gathered along H: not the vocab rows
+        w = funcol.all_gather_tensor_autograd(w_shard.t().contiguous(), 0, group).t()
+        return F.cross_entropy(F.linear(h, w[:, :H]), labels, reduction="sum")
+    try:
+        torch.compile(wrong_dim, backend=RingDTPHeadBackend(group), fullgraph=True)(
+            torch.randn(N, H), torch.randn(V // world, H), torch.randint(0, V // world, (N,)))
+        out["refused"] = None
+    except Exception as err:  # Dynamo wraps the backend's error
+        inner = getattr(err, "inner_exception", err)
+        out["refused"] = (type(inner).__name__, str(inner)) if isinstance(inner, BoundpassInputError) else repr(err)
+    dist.barrier()
+    return out
+
+
+def test_head_step_through_the_vocab_pass_is_ring_dtp_on_the_shard():
+    for rank, out in enumerate(run_on_ranks(_head_step_vs_direct, 2, timeout_s=300)):
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            assert out[dtype] == (True, True, True), (rank, dtype, out[dtype])  # bitwise: the same op, same inputs
+        kind, message = out["refused"]
+        assert kind == "BoundpassInputError" and "Ring-DTP was asked for" in message, out["refused"]

@@ -159,7 +159,8 @@ def _train_measuring_last_step(trainer):
         backend = model._mop.dispatch_backend
         facts.update(dispatch=list(model._mop.dispatch), graphs=backend.graphs,
                      rewritten={r.module_path for r in backend.regions if r.rewritten},
-                     skipped=[r.reason for r in backend.regions if not r.rewritten])
+                     skipped=[r.reason for r in backend.regions if not r.rewritten],
+                     head_regions=[(r.rewritten, r.vocab) for r in model._mop.head_backend.regions])
     finally:
         trainer.close()
     facts["bound"] = trainer.mop_budget.total
@@ -185,6 +186,7 @@ def test_layout_is_built_by_the_trainer(runs):
         # per-block compile handed boundpass (the dense block 0's and one graph the MoE blocks share)
         assert f["ep"] == 2 and f["dispatch"] == [f"layers.{i}.moe.routed_experts" for i in range(1, 6)], f
         assert f["graphs"] == 2 and f["rewritten"] == {"moe.routed_experts"} and f["skipped"] == [], f
+        assert f["head_regions"] == [(True, 32_768)], f  # Ring-DTP from the vocab pass: the head step compiled once
         assert f["head"] == "RingDTPHead" and f["head_shape"] == (32_768, 256) and f["local_rows"] == 16_384, f
         assert "mop_loss" in f["loss"], f
         # torchtitan's init walk reached RingDTPHead._init_self_parameters: lm_head's own init (trunc. normal,

@@ -678,8 +678,10 @@ def _fmt(node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
-def _resolve(match: _Match, ring_size: int = 1):
+def _resolve(match: _Match, config: "VocabRewriteConfig | None" = None):
     """(projection, chain of [.., V] nodes from it to the loss, module path, reason)."""
+    config = config or VocabRewriteConfig()
+    ring_size = config.ring_size
     proj, chain, reason = None, [], match.reason
     if match.loss_input is not None:
         base, chain = _trace_back(match.loss_input)
@@ -709,10 +711,11 @@ def _resolve(match: _Match, ring_size: int = 1):
             if not reason and torch.promote_types(src, out) != out:
                 reason = (f"{node.name} casts the logits from {src} to {out} before {match.loss}; Ring-DTP "
                           f"accumulates in {acc}, which would change the numerics")
-    if not reason and ring_size > 1 and not _is_parameter(proj.weight):
+    gathered = None if proj.transpose else _gathered_shard(proj.weight, config)
+    if not reason and ring_size > 1 and not _is_parameter(proj.weight) and gathered is None:
         reason = (f"the projection weight ({proj.weight.name}) is not a parameter: over a ring of {ring_size} "
                   f"ranks the op returns each rank's rows of its gradient, which only a data-parallel gradient "
-                  f"sum of parameters completes")
+                  f"sum of parameters completes (or the ring's all-gather of a vocab-sharded weight)")
     if not reason:  # last: it may move the labels' reshape up the graph
         reason = _place(match, proj, chain)
     return proj, chain, path, reason
@@ -766,6 +769,31 @@ def _place(match: _Match, proj: _Projection, chain: list) -> str:
     return ""
 
 
+_GATHERS = tuple(t for ns in ("_c10d_functional", "_c10d_functional_autograd")
+                 for t in (getattr(getattr(torch.ops, ns), "all_gather_into_tensor", None),) if t is not None)
+_GATHERS = _GATHERS + tuple(t.default for t in _GATHERS)
+
+
+def _gathered_shard(node, config: "VocabRewriteConfig"):
+    """(this rank's shard, the wait node, the gather node) when ``node`` is the ring's all-gather of the shards along
+    the vocab rows (``wait_tensor(all_gather_into_tensor(shard, P, ring))``: a vocab-sharded head gathered for the
+    standard schedule, e.g. the MoP layout's), else None. Ring-DTP then runs on the shard itself: no rank gathers the
+    weight, and the shard's gradient (every rank's tokens for its rows) is what the gather's backward, a sum
+    reduce-scatter, gives it."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function"
+            and node.target in (torch.ops._c10d_functional.wait_tensor, torch.ops._c10d_functional.wait_tensor.default)):
+        return None
+    gather = node.args[0]
+    if not (isinstance(gather, fx.Node) and gather.op == "call_function" and gather.target in _GATHERS):
+        return None
+    shard, size, group = (list(gather.args) + [None, None, None])[:3]
+    if config.ring_size <= 1 or size != config.ring_size or group != config.group_name or not _is_tensor(shard):
+        return None
+    if _val(shard).dim() != 2 or _val(shard).shape[0] * size != _val(node).shape[0]:
+        return None
+    return shard, node, gather
+
+
 def _is_parameter(node) -> bool:
     """A parameter of the model (a graph input or attribute holding an nn.Parameter), or its transpose."""
     node = _untransposed(node) or node
@@ -775,14 +803,14 @@ def _is_parameter(node) -> bool:
 
 def rewrite_vocab_regions(gm: fx.GraphModule, config: VocabRewriteConfig) -> list[VocabRegion]:
     """Rewrite every eligible region in place; return all regions found (rewritten and skipped)."""
-    regions, erased = [], set()
+    regions, erased, gathers = [], set(), []
     for node in list(gm.graph.nodes):
         if node in erased or node.op not in ("call_function", "call_method"):
             continue
         match = _match_ce(node) or _match_nll(node) or _match_lse(node) or _match_logp_gather(node)
         if match is None:
             continue
-        proj, chain, path, reason = _resolve(match, config.ring_size)
+        proj, chain, path, reason = _resolve(match, config)
         form = " -> ".join([proj.form] + [_fmt(n) for n in chain if n not in match.tail] + [match.loss]) \
             if proj is not None else match.loss
         if match.lse_uses and not reason:
@@ -790,13 +818,21 @@ def rewrite_vocab_regions(gm: fx.GraphModule, config: VocabRewriteConfig) -> lis
         if reason:
             regions.append(VocabRegion(module_path=path, rewritten=False, reason=reason, form=form))
             continue
+        gathered = None if proj.transpose else _gathered_shard(proj.weight, config)
         regions.append(_rewrite(gm, match, proj, chain, config, path, form))
         erased.update([match.anchor, *match.dead])
+        if gathered is not None:
+            gathers.append(gathered[1:])
     # drop what the rewrite left unused (the projection, its casts), never a mutation whose result nobody reads: a
     # Dynamo graph keeps in-place methods (out.index_add_(...) in a hand-written MoE) as nodes without users, and
     # FX's default purity test does not know them; only this graph (sweep_dead_nodes: FX's own sweep would also
     # enter checkpoint bodies with its default test)
     sweep_dead_nodes(gm.graph, _keeps_side_effects)
+    for wait, gather in gathers:  # the all-gather of a sharded weight, now unread (a collective: FX keeps it)
+        if not wait.users:
+            gm.graph.erase_node(wait)
+        if not gather.users:
+            gm.graph.erase_node(gather)
     gm.graph.lint()
     gm.recompile()
     return regions
@@ -832,7 +868,10 @@ def _rewrite(gm, match: _Match, proj: _Projection, chain, config, path, form) ->
         labels = add("reshape", match.labels, -1, kind="call_method")
         weight = add("t", proj.weight, kind="call_method") if proj.transpose else proj.weight
         shard = weight
-        if config.ring_size > 1:
+        gathered = None if proj.transpose else _gathered_shard(proj.weight, config)
+        if gathered is not None:
+            shard = gathered[0]  # a vocab-sharded weight: this rank's rows are its shard (nothing gathered)
+        elif config.ring_size > 1:
             # replicated weight: this rank folds only its own rows; the gradient of the other rows comes
             # from their owners, so summing gradients over the ring (data-parallel all-reduce) is exact.
             start, stop = ring_dtp.vocab_shard_range(vocab, config.ring_size, config.ring_rank)

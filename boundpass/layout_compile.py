@@ -1,0 +1,165 @@
+"""boundpass's passes as Dynamo backends for a layout whose budget is checked before launch: the MoP layout
+(recipes/mop.py), whose composed per-rank budget (boundpass.composed, recipes/trainer.py ``check_mop_budget``) is
+checked on the meta model before anything is built.
+
+- ``DispatchBlocks``: the backend of torchtitan's per-block compile; every block graph goes through the dispatch pass
+  (routed experts -> PipelinedLLEP at the launch's chunk cap c).
+- ``RingDTPHeadBackend``: the backend of the head step (the vocab-sharded head gathered, lm_head projection,
+  cross-entropy); the vocab pass rewrites it to Ring-DTP on this rank's shard (no rank gathers the weight).
+
+Neither plans a knob: c and the strip width C are the launch's, the ones its composed budget counted. A region the
+pass skips is an error, never a fall-back: the layout asked for the operator and its budget counted it. Under the
+default layout the same passes run inside ``boundpass.compile`` / ``block_compile.CompiledBlocks``, which also plan
+the knobs and check every graph against the step's budget.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+
+from boundpass.errors import BoundpassInputError
+
+
+class DispatchBlocks:
+    """boundpass's per-block compile backend for a launch that checks no budget: each block graph Dynamo hands it
+    goes through the dispatch pass (every torchtitan routed-experts region -> ``boundpass::pipelined_llep_fwd`` at
+    chunk cap ``cap``), then through the lowering (``inner``: "aot_eager" or "inductor").
+
+    The MoP layout's PipelinedLLEP (recipes/mop.py, ``parallelize_mop`` and the recipe's ``--boundpass.layout mop``):
+    the model's own forwards stay torchtitan's and torchtitan's ``apply_compile`` hands every TransformerBlock to this
+    backend, as the per-block compile of the default layout hands them to ``block_compile.CompiledBlocks``.
+    """
+
+    def __init__(self, layers: nn.ModuleDict, cap: int, inner: str = "aot_eager"):
+        """layers: the model's block container (``model.layers``), read when a graph compiles: by then the blocks in
+        it are the modules torchtitan compiled (an activation-checkpoint wrapper around the block, under AC)."""
+        if inner not in ("aot_eager", "inductor"):
+            raise ValueError(f"DispatchBlocks: inner must be 'aot_eager' or 'inductor', got {inner!r}")
+        self.layers = layers
+        self.cap = int(cap)
+        self.inner = inner
+        self.graphs = 0                             # block graphs compiled
+        self.regions: list = []                     # every DispatchRegion the pass found, in compile order
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        from boundpass.passes.dispatch_pass import _graphs, rewrite_dispatch_regions
+        from boundpass.planner import set_op_arg
+
+        regions = rewrite_dispatch_regions(gm, self._root())
+        skipped = [r for r in regions if not r.rewritten]
+        if skipped:
+            raise BoundpassInputError("boundpass per-block compile: PipelinedLLEP was asked for, but the dispatch "
+                                      "pass skipped " + "; ".join(f"{r.module_path}: {r.reason}" for r in skipped))
+        for region in regions:
+            region.cap = self.cap
+            set_op_arg(region.op_node, "cap", self.cap)
+        for graph_module in _graphs(gm):
+            graph_module.recompile()
+        self.graphs += 1
+        self.regions.extend(regions)
+        return _lower(gm, example_inputs, self.inner)
+
+    def rewritten_paths(self, prefix: str = "layers") -> list[str]:
+        """Per block, the model path of each routed-experts module whose region the pass rewrote (``layers.1.moe.
+        routed_experts``, ...). One graph serves every block of the same structure, and a region the pass skips is an
+        error, so a block's region is on PipelinedLLEP when a graph compiled so far rewrote its module path. Empty
+        until the blocks compiled (the first forward)."""
+        from torchtitan.models.common.moe import RoutedExperts
+        done = {r.module_path.strip(".") for r in self.regions if r.rewritten}
+        out = []
+        for name, block in self.layers.items():
+            for path, module in block.named_modules():
+                rel = path.replace("_checkpoint_wrapped_module.", "").replace("_checkpoint_wrapped_module", "")
+                if isinstance(module, RoutedExperts) and rel in done:
+                    out.append(f"{prefix}.{name}.{rel}")
+        return out
+
+    def _root(self) -> nn.Module | None:
+        """The module a block graph's paths start at. The pass resolves a region's module (its dispatcher, the EP mesh)
+        from them; every MoE block of a model has the same structure and EP mesh, so the first MoE block serves every
+        block graph (a dense block's graph has no region to resolve)."""
+        from torchtitan.models.common.moe import RoutedExperts
+        blocks = list(self.layers.values())
+        moe = [b for b in blocks if any(isinstance(m, RoutedExperts) for m in b.modules())]
+        return moe[0] if moe else (blocks[0] if blocks else None)
+
+    def __repr__(self) -> str:  # torchtitan logs the backend
+        return f"boundpass.DispatchBlocks(cap={self.cap}, inner={self.inner})"
+
+
+class RingDTPHeadBackend:
+    """The backend of the MoP layout's head step: the vocab pass over the ring ``group`` (the W ranks), strip width
+    ``block`` (0: the whole local shard), then aot_eager. The step it compiles computes the standard schedule (the
+    vocab-sharded weight all-gathered over the ring, lm_head's projection, torchtitan's cross-entropy); the pass
+    recognises the gather of the shard and rewrites projection + loss into ``boundpass::ring_dtp_fwd`` on this rank's
+    shard, so the gather and the [N, V] logits never run. Anything else (the region skipped, or no region) is an
+    error: the layout's budget counted Ring-DTP."""
+
+    def __init__(self, group, block: int = 0):
+        import torch.distributed as dist
+
+        from boundpass.runtime import ring_dtp
+        self.group_name = ring_dtp.group_name_of(group)
+        self.ring_size, self.ring_rank = dist.get_world_size(group), dist.get_rank(group)
+        self.block = int(block or 0)
+        self.regions: list = []  # every VocabRegion the pass found, in compile order
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        from boundpass.passes.vocab_pass import VocabRewriteConfig, rewrite_vocab_regions
+        regions = rewrite_vocab_regions(gm, VocabRewriteConfig(group_name=self.group_name, ring_size=self.ring_size,
+                                                               ring_rank=self.ring_rank, block=self.block))
+        self.regions.extend(regions)
+        rewritten = [r for r in regions if r.rewritten]
+        if len(rewritten) != 1 or len(regions) != 1:
+            found = "; ".join(r.describe() for r in regions) or "no lm_head -> cross-entropy region"
+            raise BoundpassInputError(f"boundpass MoP head: Ring-DTP was asked for, but the vocab pass found {found}")
+        from boundpass.passes.vocab_pass import _GATHERS
+        left = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _GATHERS]
+        if left:  # the gathered [V, H] weight would still be formed: memory the layout's budget does not count
+            raise BoundpassInputError(f"boundpass MoP head: the vocab pass rewrote the loss but {len(left)} all-gather(s) "
+                                      "of the weight remain in the head's graph")
+        for region in rewritten:
+            region.block, region.branch = self.block, "auto (per step, from the ring's largest N)"
+            region.module_path = "lm_head"  # the head step's projection (its graph has no module around it)
+        return _lower(gm, example_inputs, "aot_eager")
+
+    def __repr__(self) -> str:
+        return f"boundpass.RingDTPHeadBackend(P={self.ring_size}, C={self.block or 'whole shard'})"
+
+
+def _partition(joint, joint_inputs, *, inductor: bool, **kwargs):
+    """torch's own partitioner (min-cut for Inductor, default for eager kernels), its saved values reordered by the
+    AOTAutograd workaround every boundpass block graph needs at EP > 1 under FSDP2 (boundpass/aot_workarounds.py)."""
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    from boundpass.aot_workarounds import saved_tensors_before_opaque
+    fw, bw = (min_cut_rematerialization_partition if inductor else default_partition)(joint, joint_inputs, **kwargs)
+    saved_tensors_before_opaque(fw, bw, kwargs["num_fwd_outputs"])
+    return fw, bw
+
+
+def _lower(gm, example_inputs, inner: str):
+    from torch._dynamo.backends.common import aot_autograd
+
+    from boundpass.passes import sco_pass
+    if inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+        class _Partitioner(CustomPartitionerFn):
+            def __call__(self, joint, joint_inputs, **kwargs):
+                return _partition(joint, joint_inputs, inductor=True, **kwargs)
+
+            def uuid(self):
+                return "boundpass-dispatch-blocks"
+        # fx_graph_cache off: its key pickles the graph, whose PipelinedLLEP arguments hold runtime objects
+        return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": _Partitioner(),
+                                                              "fx_graph_cache": False})
+
+    def eager(graph, inputs):
+        return sco_pass.eager_callable(graph)  # boxed: saved tensors die at their last use
+    # aot_autograd even for eager kernels: torchtitan's MoE mutates a buffer in forward
+    return aot_autograd(fw_compiler=eager, bw_compiler=eager,
+                        partition_fn=functools.partial(_partition, inductor=False))(gm, example_inputs)
