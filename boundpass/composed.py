@@ -125,6 +125,12 @@ class Launch:
     borrowed_slots: int | None = None  # s_b (LLEP borrowed-weight slots per rank; None: E / E_p)
     routing: str = "worst"          # standard EP only: "worst" (a hot rank receives E_p·N·k rows) or "balanced"
     grad_accumulation: int = 1      # microbatches per optimizer step (> 1: every gradient lives through all of them)
+    # FSDP2 computing in a narrower dtype than it reduces in, counted under the b = 4 convention (the MoP recipe:
+    # b = 4 for its fp32 shards, bf16 compute): that dtype's bytes (2). The embedding's backward then holds three
+    # V x H copies in it (autograd's dense gradient, the cast autograd makes of it, FSDP2's copy-in before the cast to
+    # the reduce dtype) beside the reduce-scatter input (measured: torch's allocator, tests/test_recipe_mop.py).
+    # None: FSDP2 computes in b.
+    fsdp_param_b: int | None = None
 
     def resolved(self, knob: str) -> int:
         """A Config knob's value at this launch: the one given, else what boundpass/config.py says a knob left to
@@ -333,7 +339,8 @@ def _terms(shape: ModelShape, launch: Launch) -> tuple:
         else ""
     terms = _term_formulas(shape.dense_layers > 0, shape.moe_layers > 0, shape.shared_hidden > 0,
                            frozenset(launch.operators), launch.routing, launch.b < launch.b_acc, branch,
-                           shape.tied_embeddings, launch.grad_accumulation > 1, _first_dense_only(shape))
+                           shape.tied_embeddings, launch.grad_accumulation > 1, _first_dense_only(shape),
+                           launch.fsdp_param_b or 0)
     if uses_wide_trace(shape, launch):
         terms = _wide_traced(terms, shape)
     elif uses_trace(shape, launch):
@@ -474,13 +481,15 @@ def _first_dense_only(shape: ModelShape) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _term_formulas(has_dense: bool, has_moe: bool, has_shared: bool, ops: frozenset, routing: str, mixed: bool,
-                   branch: str, tied: bool = False, accumulate: bool = False, first_dense_only: bool = False) -> tuple:
-    out = _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied, accumulate, first_dense_only)
+                   branch: str, tied: bool = False, accumulate: bool = False, first_dense_only: bool = False,
+                   fsdp_param_b: int = 0) -> tuple:
+    out = _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied, accumulate, first_dense_only,
+                     fsdp_param_b)
     return tuple((name, formula, kind, knob, _lambdify(formula)) for name, formula, kind, knob in out)
 
 
 def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied=False, accumulate=False,
-               first_dense_only=False) -> list:
+               first_dense_only=False, fsdp_param_b=0) -> list:
     N, H, E, E_p, k, I, I_f = sym.N, sym.H, sym.E, sym.E_p, sym.k, sym.I, sym.I_f
     b, b_acc, W, Theta = sym.b, sym.b_acc, sym.W, sym.Theta
     out = [("parameters (ZeRO-3 shard, Θ/W)", Theta * b, "persistent", "more ranks W (ZeRO-3 shards Θ/W)")]
@@ -506,8 +515,11 @@ def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied
         # share the head's unit: not modelled apart (the head terms count its gathered weight).
         if not tied:
             reduce_b = b_acc if mixed else b
+            copies = b + reduce_b
+            if fsdp_param_b:  # FSDP2 casts (see Launch.fsdp_param_b): three copies in its dtype + the reduce input
+                copies = 3 * fsdp_param_b + b
             out.append(("embedding backward under ZeRO-3 (gathered weight, unsharded gradient, reduce-scatter input)",
-                        sympy.Min(1, W - 1) * sym.V * H * (b + reduce_b) + N * H * b, "embedding_backward",
+                        sympy.Min(1, W - 1) * sym.V * H * copies + N * H * b, "embedding_backward",
                         "not a launch knob (an embedding gradient is dense V×H under FSDP2); a smaller vocabulary"))
         out.append(("gradient of the head (lm_head + final norm shard; while the head runs)", head_grad,
                     "grad_head", "more ranks W (ZeRO-3 shards Θ/W)"))

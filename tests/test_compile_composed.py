@@ -38,3 +38,19 @@ def test_composed_budget_fails_fast_with_its_binding_term_and_is_shown_by_explai
     assert table.binding().name in text
     with pytest.raises(BoundpassInputError, match="both launch="):
         boundpass.compile(model, budget="4GiB", launch=launch)
+
+
+def test_fsdp_casts_count_in_the_embedding_backward():
+    """composed.Launch.fsdp_param_b: under the b = 4 convention with bf16 compute and fp32 reduction (the MoP recipe),
+    the embedding's backward holds three V x H copies in bf16 (autograd's dense gradient, its cast, FSDP2's copy-in)
+    beside the fp32 reduce-scatter input: 3·2 + 4 = 10 bytes per V x H element where fp32 compute holds 4 + 4 (torch's
+    allocator measured it: tests/test_recipe_mop.py). One rank has no such backward (nothing to reduce-scatter)."""
+    shape, _ = _shape_and_model()
+
+    def term(ranks, cast):
+        launch = composed.Launch(ranks=ranks, ep=1, ring=ranks, tokens_per_rank=SEQ, b=4, b_acc=4, fsdp_param_b=cast)
+        table = composed.compose(shape, launch, budget=2**40)
+        return next(t.value for t in table.terms if t.name.startswith("embedding backward under ZeRO-3"))
+    V, H = shape.vocab, shape.hidden
+    assert term(2, 2) - term(2, None) == (3 * 2 + 4 - 8) * V * H
+    assert term(1, 2) == term(1, None)

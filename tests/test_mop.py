@@ -391,3 +391,45 @@ def test_head_step_through_the_vocab_pass_is_ring_dtp_on_the_shard():
             assert out[dtype] == (True, True, True), (rank, dtype, out[dtype])  # bitwise: the same op, same inputs
         kind, message = out["refused"]
         assert kind == "BoundpassInputError" and "Ring-DTP was asked for" in message, out["refused"]
+
+
+def _two_lengths(rank, world):
+    """The layout trained at two sequence lengths in one process, operators on and off: Dynamo recompiles the block
+    graphs and the head step with symbolic sizes at the second length (bench/mop.py sweeps lengths this way), and
+    the passes must rewrite those graphs too."""
+    import torch.distributed as dist
+    from boundpass.recipes.mop import build_model, mop_config, mop_loss, parallelize_mop, shard_batch
+    out = {}
+    for ops in (False, True):
+        cfg = mop_config(NAME, world=world, ep=2, seq_len=64, vocab_size=VOCAB)
+        model = build_model(cfg, layers=2)
+        parallelize_mop(model, cfg, world=world, pipelined_llep=ops, ring_dtp=True, dispatch_cap=CAP)
+        loss_fn = mop_loss(model)
+        steps = []
+        for length in (32, 64):
+            g = torch.Generator().manual_seed(length)
+            tokens, labels = (torch.randint(0, VOCAB, (1, length), generator=g) for _ in range(2))
+            tokens, labels, positions = shard_batch(tokens, labels, rank, world)
+            loss, _ = loss_fn(model(tokens, positions=positions), labels, torch.tensor(length))
+            loss.backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                     for n, p in model.named_parameters() if p.grad is not None}
+            model.zero_grad(set_to_none=True)
+            steps.append((total.item(), grads))
+        backend = model._mop.dispatch_backend
+        out[ops] = (steps, [str(r.tokens) for r in backend.regions] if backend else [], list(model._mop.dispatch))
+    return out
+
+
+def test_passes_rewrite_the_graphs_dynamo_recompiles_for_a_new_length():
+    out = run_on_ranks(_two_lengths, 2, timeout_s=400)[0]
+    (plain, _, _), (ops, tokens, dispatch) = out[False], out[True]
+    assert dispatch == ["layers.1.moe.routed_experts"]
+    assert len(tokens) == 2 and tokens[0].isdigit() and not tokens[1].isdigit(), tokens  # static, then symbolic T
+    for (loss_p, grads_p), (loss_o, grads_o) in zip(plain, ops):
+        assert loss_o == loss_p  # the first block's output is the same; the MoE block's experts run in bf16 either way
+        for n, g in grads_p.items():
+            rel = ((grads_o[n] - g).norm() / g.norm().clamp_min(1e-30)).item()
+            assert rel <= BF16_EXPERT_RTOL, f"{n}: {rel:.2e}"

@@ -173,6 +173,9 @@ def _classify_inputs(externals: list[fx.Node], weights: tuple, hidden: int):
         if node in weights:
             continue
         val = _val(node)
+        if isinstance(val, torch.SymInt):
+            continue  # a size the region reads (symbolic once Dynamo recompiles for a new length): the op takes
+            #           its sizes from its tensors
         if not isinstance(val, torch.Tensor):
             return None, f"unrecognised region input {node.name} ({type(val).__name__})"
         if val.is_floating_point() and val.shape[-1] == hidden and x is None:
@@ -388,7 +391,8 @@ def _rewrite_one(gm, key, module, nodes) -> DispatchRegion:
     mesh = getattr(dispatcher, "ep_mesh", None)
     group = mesh.get_group() if mesh is not None else None
     ep_size = mesh.size() if mesh is not None else 1
-    counts = [n for n in externals if n not in inputs and n not in weights]  # per-expert route counts [E]
+    counts = [n for n in externals if n not in inputs and n not in weights  # per-expert route counts [E]
+              and isinstance(_val(n), torch.Tensor)]
     num_experts = int(_val(counts[0]).shape[0]) if counts else e * ep_size
     if num_experts != e * ep_size:
         return skip(f"{num_experts} experts routed but {e} local experts x EP {ep_size}")
