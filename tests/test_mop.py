@@ -163,10 +163,12 @@ LAYOUTS = {"plain": dict(ops=False, skew=False), "operators": dict(ops=True, ske
 def _every_run(rank, world):
     """Everything this module trains, in one launch per world size (each launch costs ~8 s of spawning and imports
     per rank): at W = 1 the references (both routings, and one step of each model in OTHER), at W = 4 every layout
-    and one step of each model in OTHER. Each run starts from the same seed's weights: the W = 4 adversarial-routing
-    layout on the operator layout's model, its weights and buffers put back (one 4-rank compile less)."""
+    and one step of each model in OTHER. Each run starts from the same seed's weights: an adversarial-routing run on
+    the model of the run before it, its weights and buffers put back (at W = 4 one 4-rank compile less)."""
     if world == 1:
-        train = {skew: _train(rank, 1, 1, False, skew)[:3] for skew in (False, True)}
+        *plain, built = _train(rank, 1, 1, False, False)
+        train = {False: tuple(plain), True: _train(rank, 1, 1, False, True, built)[:3]}
+        del built
     else:
         train, built = {}, {}
         for name, kw in LAYOUTS.items():  # the adversarial-routing layout retrains the operator layout's model
