@@ -27,6 +27,7 @@ the composed per-rank budget on the meta model, before anything is materialised.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -387,26 +388,16 @@ class BoundpassTrainer(Trainer):
             if self.mop_state is None or (self.mop_state.dispatch_backend is None
                                           and self.mop_state.head_backend is None):
                 return super()._forward_backward_body(inputs, labels, global_valid_tokens, extra_kwargs)
-            try:
+            with _boundpass_errors_plainly():  # a pass refused a region
                 loss = super()._forward_backward_body(inputs, labels, global_valid_tokens, extra_kwargs)
-            except torch._dynamo.exc.BackendCompilerFailed as exc:  # a pass refused a region: say it plainly
-                inner = getattr(exc, "inner_exception", None)
-                if isinstance(inner, BoundpassError):
-                    raise inner.with_traceback(None) from None
-                raise
             if not self._reported and self.config.boundpass.report:
                 self._reported = True
                 logger.info("[boundpass] " + self._mop_passes_summary().replace("\n", "\n[boundpass] "))
             return loss
         if self.blocks is not None:
             self.blocks.begin_step()
-            try:
+            with _boundpass_errors_plainly():  # a block graph's budget check
                 return self._bounded_forward_backward(inputs, labels, global_valid_tokens, extra_kwargs)
-            except torch._dynamo.exc.BackendCompilerFailed as exc:  # a block graph's budget check: say it plainly
-                inner = getattr(exc, "inner_exception", None)
-                if isinstance(inner, BoundpassError):
-                    raise inner.with_traceback(None) from None
-                raise
         return self._bounded_forward_backward(inputs, labels, global_valid_tokens, extra_kwargs)
 
     def _bounded_forward_backward(self, inputs, labels, global_valid_tokens, extra_kwargs) -> torch.Tensor:
@@ -555,6 +546,19 @@ class BoundpassTrainer(Trainer):
         if reports and reports[-1].table is not None:
             lines.append(reports[-1].table.render())
         return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _boundpass_errors_plainly():
+    """A boundpass error raised inside a Dynamo backend (a pass's refusal, a graph's budget check) re-raised as itself,
+    not wrapped in Dynamo's BackendCompilerFailed with its internal traceback."""
+    try:
+        yield
+    except torch._dynamo.exc.BackendCompilerFailed as exc:
+        inner = getattr(exc, "inner_exception", None)
+        if isinstance(inner, BoundpassError):
+            raise inner.with_traceback(None) from None
+        raise
 
 
 class _BlockBackend:

@@ -819,7 +819,7 @@ def rewrite_vocab_regions(gm: fx.GraphModule, config: VocabRewriteConfig) -> lis
             regions.append(VocabRegion(module_path=path, rewritten=False, reason=reason, form=form))
             continue
         gathered = None if proj.transpose else _gathered_shard(proj.weight, config)
-        regions.append(_rewrite(gm, match, proj, chain, config, path, form))
+        regions.append(_rewrite(gm, match, proj, chain, config, path, form, gathered))
         erased.update([match.anchor, *match.dead])
         if gathered is not None:
             gathers.append(gathered[1:])
@@ -852,7 +852,8 @@ def _keeps_side_effects(node: fx.Node) -> bool:
     return False
 
 
-def _rewrite(gm, match: _Match, proj: _Projection, chain, config, path, form) -> VocabRegion:
+def _rewrite(gm, match: _Match, proj: _Projection, chain, config, path, form, gathered=None) -> VocabRegion:
+    """gathered: ``_gathered_shard`` of the projection's weight (the shard the op then runs on), or None."""
     w_val, h_val = _val(proj.weight), _val(proj.h)
     vocab, hidden = (int(w_val.shape[1]), int(w_val.shape[0])) if proj.transpose else \
         (int(w_val.shape[0]), int(w_val.shape[1]))
@@ -868,7 +869,6 @@ def _rewrite(gm, match: _Match, proj: _Projection, chain, config, path, form) ->
         labels = add("reshape", match.labels, -1, kind="call_method")
         weight = add("t", proj.weight, kind="call_method") if proj.transpose else proj.weight
         shard = weight
-        gathered = None if proj.transpose else _gathered_shard(proj.weight, config)
         if gathered is not None:
             shard = gathered[0]  # a vocab-sharded weight: this rank's rows are its shard (nothing gathered)
         elif config.ring_size > 1:
