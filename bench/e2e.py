@@ -498,8 +498,9 @@ def render_reach(reach: dict) -> tuple[list[str], list[dict]]:
           "boundpass's passes and checked against the whole step, the head through Ring-DTP, OffloadStreamAdamW).", "",
           "How a step is measured: step 1 compiles (and creates the optimizer state); step 2 runs under torch's "
           "allocator (`boundpass.testing.whole_step.allocator_peak_of`: the profiler's allocation events, kernel "
-          "temporaries included) starting from the state live at the step's start (parameters, buffers, last "
-          "step's gradients, optimizer state: the trainer's `_device_state()`). Host buffers boundpass keeps by "
+          "temporaries included) starting from the state live at the step's start (parameters, buffers, optimizer "
+          "state: the trainer's `_device_state()`, listed after last step's gradients are cleared, as the step's "
+          "own `zero_grad` would). Host buffers boundpass keeps by "
           "design — OffloadStreamAdamW's fp32 masters and moments, SCO's host pool — are not device bytes and are "
           "left out (on this CPU they share the allocator; their size is the `host` column). A step fits budget B "
           "when its measured peak is <= B, and for boundpass also when boundpass accepted B (a fail-fast refusal "

@@ -18,7 +18,9 @@ The budget each block graph is checked against is the whole step's, composed fro
   forward (torchtitan's last unit) stay gathered through the step.
 - the reduce-scatter of one unit's gradients. With every unit on ``boundpass.gloo_reduce_scatter`` (the recipe
   installs it on gloo: synchronous, its buffers freed in the call) each reduce-scatter runs between two graphs
-  and is a phase of its own (``sync_reduce``: ``reduce_tables`` per block graph, ``head_reduce``, the tail);
+  and is a phase of its own (``sync_reduce``: ``reduce_tables`` per block graph, ``head_reduce``, the tail), with
+  what FSDP2 holds then: the block's other units, the next module's prefetched all-gather buffer, and the unit's
+  gradients, copy-in temporary and reduce buffer in ``foreach_reduce``'s order (``_scatter_cost``);
   otherwise (FSDP2's own, NCCL's reduce-scatter stream beside the next block's backward) the largest one is
   counted inside every graph's table, with gloo's held clones where the group is gloo.
 - the parameters, gradients and optimizer state of the whole model (``boundpass.compiler._state_terms``).
@@ -53,8 +55,11 @@ class FSDPUnit:
     sharded_grads: int   # the gradients it leaves on this rank (its parameters' local shards)
     resharded: bool      # freed after forward (False: held from forward to backward)
     releasing: bool = False  # reduce-scatters through boundpass.gloo_reduce_scatter (no gloo clone, none held)
-    copy_in: int = 0     # FSDP2's copy-in temporary: the gradients concatenated in their own dtype, when the
-                         # reduce dtype differs (torch._chunk_cat into an fp32 buffer from bf16 gradients)
+    copy_in: int = 0     # FSDP2's copy-in temporary when the reduce dtype differs: torch._chunk_cat into the fp32
+                         # reduce buffer from bf16 gradients converts one gradient at a time (measured: three 12 MiB
+                         # bf16 gradients -> a 12 MiB temporary, not 36), so the largest gradient in its own dtype
+    single_rank: bool = False  # its shard group has one rank: FSDP2 divides into a temporary instead of reducing
+    nccl: bool = False   # its shard group runs on NCCL (no gloo copies)
     aliases: list = field(default_factory=list)  # other module paths sharing this group
 
     def covers(self, path: str) -> bool:
@@ -80,9 +85,11 @@ def fsdp_units(model: nn.Module) -> list[FSDPUnit]:
 def _unit(path: str, group) -> FSDPUnit:
     """One FSDP2 parameter group's unsharded bytes (its all-gather output) and its gradients' (reduce-scatter input)."""
     gathered = reduce = sharded = copy_in = 0
+    single = False
     for fp in group.fsdp_params:
         mesh = fp.mesh_info
         shards = getattr(mesh, "shard_mesh_size", None) or mesh.mesh.size()
+        single = single or shards == 1
         numel = fp.padded_sharded_param_size.numel() * shards
         # FSDPParam's own dtype attributes are set at FSDP2's lazy init (the first forward): read the policy
         dtype = group.mp_policy.param_dtype or fp.sharded_param.dtype
@@ -90,12 +97,15 @@ def _unit(path: str, group) -> FSDPUnit:
         if fp.sharded_param.requires_grad:
             reduce_dtype = group.mp_policy.reduce_dtype or dtype
             reduce += numel * reduce_dtype.itemsize
-            copy_in += numel * dtype.itemsize if reduce_dtype != dtype else 0
+            copy_in = max(copy_in, numel * dtype.itemsize if reduce_dtype != dtype else 0)
             local = getattr(fp.sharded_param, "_local_tensor", fp.sharded_param)
             sharded += local.numel() * local.element_size()
+    import torch.distributed as dist
+
     from boundpass.gloo_reduce_scatter import uses_releasing_reduce_scatter
+    nccl = dist.get_backend(group.mesh_info.shard_process_group) == "nccl"
     return FSDPUnit(path, gathered, reduce, sharded, group.post_forward_mesh_info is not None,
-                    releasing=uses_releasing_reduce_scatter(group), copy_in=copy_in)
+                    releasing=uses_releasing_reduce_scatter(group), copy_in=copy_in, single_rank=single, nccl=nccl)
 
 
 class CompiledBlocks(BoundedModule):
@@ -223,7 +233,9 @@ class CompiledBlocks(BoundedModule):
     def _gather_rows(self, scatter: bool = True) -> list[BoundTerm]:
         largest = max((u.gathered for u in self.block_units), default=0)
         # FSDP2 copies a unit out of its flat all-gather buffer into the unsharded parameters (2x while it does),
-        # and prefetches the next unit while one computes: the running unit + the next one being copied out
+        # and prefetches the next unit while one computes (torchtitan sets explicit forward and backward prefetch
+        # when EP is on: the next block, the last block's forward the head's units): the running unit + the next one
+        # being copied out
         return ([BoundTerm("FSDP2 all-gathered block units (the running unit + the next, copied out of its buffer)",
                            sympy.Integer(3 * largest), 3 * largest, kind="transient", knob=SHARD)]
                 + ([_scatter_row(self.block_units)] if scatter else []) + self._gloo_row() + self._held_rows())
@@ -239,8 +251,37 @@ class CompiledBlocks(BoundedModule):
         it passes on, plus the reduce-scatter."""
         table = BudgetTable(budget=self.budget, host_budget=self.host_budget)
         table.terms += ([t for t in self.state_terms] + self._block_rows(graph, own_saved, trial)
-                        + [self._passed_row()] + self._gather_rows(scatter=True) + self._sco_host_rows(trial))
+                        + [self._passed_row()] + self._reduce_gather_rows() + self._sco_host_rows(trial))
         return table
+
+    def _reduce_gather_rows(self) -> list[BoundTerm]:
+        """FSDP2's units while one unit of a block reduce-scatters, after the block's backward. FSDP2's post-backward
+        reshards a unit before reducing it, so the running block holds only its other units (a block with routed
+        experts has two: torchtitan's EP experts are a group of their own), gathered until their own post-backward;
+        the next module's units were all-gathered by the backward prefetch (their all-gather buffer: the copy-out
+        waits for that module's pre-backward, which comes after this post-backward). The head's units were resharded
+        after the head's backward, the step's first. Measured (qwen3 debug, 4 ranks, experts reducing): the block's
+        other unit (3 MiB) and the embedding's prefetched buffer (16 MiB), where the graph's rows count 3x the
+        largest unit (108 MiB) and the head's units (16 MiB)."""
+        groups = [[u for u in self.block_units if u.covers(p)] for p in self.block_paths]
+        worst, reducing = 0, None
+        for units in groups:
+            for u in units:
+                cost = _scatter_cost(u) + sum(g.gathered for g in units if g is not u)
+                if cost > worst:
+                    worst, reducing = cost, u
+        ahead = max([sum(u.gathered for u in units) for units in groups]
+                    + [sum(u.gathered for u in self.input_units)])
+        # on gloo the prefetch's collective may still be in flight, and ProcessGroupGloo's all-gather holds an output
+        # of its own beside FSDP2's buffer until then (measured in a MoP layout's forward prefetch: both 15 MiB)
+        copies = 2 if any(not u.nccl for u in self.units) else 1
+        rows = [BoundTerm(f"FSDP2 gradient reduce-scatter of the largest block unit ({reducing.path if reducing else '-'})"
+                          ", its block's other units still unsharded", sympy.Integer(worst), worst, kind="transient",
+                          knob=SHARD),
+                BoundTerm("FSDP2 units of the next module all-gathered by the backward prefetch (its buffer"
+                          + (", and gloo's own output while the collective is in flight)" if copies == 2 else ")"),
+                          sympy.Integer(copies * ahead), copies * ahead, kind="transient", knob=SHARD)]
+        return rows + self._gloo_row() + self._held_rows(after_head=True)
 
     def _check_reduce_table(self, table: BudgetTable, which: str) -> None:
         if not table.fits():
@@ -253,18 +294,21 @@ class CompiledBlocks(BoundedModule):
         (timing-dependent). Counted as the two largest units' reduce buffers (NCCL makes no copy: a GPU run
         measures 0 here and the row could go; bench/gpu_check.sh). A unit that reduce-scatters through
         boundpass.gloo_reduce_scatter (the recipe installs it on gloo) makes no copy and leaves none held."""
-        sizes = sorted((u.reduce for u in self.units if not u.releasing), reverse=True)[:2]
+        sizes = sorted((u.reduce for u in self.units if not (u.releasing or u.single_rank)), reverse=True)[:2]
         if not sizes:
             return []
         return [BoundTerm("gloo's copies of up to two earlier reduce-scatter inputs, not yet released",
                           sympy.Integer(sum(sizes)), sum(sizes), kind="transient", knob=SHARD)]
 
-    def _held_rows(self) -> list[BoundTerm]:
-        held = sum(u.gathered for u in self.held_units)
+    def _held_rows(self, after_head: bool = False) -> list[BoundTerm]:
+        """Units FSDP2 does not reshard after forward (torchtitan's last one), gathered until their post-backward;
+        ``after_head``: the head's have been resharded after the head's backward, the step's first."""
+        units = [u for u in self.held_units if not (after_head and u in self.head_units)]
+        held = sum(u.gathered for u in units)
         if not held:
             return []
         return [BoundTerm("FSDP2 units held unsharded from forward to backward ("
-                          + ", ".join("+".join(p or "root" for p in [u.path, *u.aliases]) for u in self.held_units)
+                          + ", ".join("+".join(p or "root" for p in [u.path, *u.aliases]) for u in units)
                           + ")",
                           sympy.Integer(held), held, kind="transient",
                           knob="--parallelism.fsdp_reshard_after_forward always")]
@@ -418,7 +462,10 @@ class CompiledBlocks(BoundedModule):
         units held unsharded, and their reduce-scatter. The head graph's own workspace is gone by then."""
         table = BudgetTable(budget=self.budget, host_budget=self.host_budget)
         table.terms += [t for t in self.state_terms] + self._head_held_rows()
-        table.terms += [self._passed_row(), _scatter_row(self.head_units)] + self._gloo_row() + self._held_rows()
+        # the head's unit was resharded before its reduce-scatter (FSDP2 reshards, then reduces); a second head
+        # unit would still be gathered: counted then
+        table.terms += [self._passed_row(), _scatter_row(self.head_units)] + self._gloo_row() + self._held_rows(
+            after_head=len(self.head_units) == 1)
         return table
 
     def phases(self) -> list[tuple[str, BudgetTable]]:
@@ -455,15 +502,27 @@ def _grads_row(nbytes: int, which: str) -> BoundTerm:
                      kind="transient", knob=SHARD)
 
 
+def _scatter_cost(unit: FSDPUnit, output_counted: bool = False) -> int:
+    """Peak bytes of one unit's reduce-scatter, in FSDP2's order (``foreach_reduce``): first its unsharded gradients
+    (param dtype), the reduce-dtype input buffer and the copy-in temporary while the gradients are copied in; then
+    the gradients are dropped (``unsharded_grads.clear()``) before the sharded output is allocated, so the second
+    part is the input, gloo's clone of it (ProcessGroupGloo; none through boundpass.gloo_reduce_scatter) and the
+    output (unless a gradients row counts it). Measured (qwen3 debug experts, 4 ranks): gradients 36 MiB + input
+    72 MiB + a 12 MiB temporary at the peak, no output. A one-rank shard group (EP = 2 on 2 ranks: the experts)
+    makes no collective: FSDP2 copies ``input / gradient_divide_factor`` into the output, a temporary as large as
+    the input (measured: input 72 + output 72 + the division's 72 MiB, qwen3 debug experts on 2 ranks)."""
+    copying = unit.gathered + unit.copy_in + unit.reduce
+    if unit.single_rank:
+        scattering = 2 * unit.reduce + (0 if output_counted else unit.sharded_grads)
+    else:
+        scattering = (1 if unit.releasing else 2) * unit.reduce + (0 if output_counted else unit.sharded_grads)
+    return max(copying, scattering)
+
+
 def _scatter_row(units: list[FSDPUnit], output_counted: bool = False) -> BoundTerm:
-    """The largest reduce-scatter among ``units``: its unsharded gradient (param dtype), FSDP2's copy-in temporary
-    (the gradients concatenated in their dtype before the cast, when the reduce dtype differs), the reduce-dtype input
-    buffer, the copy gloo's reduce_scatter makes of that input (ProcessGroupGloo; seen under torch's profiler; none
-    through boundpass.gloo_reduce_scatter), and the sharded output (unless a gradients row counts it)."""
-    cost = lambda u: (u.gathered + u.copy_in + (1 if u.releasing else 2) * u.reduce  # noqa: E731
-                      + (0 if output_counted else u.sharded_grads))
-    widest = max(units, key=cost, default=None)
-    nbytes = cost(widest) if widest is not None else 0
+    """The largest reduce-scatter among ``units`` (``_scatter_cost``)."""
+    widest = max(units, key=lambda u: _scatter_cost(u, output_counted), default=None)
+    nbytes = _scatter_cost(widest, output_counted) if widest is not None else 0
     return BoundTerm(f"FSDP2 gradient reduce-scatter of the largest unit ({widest.path if widest else '-'})",
                      sympy.Integer(nbytes), nbytes, kind="transient", knob=SHARD)
 

@@ -308,11 +308,10 @@ class BoundpassTrainer(Trainer):
         states = getattr(self.checkpointer, "states", None)
         if isinstance(states, dict) and DATALOADER in states:
             states[DATALOADER] = self.dataloader
-        from boundpass.gloo_reduce_scatter import install_releasing_reduce_scatter
-        # gloo's reduce_scatter keeps clones of its input alive on its worker threads (timing dependent; measured: the
-        # embedding's 32 MiB clone at the step's peak, which the composed budget does not count): one whose buffers
-        # die with the call, as the per-block path installs (bitwise the same gradients)
-        self.mop_released = install_releasing_reduce_scatter(model)
+        # finish_mop put FSDP2's gloo reduce-scatters on boundpass.gloo_reduce_scatter (measured here without it: the
+        # embedding's 32 MiB clone held by a gloo worker thread at the step's peak, which the composed budget does not
+        # count)
+        self.mop_released = self.mop_state.released
         if self.mop_offload:
             self._offload_optimizer_under_mop(config.boundpass)
         state = self.mop_state

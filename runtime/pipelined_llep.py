@@ -737,7 +737,7 @@ def _expert_bytes():
 
 
 def pipelined_llep_bound(*, mixed_precision: bool, narrow_compute: bool = False,
-                         count_own_weights: bool = True, overlap: bool = True) -> sympy.Expr:
+                         count_own_weights: bool = True, overlap: bool = True, part: str = "peak") -> sympy.Expr:
     """Peak device bytes of one PipelinedLLEP forward + backward on a rank, from launch configuration only.
 
     Symbols: N (token ceiling per rank), H, I, E, E_p, k, c (tokens per source per chunk), s_b (borrowed
@@ -753,7 +753,12 @@ def pipelined_llep_bound(*, mixed_precision: bool, narrow_compute: bool = False,
     fp32 model): one expert's cast weights and a block's cast rows / product are added (at b, an upper bound).
     ``count_own_weights=False``: leave out this rank's own expert weights and their gradients (the compiler's
     table already counts them as parameters and gradients); borrowed slots stay in.
+    ``part``: "peak" (the larger of the two), "forward" (the forward op alone: what a graph walk charges at the
+    forward node, e.g. a checkpointed block's recompute, where the backward's gradients do not exist yet) or
+    "backward" (the backward op alone).
     """
+    if part not in ("peak", "forward", "backward"):
+        raise ValueError(f"part must be 'peak', 'forward' or 'backward', got {part!r}")
     N, H, I, E, E_p, k, c, s_b = sym.N, sym.H, sym.I, sym.E, sym.E_p, sym.k, sym.c, sym.s_b
     b, b_acc, b_idx = sym.b, sym.b_acc, sym.b_idx
     cast = 1 if mixed_precision else 0
@@ -786,6 +791,8 @@ def pipelined_llep_bound(*, mixed_precision: bool, narrow_compute: bool = False,
     bwd_loop = bwd_pools + sym.max_kept(2 * positions, positions + block_bwd, combine_bwd)
     grads = N * H * b + N * k * b + weights  # dx, dscores, dw (own + borrowed slots)
     bwd = inputs + plan + 2 * N * H * b + grads + sym.max_kept(bwd_loop, _expert_bytes())
+    if part != "peak":
+        return fwd if part == "forward" else bwd
     # no Max here has an argument another dominates: built unevaluated (sym.max_kept; ~0.4 s of evaluation
     # otherwise)
     return sym.max_kept(fwd, bwd)

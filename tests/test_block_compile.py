@@ -186,7 +186,7 @@ def test_per_block_compile_at_ep2_fsdp2(tmp_path, assets):
         _sound_and_tight(result["peaks"], certified[0])
 
 
-def _sound_and_tight(peaks, certified) -> None:
+def _sound_and_tight(peaks, certified, tight: float = 1.10) -> None:
     """Every steady step (step >= 2) at most the certified peak, which is at most 1.10x the worst of them. The
     reduce-scatter goes through boundpass.gloo_reduce_scatter (no gloo clone left to a worker thread's timing),
     so the steady steps measure the same within a few KiB (measured: 1.035-1.037x at 2 ranks, 1.040-1.042x at
@@ -195,16 +195,16 @@ def _sound_and_tight(peaks, certified) -> None:
     print(f"certified {certified} B, steady steps {min(steady, default=0)}..{max(steady, default=0)} B, "
           f"certified / worst {certified / max(steady, default=1):.4f}")
     assert steady and max(steady) <= certified, (peaks, certified)
-    assert certified <= 1.10 * max(steady), (peaks, certified)
+    assert certified <= tight * max(steady), (peaks, certified)
 
 
-def _bound_run(rank, world, tmp, assets, ac=()):
+def _bound_run(rank, world, tmp, assets, ac=(), config="deepseek_v3_debug_ep2", top_k=3):
     os.environ["BOUNDPASS_ASSETS"] = assets
     from boundpass.recipes.train import build_in_process
     from boundpass.testing.routing import route_all_to
     # ac last: a tyro subcommand (activation-checkpoint:...) takes every argument after it
-    trainer = build_in_process(["--module", "boundpass.recipes", "--config", "deepseek_v3_debug_ep2", *SHORT,
-                                "--training.steps", "3", "--dump_folder", f"{tmp}/bp{world}", "--compile.enable",
+    trainer = build_in_process(["--module", "boundpass.recipes", "--config", config, *SHORT,
+                                "--training.steps", "3", "--dump_folder", f"{tmp}/bp{world}{config}", "--compile.enable",
                                 "--compile.backend", "aot_eager", "--boundpass.budget", "2GiB",
                                 "--boundpass.measure_peak", *ac])
     certified = []
@@ -214,7 +214,7 @@ def _bound_run(rank, world, tmp, assets, ac=()):
         out = step(data_iterator)
         certified.append(trainer.certified_peak())
         if trainer.step == 2:  # step 3: every token picks experts 0..k-1, all on EP rank 0
-            route_all_to(trainer.model_parts[0], range(3))
+            route_all_to(trainer.model_parts[0], range(top_k))
         return out
     _train_with(trainer, train_step)
     return {"peaks": trainer.peaks, "certified": certified, "summary": trainer.summary(),
@@ -222,22 +222,38 @@ def _bound_run(rank, world, tmp, assets, ac=()):
             "ac": type(trainer.config.activation_checkpoint).__qualname__, "runs": list(trainer.blocks.runs)}
 
 
+def _bound_runs(rank, world, tmp, assets, ac):
+    """deepseek_v3 debug, then qwen3 MoE debug cut to 3 blocks, in one launch (a 4-rank launch costs ~8 s of
+    process start and imports), each trainer closed before the next."""
+    return (_bound_run(rank, world, tmp, assets, ac),
+            _bound_run(rank, world, tmp, assets, ac, config="qwen3_moe_debug_ep2_3blocks", top_k=8))
+
+
 @pytest.mark.torchtitan
 @pytest.mark.distributed
 def test_per_block_bound_both_ways_on_4_ranks(tmp_path, assets):
-    """deepseek_v3 debug on 4 gloo ranks (FSDP2 over 4, EP = 2), every block checkpointed (torchtitan's FullAC; the
-    2-rank tests here run its SelectiveAC), per-block compile: every steady step's measured peak (torch's allocator)
-    within [certified / 1.10, certified], the certificate unmoved by all-to-one routing. The reduce-scatters are
-    phases of their own (one per block graph, the head's, the tail)."""
-    results = run_on_ranks(_bound_run, 4, str(tmp_path), assets, ("activation-checkpoint:full",), timeout_s=900)
-    for result in results:
-        assert result["ac"] == "FullAC.Config", result["ac"]
+    """deepseek_v3 debug and qwen3 MoE debug (3 blocks) on 4 gloo ranks (FSDP2 over 4, EP = 2), every block
+    checkpointed (torchtitan's FullAC; the 2-rank tests here run its SelectiveAC), per-block compile: every steady
+    step's measured peak (torch's allocator) within [certified / 1.10, certified] (qwen3: / 1.20), the certificate
+    unmoved by all-to-one routing. The reduce-scatters are phases of their own (one per block graph, the head's, the
+    tail)."""
+    results = run_on_ranks(_bound_runs, 4, str(tmp_path), assets, ("activation-checkpoint:full",), timeout_s=900)
+    for result, qwen3 in results:
+        assert result["ac"] == qwen3["ac"] == "FullAC.Config", (result["ac"], qwen3["ac"])
         # every MoE block's dispatch through the pass under the checkpoint: one graph serves blocks 1..5
         assert result["runs"] == [0, 1, 1, 1, 1, 1] and result["summary"].count("REWRITTEN dispatch") == 1, \
             result["summary"]
-        assert len(set(result["certified"])) == 1, f"the certified peak moved with the routing: {result['certified']}"
+        assert qwen3["runs"] == [0, 0, 0] and qwen3["summary"].count("REWRITTEN dispatch") == 1, qwen3["summary"]
+        for run in (result, qwen3):
+            assert len(set(run["certified"])) == 1, f"the certified peak moved with the routing: {run['certified']}"
         assert result["phases"] == 2 + 1 + 1, result["summary"]  # 2 block graphs' reduce-scatters, head's, tail
         _sound_and_tight(result["peaks"], result["certified"][0])
+        # qwen3 (64 experts, 32 per EP rank): measured 1.188-1.192x, over the 1.10 target (open, docs/recipe.md).
+        # The binding table is the block graph's, whose PipelinedLLEP bound counts LLEP's borrowed-expert slots for
+        # any routing (s_b = 32 experts' weights and gradients, 72 MiB) beside 3x the 39 MiB expert + attention
+        # units; every measured step peaks in the experts' reduce-scatter instead, under all-to-one routing too
+        # (and with all 32 of EP rank 0's experts hot: the same peaks)
+        _sound_and_tight(qwen3["peaks"], qwen3["certified"][0], tight=1.20)
 
 
 def _sco_run(rank, world, tmp, assets, sco, tag="", extra=(), steps=3, measure=True):

@@ -17,7 +17,6 @@ GroupedExperts runs the expert matmuls in bf16, so each rank's partial expert-we
 these worst figures. (Until 2026-12-03 it ran 5 steps: ~3e-6 and ~2e-3 then.) A wrong position, head, shard or expert placement
 gives O(1) differences.
 """
-import contextlib
 
 import pytest
 import torch
@@ -70,7 +69,8 @@ def _train(rank, world, ep, ops=False, skew=False, built=None):
 
     Under the layout every block is checkpointed (torchtitan's FullAC, recompute is the same arithmetic) and
     the last step runs under a LiveStorageTracker that counts this rank's parameter shards, optimizer state
-    and buffers from the start: facts["peak"] is the rank's measured peak of one whole training step.
+    and buffers from the start: facts["peak"] is the rank's measured peak of one whole training step; the step before
+    it is measured at torch's allocator the same way (facts["allocator_peak"]).
 
     built: another layout's (model, its initial parameters and buffers, facts, loss) with the same operators: its
     weights and buffers are put back to the initial ones and this run trains that model again (its compiled block
@@ -111,6 +111,7 @@ def _steps(rank, world, model, facts, loss_fn):
     import torch.distributed as dist
     from boundpass.memtrack import LiveStorageTracker
     from boundpass.recipes.mop import shard_batch
+    from boundpass.testing.whole_step import allocator_peak_of
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
@@ -118,17 +119,31 @@ def _steps(rank, world, model, facts, loss_fn):
         positions = None
         if world > 1:
             tokens, labels, positions = shard_batch(tokens, labels, rank, world)
-        measure = world > 1 and step == STEPS - 1
-        with LiveStorageTracker() if measure else contextlib.nullcontext() as tracker:
-            if measure:  # persistent state counted from the start
-                state = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
-                tracker.track_existing(*map(_local, [*model.parameters(), *model.buffers(), *state]))
+
+        def one_step():
             loss, _ = loss_fn(model(tokens, positions=positions), labels, torch.tensor(BATCH * SEQ))
             loss.backward()
             opt.step()
             opt.zero_grad()
-        if measure:
-            facts["peak"] = tracker.peak_bytes()
+            return loss
+
+        if world > 1 and step >= STEPS - 2:
+            # the persistent state counted from the start. Step STEPS-1: torch's allocator, what C++ allocates
+            # included (kernel workspaces, collective buffers); step STEPS: the live storages of tensors
+            # (LiveStorageTracker), which the budget is asserted against here (the allocator's figure is printed:
+            # docs/mop.md, "Measured at torch's allocator")
+            state = [*model.parameters(), *model.buffers(), *(
+                t for st in opt.state.values() for t in st.values() if torch.is_tensor(t))]
+            if step == STEPS - 2:
+                loss, facts["allocator_peak"] = allocator_peak_of(one_step, state)
+            else:
+                with LiveStorageTracker() as tracker:
+                    tracker.track_existing(*map(_local, state))
+                    del state
+                    loss = one_step()
+                facts["peak"] = tracker.peak_bytes()
+        else:
+            loss = one_step()
         total = loss.detach().clone()
         if world > 1:
             dist.all_reduce(total)  # each rank's loss is its tokens' share of the global mean
@@ -146,8 +161,13 @@ def _dispatch_facts(model) -> dict:
     graphs torchtitan's per-block compile handed it, whether any module's forward was replaced (it must not be: the
     op comes from the pass), how many block graphs the backend compiled, and the head step's vocab region."""
     from torchtitan.models.common.moe import RoutedExperts
+
+    from boundpass.gloo_reduce_scatter import fsdp_param_groups, uses_releasing_reduce_scatter
     backend, head = model._mop.dispatch_backend, model._mop.head_backend
+    groups = [g for _, g in fsdp_param_groups(model)]
     return dict(dispatch=list(model._mop.dispatch), graphs=backend.graphs if backend is not None else 0,
+                # the layout put every FSDP2 group's gloo reduce-scatter on the releasing one (what the budget counts)
+                releasing=(sum(map(uses_releasing_reduce_scatter, groups)), len(groups)),
                 # Ring-DTP from the vocab pass: the head step's gather + projection + loss rewritten (the backend
                 # refuses a graph where the weight's all-gather remains)
                 head_regions=[(r.rewritten, r.vocab) for r in head.regions] if head is not None else [],
@@ -203,6 +223,7 @@ def test_layout_is_what_it_says(runs, layout):
     facts = mop[0][2]
     assert facts["attention"] == {"SeqToHeadAttention"}
     assert facts["ep"] == 2 and facts["experts"] == 8  # 4 of 8 experts on each EP rank
+    assert facts["releasing"][0] == facts["releasing"][1] > 0, facts["releasing"]
     if LAYOUTS[layout]["ops"]:
         # through the pass: torchtitan's per-block compile handed the blocks' graphs to boundpass's dispatch backend
         # (the dense block 0 and the MoE blocks, which share one graph; FullAC's recompute is inside them)
@@ -216,8 +237,15 @@ def test_layout_is_what_it_says(runs, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_per_rank_peak_within_composed_budget(runs, layout):
-    """Measured per-rank peak of a training step (W = 4, E_p = 2) <= the composed budget of the layout."""
+    """Measured per-rank peak of a training step (W = 4, E_p = 2; live storages) <= the composed budget of the
+    layout. Printed beside it: torch's allocator peak of the step before, which exceeds the budget by up to 8.8% on EP
+    rank 0 under all-to-one routing at these 16 tokens per rank (open: docs/mop.md); bench/mop.py checks the budget
+    against the allocator at length, both ways."""
     _, mop = runs[layout]
+    print(f"{layout}: live storages / composed budget per rank "
+          + ", ".join(f"{facts['peak'] / facts['bound']:.3f}" for _, _, facts in mop)
+          + "; torch's allocator / composed budget "
+          + ", ".join(f"{facts['allocator_peak'] / facts['bound']:.3f}" for _, _, facts in mop))
     for rank, (_, _, facts) in enumerate(mop):
         assert 0 < facts["peak"] <= facts["bound"], f"rank {rank}: peak {facts['peak']} B > bound {facts['bound']} B"
 

@@ -426,7 +426,11 @@ def _rewrite_one(gm, key, module, nodes) -> DispatchRegion:
 
 # ------------------------------------------------------------------------------- step-peak workspace
 def pipelined_llep_peak(node: fx.Node, ctx: dict):
-    """PipelinedLLEP's whole bound (inputs, own experts, outputs, workspace) at one fwd/bwd node; cap c symbolic."""
+    """PipelinedLLEP's bound (inputs, own experts, outputs, workspace) of the op at this node, its forward's at the
+    forward node and its backward's at the backward node (the walk subtracts the node's own inputs and outputs);
+    cap c symbolic. Charging the backward's bound at the forward node counted, in a checkpointed block's recompute,
+    the expert-weight gradients and input gradients the backward has not made yet (qwen3 debug at 4 ranks: the
+    block graph's peak was the recompute's forward node, 135 MiB)."""
     from boundpass import symbols as sym
     from boundpass.runtime.pipelined_llep import _Group, bound_values, pipelined_llep_bound
     from boundpass.step_peak import as_expr
@@ -444,7 +448,7 @@ def pipelined_llep_peak(node: fx.Node, ctx: dict):
     values.pop(sym.R)
     mixed = torch.promote_types(x_val.dtype, torch.float32) != x_val.dtype
     bound = _cached_bound(pipelined_llep_bound, mixed_precision=mixed, narrow_compute=compute_dtype != x_val.dtype,
-                          count_own_weights=True)
+                          count_own_weights=True, part="forward" if forward else "backward")
     return _cached_xreplace(bound, tuple(sorted(values.items(), key=lambda kv: kv[0].name)))
 
 
