@@ -66,6 +66,19 @@ def test_saved_tensors_move_before_opaque_objects():
     assert not saved_tensors_before_opaque(fw, bw, num_fwd_outputs=1)
 
 
+def test_fsdp2_copy_in_temporary_is_the_largest_gradient():
+    """What ``block_compile.FSDPUnit.copy_in`` counts: FSDP2 copies bf16 gradients into its fp32 reduce-scatter input
+    with ``torch._chunk_cat``, which converts one gradient at a time, so the temporary is the largest gradient (in
+    its dtype), not their sum (measured under torch's allocator)."""
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (registers fsdp::chunk_cat)
+    from boundpass.testing.whole_step import allocator_peak_of
+    grads = [torch.randn(s).to(torch.bfloat16) for s in ((4, 96, 64), (32, 96, 64), (8, 96, 64))]
+    out = torch.empty(sum(g.numel() for g in grads), dtype=torch.float32).view(2, -1)
+    _, peak = allocator_peak_of(lambda: torch.ops.fsdp.chunk_cat(grads, 0, 2, out=out), [])
+    largest = max(g.numel() * g.element_size() for g in grads)
+    assert largest <= peak < largest + sum(g.numel() * g.element_size() for g in grads[:1]), (peak, largest)
+
+
 def test_layouts_it_does_not_know_are_refused():
     fw, bw = _pair()
     bw.graph.find_nodes(op="placeholder")[2].name = "tangents_0"  # the RNG state no longer among the saved inputs

@@ -257,3 +257,9 @@ def test_rss_child_failure_and_timeout_raise_clearly():
         rss_peak_in_subprocess("x = 1\n")
     with pytest.raises(MeasurementError, match="timed out"):
         rss_peak_in_subprocess("import time\ndef measured(state):\n    time.sleep(60)\n", timeout=1)
+
+
+def test_allocator_peak_of_an_empty_state_counts_what_the_function_allocates():
+    from boundpass.testing.whole_step import allocator_peak_of
+    out, peak = allocator_peak_of(lambda: torch.ones(1 << 20), [])  # 4 MiB, nothing live before
+    assert out.numel() == 1 << 20 and peak >= 4 << 20, peak

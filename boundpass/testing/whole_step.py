@@ -73,7 +73,7 @@ def allocator_peak_of(fn, state, *, breakdown: dict | None = None) -> tuple[obje
     bytes)] of the allocations live at the peak, largest first). ``BOUNDPASS_PEAK_DEBUG=1`` prints the same."""
     from torch._C._profiler import _ExtraFields_Allocation
     from torch.profiler import ProfilerActivity, profile
-    live_at_start = {}
+    live_at_start, t, storage = {}, None, None  # (named here: an empty state is allowed)
     for t in state:
         t = getattr(t, "_local_tensor", t)
         storage = t.untyped_storage()
