@@ -24,9 +24,9 @@ Sections:
 Writes docs/results/e2e.json and e2e.md (curve, reach).
 
     python bench/e2e.py [--quick] [--sections curve,reach,blocks] [--budget 900MiB,1GiB,2GiB] [--max-seq 8192]
-    # the published reach grid (2026-12-02):
-    python bench/e2e.py --sections reach --budget 900MiB,1GiB,2GiB --bp-budgets 900MiB,1GiB --start 256 \
-        --bp-start 900MiB:4096,1GiB:6144 --max-seq 8192 --bisect
+    # the published reach grid (2026-12-03; --reach-reuse a runs file to render it again without running):
+    python bench/e2e.py --sections reach --budget 900MiB,1GiB --start 512 --bp-start 900MiB:8192,1GiB:8192 \
+        --max-seq 16384 --bisect --reach-notes NOTES.md
 """
 from __future__ import annotations
 
