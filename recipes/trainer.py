@@ -308,10 +308,6 @@ class BoundpassTrainer(Trainer):
         states = getattr(self.checkpointer, "states", None)
         if isinstance(states, dict) and DATALOADER in states:
             states[DATALOADER] = self.dataloader
-        # finish_mop put FSDP2's gloo reduce-scatters on boundpass.gloo_reduce_scatter (measured here without it: the
-        # embedding's 32 MiB clone held by a gloo worker thread at the step's peak, which the composed budget does not
-        # count)
-        self.mop_released = self.mop_state.released
         if self.mop_offload:
             self._offload_optimizer_under_mop(config.boundpass)
         state = self.mop_state
@@ -327,7 +323,9 @@ class BoundpassTrainer(Trainer):
                     f"{dispatch}, "
                     f"head={'Ring-DTP from the vocab pass (the head step compiles at step 1)' if state.options.ring_dtp else 'FSDP2 lm_head'}"
                     f", optimizer {'OffloadStreamAdamW (host state)' if self.mop_offload else 'on the device'}"
-                    f"; boundpass.compile off" + (f"; composed budget {format_bytes(self.mop_budget.total)} of "
+                    + (f", {state.released} FSDP2 group(s) reduce-scatter through boundpass.gloo_reduce_scatter"
+                       if state.released else "")
+                    + "; boundpass.compile off" + (f"; composed budget {format_bytes(self.mop_budget.total)} of "
                                                    f"{config.boundpass.budget}" if self.mop_budget else ""))
 
     def _offload_optimizer_under_mop(self, bp: BoundpassConfig) -> None:

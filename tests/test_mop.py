@@ -132,14 +132,14 @@ def _steps(rank, world, model, facts, loss_fn):
             # included (kernel workspaces, collective buffers); step STEPS: the live storages of tensors
             # (LiveStorageTracker), which the budget is asserted against here (the allocator's figure is printed:
             # docs/mop.md, "Measured at torch's allocator")
-            state = [*model.parameters(), *model.buffers(), *(
-                t for st in opt.state.values() for t in st.values() if torch.is_tensor(t))]
+            def state():
+                return [*model.parameters(), *model.buffers(), *(
+                    t for st in opt.state.values() for t in st.values() if torch.is_tensor(t))]
             if step == STEPS - 2:
-                loss, facts["allocator_peak"] = allocator_peak_of(one_step, state)
+                loss, facts["allocator_peak"] = allocator_peak_of(one_step, state())  # the list not held here
             else:
                 with LiveStorageTracker() as tracker:
-                    tracker.track_existing(*map(_local, state))
-                    del state
+                    tracker.track_existing(*map(_local, state()))
                     loss = one_step()
                 facts["peak"] = tracker.peak_bytes()
         else:
