@@ -16,7 +16,7 @@ The budget each block graph is checked against is the whole step's, composed fro
 - FSDP2's parameter units: the unit of the block running, unsharded, and the next unit prefetched, each held
   twice while it is copied out of the all-gather buffer (``fsdp_units``); units that are not resharded after
   forward (torchtitan's last unit) stay gathered through the step.
-- the reduce-scatter of one unit's gradients. With every unit on ``boundpass.gloo_reduce_scatter`` (the recipe
+- the reduce-scatter of one unit's gradients. With every unit on ``boundpass.gloo_release`` (the recipe
   installs it on gloo: synchronous, its buffers freed in the call) each reduce-scatter runs between two graphs
   and is a phase of its own (``sync_reduce``: ``reduce_tables`` per block graph, ``head_reduce``, the tail), with
   what FSDP2 holds then: the block's other units, the next module's prefetched all-gather buffer, and the unit's
@@ -54,7 +54,7 @@ class FSDPUnit:
     reduce: int          # the unsharded gradients in FSDP2's reduce dtype (the reduce-scatter input)
     sharded_grads: int   # the gradients it leaves on this rank (its parameters' local shards)
     resharded: bool      # freed after forward (False: held from forward to backward)
-    releasing: bool = False  # reduce-scatters through boundpass.gloo_reduce_scatter (no gloo clone, none held)
+    releasing: bool = False  # reduce-scatters through boundpass.gloo_release (no gloo clone, none held)
     copy_in: int = 0     # FSDP2's copy-in temporary when the reduce dtype differs: torch._chunk_cat into the fp32
                          # reduce buffer from bf16 gradients converts one gradient at a time (measured: three 12 MiB
                          # bf16 gradients -> a 12 MiB temporary, not 36), so the largest gradient in its own dtype
@@ -69,7 +69,7 @@ class FSDPUnit:
 
 def fsdp_units(model: nn.Module) -> list[FSDPUnit]:
     """The FSDP2 units of ``model`` (empty when it is not FSDP2-wrapped)."""
-    from boundpass.gloo_reduce_scatter import fsdp_param_groups
+    from boundpass.gloo_release import fsdp_param_groups
     out, seen = [], {}
     for name, group in fsdp_param_groups(model):
         if id(group) in seen:
@@ -102,7 +102,7 @@ def _unit(path: str, group) -> FSDPUnit:
             sharded += local.numel() * local.element_size()
     import torch.distributed as dist
 
-    from boundpass.gloo_reduce_scatter import uses_releasing_reduce_scatter
+    from boundpass.gloo_release import uses_releasing_reduce_scatter
     nccl = dist.get_backend(group.mesh_info.shard_process_group) == "nccl"
     return FSDPUnit(path, gathered, reduce, sharded, group.post_forward_mesh_info is not None,
                     releasing=uses_releasing_reduce_scatter(group), copy_in=copy_in, single_rank=single, nccl=nccl)
@@ -224,7 +224,7 @@ class CompiledBlocks(BoundedModule):
     # --------------------------------------------------------------------------------------- composition
     @property
     def sync_reduce(self) -> bool:
-        """Every FSDP2 unit reduce-scatters through boundpass.gloo_reduce_scatter: synchronously, between two graphs,
+        """Every FSDP2 unit reduce-scatters through boundpass.gloo_release: synchronously, between two graphs,
         its buffers freed in the call. Then a reduce-scatter never overlaps a graph's workspace, and each block's
         (and the head's) is a phase of its own. Otherwise (NCCL: FSDP2's reduce-scatter stream runs beside the next
         block's backward; stock gloo: copies held by worker threads) it is counted inside every graph's table."""
@@ -293,7 +293,7 @@ class CompiledBlocks(BoundedModule):
         collective; measured on 2 ranks: up to two such copies of earlier reduce-scatters still live at a later one
         (timing-dependent). Counted as the two largest units' reduce buffers (NCCL makes no copy: a GPU run
         measures 0 here and the row could go; bench/gpu_check.sh). A unit that reduce-scatters through
-        boundpass.gloo_reduce_scatter (the recipe installs it on gloo) makes no copy and leaves none held."""
+        boundpass.gloo_release (the recipe installs it on gloo) makes no copy and leaves none held."""
         sizes = sorted((u.reduce for u in self.units if not (u.releasing or u.single_rank)), reverse=True)[:2]
         if not sizes:
             return []
@@ -506,7 +506,7 @@ def _scatter_cost(unit: FSDPUnit, output_counted: bool = False) -> int:
     """Peak bytes of one unit's reduce-scatter, in FSDP2's order (``foreach_reduce``): first its unsharded gradients
     (param dtype), the reduce-dtype input buffer and the copy-in temporary while the gradients are copied in; then
     the gradients are dropped (``unsharded_grads.clear()``) before the sharded output is allocated, so the second
-    part is the input, gloo's clone of it (ProcessGroupGloo; none through boundpass.gloo_reduce_scatter) and the
+    part is the input, gloo's clone of it (ProcessGroupGloo; none through boundpass.gloo_release) and the
     output (unless a gradients row counts it). Measured (qwen3 debug experts, 4 ranks): gradients 36 MiB + input
     72 MiB + a 12 MiB temporary at the peak, no output. A one-rank shard group (EP = 2 on 2 ranks: the experts)
     makes no collective: FSDP2 copies ``input / gradient_divide_factor`` into the output, a temporary as large as

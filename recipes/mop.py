@@ -78,7 +78,7 @@ class MoPState:
     lm_head: torch.nn.Module | None = None
     dispatch_backend: object = None  # the per-block compile backend giving PipelinedLLEP (DispatchBlocks), if on
     head_backend: object = None      # the head step's backend giving Ring-DTP (RingDTPHeadBackend), set by mop_loss
-    released: int = 0                # FSDP2 groups reduce-scattering through boundpass.gloo_reduce_scatter
+    released: int = 0                # FSDP2 groups on boundpass.gloo_release's collectives
 
     @property
     def dispatch(self) -> list[str]:
@@ -270,12 +270,14 @@ def finish_mop(model: torch.nn.Module, dims, state: MoPState) -> None:
     if state.lm_head is not None:
         model.lm_head = _shard_lm_head(state.lm_head, dims.get_mesh("fsdp"))
         state.lm_head = None
-    from boundpass.gloo_reduce_scatter import install_releasing_reduce_scatter
-    # gloo's reduce_scatter clones its input and a worker thread keeps the clone alive past the call (timing
-    # dependent): measured at torch's allocator on 4 ranks (bench/mop.py, L = 2,048, fp32), 266 MiB against a
-    # composed budget of 252 MiB, which counts one reduce-scatter input and no clone. The layout installs the
-    # reduce-scatter whose buffers die with the call (bitwise the same gradients; gloo groups only): 231-250 MiB.
-    state.released = install_releasing_reduce_scatter(model)
+    from boundpass.gloo_release import install_releasing_collectives
+    # a gloo worker thread keeps a finished collective's buffers alive until it is next scheduled (timing dependent):
+    # the reduce-scatter's clone of its input (measured at torch's allocator on 4 ranks, bench/mop.py, L = 2,048,
+    # fp32: 266 MiB against a composed budget of 252 MiB, which counts one reduce-scatter input and no clone) and
+    # each unit's all-gather output after its copy-out (test_mop's shape with the CPU busy: up to 1.080x the budget in 12
+    # of 96 steps). The layout installs the collectives whose buffers die when FSDP2 is done with them (bitwise the
+    # same values; gloo groups only): boundpass/gloo_release.py.
+    state.released = install_releasing_collectives(model)
 
 
 def parallelize_mop(model: torch.nn.Module, cfg, *, world: int, ac_config=None, sequence_to_head: bool = True,

@@ -222,10 +222,11 @@ class BoundpassTrainer(Trainer):
         plan = self.bounded.optimizer_plan
         if self.block_backend is not None:
             from boundpass.block_compile import CompiledBlocks
-            from boundpass.gloo_reduce_scatter import install_releasing_reduce_scatter
-            # gloo's reduce-scatter keeps clones alive on its worker threads (timing dependent): replace it with
-            # one whose buffers die with the call, so the step's peak is the one the composition counts
-            released = install_releasing_reduce_scatter(model) if self.fsdp_wrapped else 0
+            from boundpass.gloo_release import install_releasing_collectives
+            # gloo's worker threads keep finished collectives' buffers alive (timing dependent): the reduce-scatter's
+            # clone and the all-gather's output are freed when FSDP2 is done with them instead (boundpass/gloo_release.py),
+            # so the step's peak is the one the composition counts
+            released = install_releasing_collectives(model) if self.fsdp_wrapped else 0
             self.blocks = CompiledBlocks(
                 model, list(model.layers.values()), dataclasses.replace(self.bounded.config, inner=self.block_inner),
                 state_terms=self.bounded.state_terms, optimizer_plan=plan)
@@ -234,8 +235,8 @@ class BoundpassTrainer(Trainer):
             self.bounded.trunk = self.blocks  # the head runs with every block's saved tensors held
             logger.info(f"[boundpass] blocks: {self.block_compile_note}; {self.blocks.num_blocks} blocks, "
                         f"{len(self.blocks.units)} FSDP2 units"
-                        + (f"; {released} FSDP2 group(s) reduce-scatter through boundpass.gloo_reduce_scatter "
-                           f"(gloo: no clone held by its worker threads)" if released else ""))
+                        + (f"; {released} FSDP2 group(s) on boundpass.gloo_release's collectives "
+                           f"(gloo: no buffer left to its worker threads)" if released else ""))
         if plan is not None and list(self.optimizers.optimizers) != before:
             self._repoint_at_swapped_optimizers()
         self.metrics_processor.optimizers = self.optimizers
@@ -323,7 +324,7 @@ class BoundpassTrainer(Trainer):
                     f"{dispatch}, "
                     f"head={'Ring-DTP from the vocab pass (the head step compiles at step 1)' if state.options.ring_dtp else 'FSDP2 lm_head'}"
                     f", optimizer {'OffloadStreamAdamW (host state)' if self.mop_offload else 'on the device'}"
-                    + (f", {state.released} FSDP2 group(s) reduce-scatter through boundpass.gloo_reduce_scatter"
+                    + (f", {state.released} FSDP2 group(s) on boundpass.gloo_release's collectives"
                        if state.released else "")
                     + "; boundpass.compile off" + (f"; composed budget {format_bytes(self.mop_budget.total)} of "
                                                    f"{config.boundpass.budget}" if self.mop_budget else ""))

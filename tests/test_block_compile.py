@@ -201,7 +201,7 @@ def test_per_block_compile_at_ep2_fsdp2(tmp_path, assets):
 
 def _sound_and_tight(peaks, certified, tight: float = 1.10) -> None:
     """Every steady step (step >= 2) at most the certified peak, which is at most 1.10x the worst of them. The
-    reduce-scatter goes through boundpass.gloo_reduce_scatter (no gloo clone left to a worker thread's timing),
+    reduce-scatter goes through boundpass.gloo_release (no gloo clone left to a worker thread's timing),
     so the steady steps measure the same within a few KiB (measured: 1.035-1.037x at 2 ranks, 1.040-1.042x at
     4; docs/recipe.md)."""
     steady = [peak for step, peak in peaks if step >= 2]

@@ -162,7 +162,7 @@ def _dispatch_facts(model) -> dict:
     op comes from the pass), how many block graphs the backend compiled, and the head step's vocab region."""
     from torchtitan.models.common.moe import RoutedExperts
 
-    from boundpass.gloo_reduce_scatter import fsdp_param_groups, uses_releasing_reduce_scatter
+    from boundpass.gloo_release import fsdp_param_groups, uses_releasing_reduce_scatter
     backend, head = model._mop.dispatch_backend, model._mop.head_backend
     groups = [g for _, g in fsdp_param_groups(model)]
     return dict(dispatch=list(model._mop.dispatch), graphs=backend.graphs if backend is not None else 0,

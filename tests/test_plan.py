@@ -36,7 +36,7 @@ ONE_RANK_CASES = [(1, 1024, 2048, "full logits"), (2, 512, 2048, "full logits"),
 # (world, E_p, batch, sequence, vocab, blocks kept: None = the whole 6-block debug model)
 MOP_CASES = {"W2-Ep2-3blocks": (2, 2, 2, 256, 2048, LAYERS), "W4-Ep2-6blocks": (4, 2, 1, 512, 2048, None)}
 # The MoP layout, measured at torch's allocator since 2026-12-03 (the layout now reduce-scatters through
-# boundpass.gloo_reduce_scatter: no gloo clone, which a live-storage tracker used to count): 1.068-1.073x on 2 gloo
+# boundpass.gloo_release: no gloo clone, which a live-storage tracker used to count): 1.068-1.073x on 2 gloo
 # ranks, 1.062-1.069x on 4. Traced block terms, live storages (2026-12-01): 1.095x on 2 gloo ranks, 1.069x on 4.
 # Hand-written terms before:
 # 1.086x its measured peak on 2 gloo ranks (1.074x on a run where gloo still held an exchange

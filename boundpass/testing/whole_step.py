@@ -66,10 +66,12 @@ def allocator_peak_of(fn, state, *, breakdown: dict | None = None) -> tuple[obje
     fn frees is freed) plus every other storage ``fn`` frees that was allocated
     before it (live when it started: e.g. buffers FSDP2 keeps from the previous step), plus the highest the
     allocations and frees of ``fn`` (``torch.profiler`` memory events, in time order) take the running sum above
-    them. Storages live throughout that neither ``state`` names nor ``fn`` frees are not seen.
+    them. Storages live throughout that neither ``state`` names nor ``fn`` frees are not seen. A free the profiler
+    missed (made on a thread it does not follow) is taken as happening when its address is next allocated.
 
     ``breakdown`` (a dict, filled when given): ``at_start`` (bytes of ``state``), ``earlier`` (bytes allocated before
-    fn, not in ``state``, freed by fn) and ``held`` ([(what allocated it: the profiler's event and its callers,
+    fn, not in ``state``, freed by fn), ``implied_frees`` (bytes freed on threads the profiler missed, seen by
+    their addresses being allocated again) and ``held`` ([(what allocated it: the profiler's event and its callers,
     bytes)] of the allocations live at the peak, largest first). ``BOUNDPASS_PEAK_DEBUG=1`` prints the same."""
     from torch._C._profiler import _ExtraFields_Allocation
     from torch.profiler import ProfilerActivity, profile
@@ -96,11 +98,23 @@ def allocator_peak_of(fn, state, *, breakdown: dict | None = None) -> tuple[obje
     events.sort(key=lambda e: e[0])
     at = 0
     made, earlier = set(), 0
+    # A free on a thread the profiler does not follow is missing from the events: gloo's worker threads drop the
+    # last reference to a finished collective's buffers (created before profiling, they have no profiler state).
+    # The allocator cannot hand out an address that is still in use, so a new allocation at an address we count as
+    # live proves the block there was freed: counted as freed at that moment, never earlier. The peak stays an upper
+    # bound on what was really held (a free not seen at all keeps its block counted to the end).
+    open_blocks, implied_frees = {}, 0
     for i, (_, size, ptr, _) in enumerate(events):  # size < 0: a free
         if size > 0:
             made.add(ptr)
-        elif ptr not in made and ptr not in live_at_start:
-            earlier -= size  # freed here, allocated before fn and not in ``state``: it was live when fn started
+            if ptr in open_blocks:
+                live -= open_blocks[ptr]
+                implied_frees += open_blocks[ptr]
+            open_blocks[ptr] = size
+        else:
+            if ptr not in made and ptr not in live_at_start:
+                earlier -= size  # freed here, allocated before fn and not in ``state``: it was live when fn started
+            open_blocks.pop(ptr, None)
         live += size
         if live > peak:
             peak, at = live, i
@@ -114,14 +128,14 @@ def allocator_peak_of(fn, state, *, breakdown: dict | None = None) -> tuple[obje
         by_op = {}
         for size, parent in held.values():
             by_op[parent] = by_op.get(parent, 0) + size
-        detail = dict(at_start=sum(live_at_start.values()), earlier=earlier,
+        detail = dict(at_start=sum(live_at_start.values()), earlier=earlier, implied_frees=implied_frees,
                       held=sorted(by_op.items(), key=lambda kv: -kv[1])[:25])
         if breakdown is not None:
             breakdown.update(detail)
         if os.environ.get("BOUNDPASS_PEAK_DEBUG"):
             freed_known = -sum(sz for _, sz, ptr, _ in events[:at + 1] if sz < 0 and ptr in live_at_start)
             print("PEAK_DEBUG", detail["at_start"], peak, "earlier", earlier, "freed_known", freed_known,
-                  detail["held"], flush=True)
+                  "implied_frees", implied_frees, detail["held"], flush=True)
     return out, sum(live_at_start.values()) + earlier + peak
 
 
