@@ -18,14 +18,13 @@ place on FSDP2's own reduce-scatter input (FSDP2 never reads it again: it only k
 which a CPU run does not have), this rank's chunk is copied into FSDP2's output, and the input's bytes are freed
 at once. Same all-reduce on the same data, so the gradients are bitwise the stock path's; no clone, and the late
 reference a worker thread keeps is to an empty storage. ``release_all_gather_outputs`` frees the bytes of each
-all-gather output at the moment FSDP2 drops it (after its copy-out; in forward, where FSDP2 keeps the output until
-the next unit's copy-out, then): nothing else reads it, so the parameters are the same, and again the late
-reference is to an empty storage.
+all-gather output right after its copy-out into the unsharded parameters: nothing reads it again, so the parameters
+are the same, and again the late reference is to an empty storage.
 
 ``install_releasing_collectives`` puts both on every FSDP2 group whose shard group runs on gloo (NCCL makes no
 copy, and its buffers follow the caching allocator's stream rules instead); the recipe and the MoP layout install
 them; ``boundpass.block_compile`` and the composed budget count one reduce-scatter input, no clone, and each
-all-gather output only until its copy-out.
+all-gather output until its copy-out.
 """
 from __future__ import annotations
 
@@ -71,46 +70,29 @@ def fsdp_param_groups(model: nn.Module):
 
 
 def release_all_gather_outputs(param_group) -> None:
-    """Free each all-gather output of this FSDP2 parameter group when FSDP2 drops it, whoever else still holds a
-    reference (gloo's worker thread). FSDP2 (torch 2.13, ``_fsdp_param_group.py``) drops a unit's output in its
-    ``wait_for_unshard``, after the copy-out, except in forward after a synchronous all-gather: there it keeps the
-    output in ``comm_ctx.all_gather_state`` until the next unit's ``wait_for_unshard`` or the root's post-forward
-    (``_fsdp_state.py``) drops it. So after the original call, the output it started with and the one
-    ``all_gather_state`` held are released unless ``all_gather_state`` holds them now; one still held is released by
-    ``_release_kept_output`` (a post-forward hook ``install_releasing_collectives`` puts on every FSDP2 module, run
-    after FSDP2's own). A one-rank group's "output" is a buffer FSDP2 keeps: never released."""
+    """Free each all-gather output of this FSDP2 parameter group once it has been copied out, whoever else still
+    holds a reference (gloo's worker thread). FSDP2 (torch 2.13, ``_fsdp_param_group.py``) is done with a unit's
+    output after the copy-out in its ``wait_for_unshard``: it drops it there, except in forward after a synchronous
+    all-gather, where it keeps it in ``comm_ctx.all_gather_state`` only so that a GPU's all-gather streams do not
+    reuse the memory while the copy-out may still run (``_wait_all_gather_streams_on_event``), until the next unit's
+    copy-out or the root's post-forward drops it. On CPU there are no streams: the output is released right after its
+    copy-out either way (the kept state then holds an empty storage). CPU outputs only; a one-rank group's "output"
+    is a buffer FSDP2 keeps and is never released."""
     if releases_all_gather_outputs(param_group):
         return
     original = param_group.wait_for_unshard
 
     def wait_for_unshard():
-        own = param_group._all_gather_result
-        ctx = param_group.comm_ctx
+        result = param_group._all_gather_result
         original()
-        for result in (own, getattr(ctx, "_boundpass_kept", None)):
-            if result is not None and result.all_gather_output is not param_group._all_gather_output:
-                _release_unless_kept(ctx, result)
-        state = ctx.all_gather_state
-        ctx._boundpass_kept = state.all_gather_result if state is not None else None
+        if result is None:
+            return
+        out = result.all_gather_output
+        if out is not param_group._all_gather_output and out.device.type == "cpu":
+            torch.ops.inductor.resize_storage_bytes_(out, 0)
 
     wait_for_unshard.releases_all_gather_outputs = True
     param_group.wait_for_unshard = wait_for_unshard  # the instance's: FSDP2's hooks call group.wait_for_unshard()
-
-
-def _release_unless_kept(ctx, result) -> None:
-    state = ctx.all_gather_state
-    if state is None or state.all_gather_result is not result:
-        torch.ops.inductor.resize_storage_bytes_(result.all_gather_output, 0)
-
-
-def _release_kept_output(module, *_) -> None:
-    """Post-forward hook: the output FSDP2 kept in ``all_gather_state`` is released once FSDP2 has dropped it."""
-    ctx = getattr(module._get_fsdp_state(), "_comm_ctx", None)
-    kept = getattr(ctx, "_boundpass_kept", None)
-    if kept is not None:
-        _release_unless_kept(ctx, kept)
-        if ctx.all_gather_state is None or ctx.all_gather_state.all_gather_result is not kept:
-            ctx._boundpass_kept = None
 
 
 def releases_all_gather_outputs(param_group) -> bool:
@@ -124,7 +106,6 @@ def install_releasing_collectives(model: nn.Module) -> int:
     group: ``FSDPModule.set_custom_reduce_scatter`` refuses modules with several groups (torchtitan's EP experts),
     because a mesh-specific comm would be ambiguous; this one uses the group it is called with, so it is right for
     each."""
-    from torch.distributed.fsdp import FSDPModule
     done = set()
     for _, group in fsdp_param_groups(model):
         shard_group = group.mesh_info.shard_process_group
@@ -134,11 +115,6 @@ def install_releasing_collectives(model: nn.Module) -> int:
         if shard_group.size() > 1:
             release_all_gather_outputs(group)
         done.add(id(group))
-    if done:
-        for module in model.modules():
-            if isinstance(module, FSDPModule) and not getattr(module, "_boundpass_release_hook", False):
-                module.register_forward_hook(_release_kept_output)  # after FSDP2's post-forward (registered first)
-                module._boundpass_release_hook = True
     return len(done)
 
 

@@ -130,8 +130,7 @@ def _steps(rank, world, model, facts, loss_fn):
         if world > 1 and step >= STEPS - 2:
             # the persistent state counted from the start. Step STEPS-1: torch's allocator, what C++ allocates
             # included (kernel workspaces, collective buffers); step STEPS: the live storages of tensors
-            # (LiveStorageTracker), which the budget is asserted against here (the allocator's figure is printed:
-            # docs/mop.md, "Measured at torch's allocator")
+            # (LiveStorageTracker); the budget is asserted against both
             def state():
                 return [*model.parameters(), *model.buffers(), *(
                     t for st in opt.state.values() for t in st.values() if torch.is_tensor(t))]
@@ -237,17 +236,21 @@ def test_layout_is_what_it_says(runs, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_per_rank_peak_within_composed_budget(runs, layout):
-    """Measured per-rank peak of a training step (W = 4, E_p = 2; live storages) <= the composed budget of the
-    layout. Printed beside it: torch's allocator peak of the step before, which exceeds the budget by up to 8.8% on EP
-    rank 0 under all-to-one routing at these 16 tokens per rank (open: docs/mop.md); bench/mop.py checks the budget
-    against the allocator at length, both ways."""
+    """The composed budget of the layout (W = 4, E_p = 2) against each rank's measured peak of a whole training
+    step, both ways: torch's allocator (what C++ allocates included: collective buffers, kernel workspaces)
+    <= budget <= 1.10 x that; and the live storages of the next step <= budget. Until gloo's all-gather outputs were
+    released when FSDP2 drops them (boundpass/gloo_release.py) a worker thread could keep one alive into the next
+    block's backward: up to 1.080x the budget under all-to-one routing with the CPU busy (docs/mop.md)."""
     _, mop = runs[layout]
-    print(f"{layout}: live storages / composed budget per rank "
-          + ", ".join(f"{facts['peak'] / facts['bound']:.3f}" for _, _, facts in mop)
-          + "; torch's allocator / composed budget "
-          + ", ".join(f"{facts['allocator_peak'] / facts['bound']:.3f}" for _, _, facts in mop))
+    print(f"{layout}: torch's allocator / composed budget per rank "
+          + ", ".join(f"{facts['allocator_peak'] / facts['bound']:.3f}" for _, _, facts in mop)
+          + "; live storages / composed budget "
+          + ", ".join(f"{facts['peak'] / facts['bound']:.3f}" for _, _, facts in mop))
     for rank, (_, _, facts) in enumerate(mop):
-        assert 0 < facts["peak"] <= facts["bound"], f"rank {rank}: peak {facts['peak']} B > bound {facts['bound']} B"
+        measured, bound = facts["allocator_peak"], facts["bound"]
+        assert measured <= bound, f"rank {rank}: allocator peak {measured} B > bound {bound} B"
+        assert bound <= 1.10 * measured, f"rank {rank}: bound {bound} B > 1.10 x allocator peak {measured} B"
+        assert 0 < facts["peak"] <= bound, f"rank {rank}: live storages {facts['peak']} B > bound {bound} B"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
