@@ -252,10 +252,12 @@ def _phase_alternatives(s, kinds: set) -> dict:
             base = ("transient", "gather_current")
             g = (grads, t("own_grads"))
             ex, ex_saved, disp = "attention_exchange", "attention_exchange_saved", "dispatch" if ffn == "moe" else ""
+            # the dispatch's forward alone where it is given apart (PipelinedLLEP), else its whole bound
+            disp_f = "dispatch_forward" if ffn == "moe" and "dispatch_forward" in kinds else disp
             if t("forward_ffn") in kinds:  # W > 1: the forward's attention part and its FFN part apart
-                forward = [(t("forward_attention"), ex), (t("forward_ffn"), ex_saved, disp)]
+                forward = [(t("forward_attention"), ex), (t("forward_ffn"), ex_saved, disp_f)]
             else:
-                forward = [(t("forward"), ex, disp)]
+                forward = [(t("forward"), ex, disp_f)]
             out[ffn] = [
                 *(alt(*base, "gather_prefetch", *f) for f in forward),
                 *(alt(*base, prefetch_bwd, *g, *f) for f in forward),
@@ -343,13 +345,16 @@ def _terms(shape: ModelShape, launch: Launch) -> tuple:
                            launch.fsdp_param_b or 0)
     if uses_wide_trace(shape, launch):
         terms = _wide_traced(terms, shape)
-    elif uses_trace(shape, launch):
-        blocks = tuple(t for t in shape.traced if t[0] in ("dense", "moe"))
-        head = _traced_head(shape, launch)
-        # the traced head holds its own weight gradients as its backward writes them: grad_head (only ever in the
-        # head's phase) would count them from the head's start
-        drop = _TRACED_KINDS | ({"head", "grad_head"} if head else set())
-        terms = tuple(t for t in terms if t[2] not in drop) + _traced_terms(blocks) + head
+    else:
+        # the dispatch's forward and backward apart are for the wide trace's sub-phases only
+        terms = tuple(t for t in terms if t[2] not in ("dispatch_forward", "dispatch_backward"))
+        if uses_trace(shape, launch):
+            blocks = tuple(t for t in shape.traced if t[0] in ("dense", "moe"))
+            head = _traced_head(shape, launch)
+            # the traced head holds its own weight gradients as its backward writes them: grad_head (only ever in
+            # the head's phase) would count them from the head's start
+            drop = _TRACED_KINDS | ({"head", "grad_head"} if head else set())
+            terms = tuple(t for t in terms if t[2] not in drop) + _traced_terms(blocks) + head
     if shape.buffer_bytes:
         terms += _buffer_term(shape.buffer_bytes)
     if shape.param_tensors and "offload_adamw" not in launch.operators:
@@ -398,10 +403,14 @@ def uses_wide_trace(shape: ModelShape, launch: Launch) -> bool:
 
 def _wide_traced(terms: tuple, shape: ModelShape) -> tuple:
     blocks = tuple((t[0][:-len("_wide")], t[1], t[2]) for t in shape.traced if t[0].endswith("_wide"))
+    split = any(t[2] == "dispatch_backward" for t in terms)  # PipelinedLLEP: its forward and backward apart
     kept = []
     for t in terms:
         if t[2] == "moe" and t[0].startswith("expert dispatch"):
-            kept.append((t[0], t[1], "dispatch", t[3], t[4]))  # the routed experts: their own bound, by hand
+            if not split:  # the routed experts: their own bound, by hand (standard EP: one, forward + backward)
+                kept.append((t[0], t[1], "dispatch", t[3], t[4]))
+        elif t[2] == "dispatch_backward":
+            kept.append((t[0], t[1], "dispatch", t[3], t[4]))
         elif t[2] not in _TRACED_KINDS:
             kept.append(t)
     kinds = {t[0] for t in blocks}
@@ -612,9 +621,15 @@ def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied
         # themselves, already persistent: subtract them there, or they would be counted twice.
         own_experts = (1 - sympy.Min(1, W - 1)) * 2 * (E / E_p) * 3 * I * H * b
         if "pipelined_llep" in ops:
+            knob = "a smaller chunk cap c (--dispatch-cap) or fewer borrowed slots s_b"
             out.append(("expert dispatch (PipelinedLLEP, routing-independent)",
-                        pl.pipelined_llep_bound(mixed_precision=mixed) - own_experts, "moe",
-                        "a smaller chunk cap c (--dispatch-cap) or fewer borrowed slots s_b"))
+                        pl.pipelined_llep_bound(mixed_precision=mixed) - own_experts, "moe", knob))
+            # its forward and backward apart, for the traced phases (W > 1, _wide_traced): a forward sub-phase
+            # (FullAC's recompute included) holds the forward op, not the gradients its backward makes
+            for part in ("forward", "backward"):
+                out.append((f"expert dispatch (PipelinedLLEP, routing-independent), its {part}",
+                            pl.pipelined_llep_bound(mixed_precision=mixed, part=part) - own_experts,
+                            f"dispatch_{part}", knob))
         else:
             # torchtitan's GroupedExperts runs the expert MLP in bf16 whatever the parameters' dtype (it casts the
             # routed rows and the expert weights with .bfloat16()): standard_ep_bound counts the received rows and

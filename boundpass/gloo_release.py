@@ -96,7 +96,7 @@ def release_all_gather_outputs(param_group) -> None:
 
 
 def releases_all_gather_outputs(param_group) -> bool:
-    """True when this FSDP2 parameter group frees its all-gather outputs as FSDP2 drops them."""
+    """True when this FSDP2 parameter group frees each all-gather output right after its copy-out."""
     return getattr(vars(param_group).get("wait_for_unshard"), "releases_all_gather_outputs", False)
 
 
