@@ -57,8 +57,9 @@ def render(data: dict) -> str:
     lines.append(markdown_table(["tokens / sequence", "variant", "tokens / rank", "per-rank device peak",
                                  "of which attention", "host / rank", "verdict", "binding term"], rows))
     lines += ["", "Traced beside the reference bounds (one rank, at the same tokens per rank):", ""]
-    rows = [[f"{r['context']:,}", name.replace(" | ", " vs "), fmt_bytes(bound), fmt_bytes(traced),
-             f"{traced / bound:.2f}"]
+    # a bound of 0: no hand-written term is left for that part (at W > 1 the block's activations are the trace's)
+    rows = [[f"{r['context']:,}", name.replace(" | ", " vs "), fmt_bytes(bound) if bound else "- (the trace is the term)",
+             fmt_bytes(traced), f"{traced / bound:.2f}" if bound else "-"]
             for r in data["rows"] if r["variant"] == VARIANTS[0][0] for name, (bound, traced) in r["traced"].items()]
     lines.append(markdown_table(["tokens / sequence", "what", "bound", "traced", "traced / bound"], rows))
     lines += [""] + targets_section(data["targets"])
