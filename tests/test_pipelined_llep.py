@@ -324,3 +324,30 @@ def _sparse_rank(rank, world, strided):
 def test_pipelined_rank_receiving_nothing_in_some_chunks(strided):
     K, empty = run_on_ranks(_sparse_rank, 2, strided, timeout_s=60)[1]
     assert K > 1 and 0 < empty < K, (K, empty)  # the last rank: some chunks empty, not all
+
+
+def test_graph_bound_reads_unlimited_borrowing_as_every_other_ranks_experts():
+    """An op node with max_borrowed -1 (no limit) is charged the slots a helper can fill, never -1 slots (which
+    subtracted three experts' weights and gradients); one rank has no one to borrow from: 0 slots."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from boundpass import symbols as sym
+    from boundpass.passes.dispatch_pass import pipelined_llep_peak
+
+    with FakeTensorMode():
+        vals = [torch.empty(16, 8), torch.zeros(16, 2, dtype=torch.int64), torch.empty(16, 2),
+                torch.empty(4, 6, 8), torch.empty(4, 8, 6), torch.empty(4, 6, 8)]
+
+    def charged(slots):
+        graph = fx.Graph()
+        inputs = []
+        for i, v in enumerate(vals):
+            node = graph.placeholder(f"a{i}")
+            node.meta["val"] = v
+            inputs.append(node)
+        op = graph.call_function(torch.ops.boundpass.pipelined_llep_fwd.default,
+                                 (*inputs, "", 0, 1.1, 1024, 1.3, slots, True, [], torch.float32))
+        return int(pipelined_llep_peak(op, {}).subs(sym.c, 4))  # the cap c stays symbolic in the graph's bound
+
+    assert charged(-1) == charged(0) > 0
+    assert charged(1) > charged(0)

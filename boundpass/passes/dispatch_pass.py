@@ -441,8 +441,10 @@ def pipelined_llep_peak(node: fx.Node, ctx: dict):
     compute_dtype = node.args[14] if forward else node.args[16]
     x_val, ids_val, w1_val = x.meta["val"], ids.meta["val"], w1.meta["val"]
     e, inter, hidden = (int(d) for d in w1_val.shape)
-    ep = _Group(group_name).size
-    values = bound_values(x_val.dtype, N=1, H=hidden, I=inter, E=e * ep, E_p=ep, k=int(ids_val.shape[-1]), s_b=slots)
+    ep, k = _Group(group_name).size, int(ids_val.shape[-1])
+    if slots < 0:  # max_borrowed -1: no limit, a helper can borrow every expert of the other ranks
+        slots = (ep - 1) * e
+    values = bound_values(x_val.dtype, N=1, H=hidden, I=inter, E=e * ep, E_p=ep, k=k, s_b=slots)
     values[sym.N] = as_expr(x_val.shape[0])
     values.pop(sym.c)
     values.pop(sym.R)
