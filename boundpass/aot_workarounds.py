@@ -14,6 +14,14 @@ saved_tensors_before_opaque -- torch 2.13, ``torch/_functorch/partitioners.py`` 
     FSDP2 on 2 gloo ranks). This moves every saved tensor that follows an opaque object to just before the first
     one, in the forward's outputs and the backward's placeholders alike: the layout the partitioner produces when
     no opaque object is saved. tests/test_block_compile.py checks it on the trainer and on a hand-made pair.
+
+static_placeholders -- torch 2.13, ``_aot_autograd/frontend_utils.py`` (``static_input_indices``, one per
+    parameter Dynamo lifted) and the subclass flattening after it: the partitioner's
+    ``static_lifetime_input_indices`` count a DTensor parameter as one input, but its flattened placeholders are
+    its local tensor followed by an opaque ``DeviceMesh``. Past the first opaque placeholder the indices fall short
+    by the opaque placeholders before them (measured: qwen3 debug at EP = 2 + FSDP2, the three expert weights at
+    placeholders 12, 14, 16, each followed by its mesh, arrive as 12, 13, 14; the third weight, 12 MiB, was
+    counted as a graph input beside FSDP2's units row, which holds it). This maps them to placeholder positions.
 """
 from __future__ import annotations
 
@@ -25,6 +33,32 @@ applied = 0  # how many partitioned pairs saved_tensors_before_opaque reordered 
 def _is_opaque(node) -> bool:
     from torch._functorch._aot_autograd.graph_compile import is_opaque_node
     return is_opaque_node(node)
+
+
+def static_placeholders(joint: fx.GraphModule, indices) -> set[int]:
+    """Placeholder positions of ``joint`` (primals first) that AOTAutograd's ``static_lifetime_input_indices``
+    name. Each placeholder's descriptor (``meta["desc"]``) leads back to the flat input it came from
+    (``PlainAOTInput.idx``, through ``SubclassGetAttrAOTInput.base`` for a subclass's pieces), which is what the
+    indices count (module docstring); where a primal has no such descriptor, inputs are counted as AOTAutograd
+    does, an opaque placeholder (a subclass's DeviceMesh) not being one of its own."""
+    indices = set(indices)
+    primals = [n for n in joint.graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
+    roots = []
+    for node in primals:
+        desc = node.meta.get("desc")
+        while desc is not None and hasattr(desc, "base"):
+            desc = desc.base
+        roots.append(getattr(desc, "idx", None))
+    if primals and all(isinstance(r, int) for r in roots):
+        return {i for i, r in enumerate(roots) if r in indices}
+    out, position = set(), 0
+    for i, node in enumerate(joint.graph.find_nodes(op="placeholder")):
+        if _is_opaque(node):
+            continue
+        if position in indices:
+            out.add(i)
+        position += 1
+    return out
 
 
 def _is_sym(node) -> bool:

@@ -20,7 +20,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from boundpass import inductor_peak
-from boundpass.aot_workarounds import saved_tensors_before_opaque
+from boundpass.aot_workarounds import saved_tensors_before_opaque, static_placeholders
 from boundpass import symbols as sym
 from boundpass.bounds import BoundTerm, BudgetTable, raise_infeasible
 from boundpass.config import Config, config_from
@@ -354,7 +354,7 @@ class _PlanningPartitioner:
         from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
         owner, plan = self.owner, self.sco_plan
         base = min_cut_rematerialization_partition if owner.inner == "inductor" else default_partition
-        static = set(kwargs.get("static_lifetime_input_indices") or ())
+        static = static_placeholders(joint, kwargs.get("static_lifetime_input_indices") or ())
         outputs = kwargs["num_fwd_outputs"]
         ctx = {"max_tokens_per_rank": owner.max_tokens_per_rank or owner.ring_n_max or None,
                "per_block": getattr(owner, "per_block", False)}  # step_peak.analyze_graphs: the caller's lifetimes
