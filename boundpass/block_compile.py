@@ -231,13 +231,19 @@ class CompiledBlocks(BoundedModule):
         return bool(self.units) and all(u.releasing for u in self.units)
 
     def _gather_rows(self, scatter: bool = True) -> list[BoundTerm]:
-        largest = max((u.gathered for u in self.block_units), default=0)
-        # FSDP2 copies a unit out of its flat all-gather buffer into the unsharded parameters (2x while it does),
-        # and prefetches the next unit while one computes (torchtitan sets explicit forward and backward prefetch
-        # when EP is on: the next block, the last block's forward the head's units): the running unit + the next one
-        # being copied out
-        return ([BoundTerm("FSDP2 all-gathered block units (the running unit + the next, copied out of its buffer)",
-                           sympy.Integer(3 * largest), 3 * largest, kind="transient", knob=SHARD)]
+        # A block's units unshard together (a block with routed experts has two: torchtitan's EP experts are a group
+        # of their own), and FSDP2 prefetches the next module's while one computes (torchtitan's explicit forward and
+        # backward prefetch: the next block; before the first block's backward, the embedding). The next module's
+        # units are held twice: while copied out of the all-gather buffer into the unsharded parameters, and on gloo
+        # while the collective is in flight (ProcessGroupGloo's own output beside FSDP2's buffer, _reduce_gather_rows).
+        # Counting 3x the largest single unit left the running block's other unit and the next block's out (qwen3
+        # debug: 3 x 36 MiB where the blocks hold 39.0 MiB each)
+        groups = [[u for u in self.block_units if u.covers(p)] for p in self.block_paths]
+        running = max((sum(u.gathered for u in units) for units in groups), default=0)
+        ahead = max(running, sum(u.gathered for u in self.input_units))
+        held = running + 2 * ahead
+        return ([BoundTerm("FSDP2 all-gathered block units (the running block's + the next module's, held twice "
+                           "while copied out or in flight)", sympy.Integer(held), held, kind="transient", knob=SHARD)]
                 + ([_scatter_row(self.block_units)] if scatter else []) + self._gloo_row() + self._held_rows())
 
     def _passed_row(self) -> BoundTerm:
