@@ -13,9 +13,9 @@ The budget each block graph is checked against is the whole step's, composed fro
   step count with their own graph's saved bytes, the blocks still to run with the largest any graph saves. When
   a new graph appears every earlier graph is checked again with what is now known (``recheck``), before the
   blocks that run it execute again: nothing runs whose memory was not checked.
-- FSDP2's parameter units: the unit of the block running, unsharded, and the next unit prefetched, each held
-  twice while it is copied out of the all-gather buffer (``fsdp_units``); units that are not resharded after
-  forward (torchtitan's last unit) stay gathered through the step.
+- FSDP2's parameter units: the running block's units, unsharded, and the next module's, prefetched and held twice
+  while copied out of the all-gather buffer or, on gloo, in flight (``fsdp_units``, ``_gather_rows``); units that
+  are not resharded after forward (torchtitan's ``[norm, lm_head]``) stay gathered through the step.
 - the reduce-scatter of one unit's gradients. With every unit on ``boundpass.gloo_release`` (the recipe
   installs it on gloo: synchronous, its buffers freed in the call) each reduce-scatter runs between two graphs
   and is a phase of its own (``sync_reduce``: ``reduce_tables`` per block graph, ``head_reduce``, the tail), with
@@ -128,6 +128,8 @@ class CompiledBlocks(BoundedModule):
         self.block_paths = [by_module.get(id(b), "") for b in blocks]
         under = lambda u, p: u.covers(p)  # noqa: E731
         self.block_units = [u for u in self.units if any(under(u, p) for p in self.block_paths)]
+        # per block, its units: they unshard together (a block with routed experts has two groups)
+        self.units_of_block = [[u for u in self.block_units if under(u, p)] for p in self.block_paths]
         # the gradients each block's backward leaves reduced on this rank (its units' local shards)
         self.block_grads = [sum(u.sharded_grads for u in self.units if under(u, p)) for p in self.block_paths]
         if not self.units:  # not FSDP2-wrapped: a block's backward leaves its parameters' whole gradients
@@ -238,8 +240,7 @@ class CompiledBlocks(BoundedModule):
         # while the collective is in flight (ProcessGroupGloo's own output beside FSDP2's buffer, _reduce_gather_rows).
         # Counting 3x the largest single unit left the running block's other unit and the next block's out (qwen3
         # debug: 3 x 36 MiB where the blocks hold 39.0 MiB each)
-        groups = [[u for u in self.block_units if u.covers(p)] for p in self.block_paths]
-        running = max((sum(u.gathered for u in units) for units in groups), default=0)
+        running = max((sum(u.gathered for u in units) for units in self.units_of_block), default=0)
         ahead = max(running, sum(u.gathered for u in self.input_units))
         held = running + 2 * ahead
         return ([BoundTerm("FSDP2 all-gathered block units (the running block's + the next module's, held twice "
@@ -269,14 +270,13 @@ class CompiledBlocks(BoundedModule):
         after the head's backward, the step's first. Measured (qwen3 debug, 4 ranks, experts reducing): the block's
         other unit (3 MiB) and the embedding's prefetched buffer (16 MiB), where the graph's rows count 3x the
         largest unit (108 MiB) and the head's units (16 MiB)."""
-        groups = [[u for u in self.block_units if u.covers(p)] for p in self.block_paths]
         worst, reducing = 0, None
-        for units in groups:
+        for units in self.units_of_block:
             for u in units:
                 cost = _scatter_cost(u) + sum(g.gathered for g in units if g is not u)
                 if cost > worst:
                     worst, reducing = cost, u
-        ahead = max([sum(u.gathered for u in units) for units in groups]
+        ahead = max([sum(u.gathered for u in units) for units in self.units_of_block]
                     + [sum(u.gathered for u in self.input_units)])
         # on gloo the prefetch's collective may still be in flight, and ProcessGroupGloo's all-gather holds an output
         # of its own beside FSDP2's buffer until then (measured in a MoP layout's forward prefetch: both 15 MiB)
