@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     # defines for a knob no planner chooses (composed.Launch.resolved)
     p.add_argument("--dispatch-cap", type=int, default=None,
                    help=f"PipelinedLLEP chunk cap c (tokens per source per chunk; default {PLAN_DISPATCH_CAP})")
+    p.add_argument("--dispatch-borrowed-slots", type=int, default=None,
+                   help="PipelinedLLEP borrowed-expert slots s_b per EP rank (default E / E_p; 0: no relocation)")
     p.add_argument("--vocab-block", type=int, default=None, help=f"Ring-DTP strip width C (default {PLAN_VOCAB_BLOCK})")
     p.add_argument("--optimizer-bucket", type=int, default=None,
                    help=f"OffloadStreamAdamW bucket β (parameters; default: {OPTIMIZER_STAGING_BYTES >> 20} MiB of "
@@ -72,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     launch = dict(ranks=args.ranks, ep=args.ep, ring=args.ring, tokens_per_rank=args.tokens_per_rank,
                   context=args.context, global_batch=args.global_batch, budget=args.budget,
                   host_budget=args.host_budget, operators=ops, dtype=args.dtype, dispatch_cap=args.dispatch_cap,
-                  vocab_block=args.vocab_block, optimizer_bucket=args.optimizer_bucket,
+                  dispatch_borrowed_slots=args.dispatch_borrowed_slots, vocab_block=args.vocab_block,
+                  optimizer_bucket=args.optimizer_bucket,
                   optimizer_slots=args.optimizer_slots, sco_max_layers=args.sco_max_layers, routing=args.routing)
     try:  # everything that needs no model, before torch is imported
         make_input(args.model, args.flavor, **launch)

@@ -206,7 +206,8 @@ class BoundedModule(nn.Module):
         # passes: find -> match -> replace; the knobs they leave open (C, c, L_off) are the planner's
         regions = rewrite_vocab_regions(gm, vocab) if self.config.vocab.enable else []
         report.regions.extend(regions)
-        dispatch_regions = rewrite_dispatch_regions(gm, self.dispatch_root()) if self.config.dispatch.enable else []
+        dispatch_regions = (rewrite_dispatch_regions(gm, self.dispatch_root(), self.config.dispatch.borrowed_slots)
+                            if self.config.dispatch.enable else [])
         report.regions.extend(dispatch_regions)
         for region in dispatch_regions:  # later calls agree over these groups before compiling (forward)
             if region.rewritten and region.group_name and region.group_name not in self.ep_groups:

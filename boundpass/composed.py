@@ -122,7 +122,7 @@ class Launch:
     optimizer_bucket: int | None = None  # β (optimizer.bucket)
     optimizer_slots: int | None = None   # S (optimizer.slots)
     sco_max_layers: int | None = None   # SCO host subset: offload at most this many boundaries (None: all that fit)
-    borrowed_slots: int | None = None  # s_b (LLEP borrowed-weight slots per rank; None: E / E_p)
+    dispatch_borrowed_slots: int | None = None  # s_b (dispatch.borrowed_slots: LLEP's slots per rank; None: E / E_p)
     routing: str = "worst"          # standard EP only: "worst" (a hot rank receives E_p·N·k rows) or "balanced"
     grad_accumulation: int = 1      # microbatches per optimizer step (> 1: every gradient lives through all of them)
     # FSDP2 computing in a narrower dtype than it reduces in, counted under the b = 4 convention (the MoP recipe:
@@ -165,11 +165,11 @@ def check_launch(shape: ModelShape, launch: Launch) -> None:
         raise BoundpassInputError(f"unknown operators {sorted(unknown)}; known: {', '.join(OPERATORS)}")
     if launch.routing not in ("worst", "balanced"):
         raise BoundpassInputError(f"routing must be 'worst' or 'balanced', got {launch.routing!r}")
-    for name in ("dispatch_cap", "vocab_block", "optimizer_bucket", "optimizer_slots", "borrowed_slots",
+    for name in ("dispatch_cap", "vocab_block", "optimizer_bucket", "optimizer_slots", "dispatch_borrowed_slots",
                  "sco_max_layers", "grad_accumulation"):
         value = getattr(launch, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < (
-                0 if name in ("borrowed_slots", "sco_max_layers") else 1)):
+                0 if name in ("dispatch_borrowed_slots", "sco_max_layers") else 1)):
             raise BoundpassInputError(f"{name} must be a positive int (or None for the default), got {value!r}")
 
 
@@ -294,7 +294,9 @@ def symbol_values(shape: ModelShape, launch: Launch, *, host_budget: int | None 
         sym.c: min(launch.resolved("dispatch_cap"), N),
         sym.C: min(launch.resolved("vocab_block"), v_shard),
         sym.beta: max(1, min(launch.resolved("optimizer_bucket"), theta)), sym.S: launch.resolved("optimizer_slots"),
-        sym.s_b: (shape.experts // E_p) if launch.borrowed_slots is None else launch.borrowed_slots,
+        # a given s_b beyond the (E_p - 1) E / E_p experts other ranks own is those (the dispatch pass's _op_args)
+        sym.s_b: (shape.experts // E_p) if launch.dispatch_borrowed_slots is None else min(
+            launch.dispatch_borrowed_slots, (E_p - 1) * (shape.experts // E_p)),
         sym.R: (E_p if launch.routing == "worst" else 1) * N * max(shape.top_k, 1),
     }
     values.update({G_lead: shape.leading_dense_params, G_dense_min: shape.min_dense_block_params,
@@ -621,7 +623,7 @@ def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied
         # themselves, already persistent: subtract them there, or they would be counted twice.
         own_experts = (1 - sympy.Min(1, W - 1)) * 2 * (E / E_p) * 3 * I * H * b
         if "pipelined_llep" in ops:
-            knob = "a smaller chunk cap c (--dispatch-cap) or fewer borrowed slots s_b"
+            knob = "a smaller chunk cap c (--dispatch-cap) or fewer borrowed slots s_b (--dispatch-borrowed-slots)"
             out.append(("expert dispatch (PipelinedLLEP, routing-independent)",
                         pl.pipelined_llep_bound(mixed_precision=mixed) - own_experts, "moe", knob))
             # its forward and backward apart, for the traced phases (W > 1, _wide_traced): a forward sub-phase

@@ -29,8 +29,8 @@ MODES = ("auto", True, False)  # the three-way switches (sco.enable, optimizer.o
 # the knobs the composed budget has a term for. The on/off switches are plan's `operators` there (ring_dtp =
 # vocab.enable, pipelined_llep = dispatch.enable, sco = sco.enable, offload_adamw = optimizer.offload): a plan composes
 # a launch with or without each operator, it has no "auto" (docs/config.md).
-PLAN_KNOBS = ("budget", "host_budget", "vocab_block", "dispatch_cap", "sco_max_layers", "optimizer_bucket",
-              "optimizer_slots")
+PLAN_KNOBS = ("budget", "host_budget", "vocab_block", "dispatch_cap", "dispatch_borrowed_slots", "sco_max_layers",
+              "optimizer_bucket", "optimizer_slots")
 
 # What a knob left at None ("the planner's choice") is taken as where no planner chooses it: boundpass.plan and the
 # composed budget (composed.Launch), the MoP recipe layout, an OffloadStreamAdamW built by hand. boundpass.compile's
@@ -98,10 +98,16 @@ class DispatchConfig:
     """PipelinedLLEP's chunk cap c: tokens per source rank per chunk. None: the planner's choice (the knee, narrower
     when the budget needs it; every EP rank gets the narrowest any rank allows); boundpass.plan takes
     PLAN_DISPATCH_CAP."""
+    borrowed_slots: int | None = None
+    """PipelinedLLEP's borrowed-expert slots s_b per EP rank: LLEP's planner lends a rank at most this many other ranks'
+    experts (their weights and gradients are held on it, 2 s_b experts in the bound); 0 never relocates. Fewer slots:
+    less memory, LLEP balances hot ranks less. None: e = E / E_p, LLEP's default (no slots on one EP rank; more than
+    the (E_p - 1) e other experts there are counts as those)."""
 
     def __post_init__(self):
         _switch("dispatch.enable", self.enable)
         _positive("dispatch.cap", self.cap, what="chunk cap c; ")
+        _positive("dispatch.borrowed_slots", self.borrowed_slots, least=0, what="borrowed-expert slots s_b; ")
 
 
 @dataclass(kw_only=True, slots=True)

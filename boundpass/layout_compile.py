@@ -32,13 +32,14 @@ class DispatchBlocks:
     backend, as the per-block compile of the default layout hands them to ``block_compile.CompiledBlocks``.
     """
 
-    def __init__(self, layers: nn.ModuleDict, cap: int, inner: str = "aot_eager"):
+    def __init__(self, layers: nn.ModuleDict, cap: int, inner: str = "aot_eager", borrowed_slots: int | None = None):
         """layers: the model's block container (``model.layers``), read when a graph compiles: by then the blocks in
         it are the modules torchtitan compiled (an activation-checkpoint wrapper around the block, under AC)."""
         if inner not in ("aot_eager", "inductor"):
             raise ValueError(f"DispatchBlocks: inner must be 'aot_eager' or 'inductor', got {inner!r}")
         self.layers = layers
         self.cap = int(cap)
+        self.borrowed_slots = borrowed_slots  # s_b (None: e, LLEP's default)
         self.inner = inner
         self.graphs = 0                             # block graphs compiled
         self.regions: list = []                     # every DispatchRegion the pass found, in compile order
@@ -47,7 +48,7 @@ class DispatchBlocks:
         from boundpass.passes.dispatch_pass import _graphs, rewrite_dispatch_regions
         from boundpass.planner import set_op_arg
 
-        regions = rewrite_dispatch_regions(gm, self._root())
+        regions = rewrite_dispatch_regions(gm, self._root(), self.borrowed_slots)
         skipped = [r for r in regions if not r.rewritten]
         if skipped:
             raise BoundpassInputError("boundpass per-block compile: PipelinedLLEP was asked for, but the dispatch "
@@ -86,7 +87,7 @@ class DispatchBlocks:
         return moe[0] if moe else (blocks[0] if blocks else None)
 
     def __repr__(self) -> str:  # torchtitan logs the backend
-        return f"boundpass.DispatchBlocks(cap={self.cap}, inner={self.inner})"
+        return f"boundpass.DispatchBlocks(cap={self.cap}, borrowed_slots={self.borrowed_slots}, inner={self.inner})"
 
 
 class RingDTPHeadBackend:

@@ -115,7 +115,8 @@ def _share(term, table) -> float | None:
 def launch_of(inp: PlanInput, tokens_per_rank: int | None = None) -> Launch:
     return Launch(ranks=inp.ranks, ep=inp.ep, ring=inp.ring, tokens_per_rank=tokens_per_rank or inp.tokens_per_rank,
                   operators=inp.operators, b=DTYPE_BYTES[inp.dtype], b_acc=4, dispatch_cap=inp.dispatch_cap,
-                  vocab_block=inp.vocab_block, optimizer_bucket=inp.optimizer_bucket,
+                  dispatch_borrowed_slots=inp.dispatch_borrowed_slots, vocab_block=inp.vocab_block,
+                  optimizer_bucket=inp.optimizer_bucket,
                   optimizer_slots=inp.optimizer_slots, sco_max_layers=inp.sco_max_layers, routing=inp.routing)
 
 
@@ -319,7 +320,8 @@ def _fuse_unequal_head_dims(block: torch.nn.Module, attention_config) -> bool:
 def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None = None,
          tokens_per_rank: int | None = None, context: int | None = None, global_batch: int = 1, budget=PLAN_BUDGET,
          host_budget=None, operators=OPERATORS, dtype: str = "bf16", dispatch_cap: int | None = None,
-         vocab_block: int | None = None, optimizer_bucket: int | None = None, optimizer_slots: int | None = None,
+         dispatch_borrowed_slots: int | None = None, vocab_block: int | None = None,
+         optimizer_bucket: int | None = None, optimizer_slots: int | None = None,
          sco_max_layers: int | None = None, routing: str = "worst", do_trace: bool = True, solve: bool = False,
          search: CostModel | bool | None = None,
          progress=None, source: ModelSource | None = None, trace_blocks: bool | None = None) -> PlanResult:
@@ -327,7 +329,8 @@ def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None =
 
     budget / host_budget: per-rank bytes ("139GiB"; host None = unlimited). operators: any of ring_dtp,
     pipelined_llep, sco, offload_adamw (empty = the baseline: full logits, standard EP, no offload, ZeRO-3).
-    dispatch_cap, vocab_block, optimizer_bucket, optimizer_slots, sco_max_layers: boundpass.Config's knobs by the same
+    dispatch_cap, dispatch_borrowed_slots, vocab_block, optimizer_bucket, optimizer_slots, sco_max_layers:
+    boundpass.Config's knobs by the same
     keywords (docs/config.md); None takes composed.Launch.resolved's value (defined in boundpass/config.py).
     solve: also find the largest context (or N) that fits. do_trace: trace torchtitan's blocks (fake tensors).
     search: True or a CostModel: choose (E_p, P, c, β, S, SCO subset) at the least predicted step time.
@@ -341,7 +344,8 @@ def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None =
     start = time.perf_counter()
     inp = make_input(model, flavor, ranks=ranks, ep=ep, ring=ring, tokens_per_rank=tokens_per_rank,
                      context=context, global_batch=global_batch, budget=budget, host_budget=host_budget,
-                     operators=operators, dtype=dtype, dispatch_cap=dispatch_cap, vocab_block=vocab_block,
+                     operators=operators, dtype=dtype, dispatch_cap=dispatch_cap,
+                     dispatch_borrowed_slots=dispatch_borrowed_slots, vocab_block=vocab_block,
                      optimizer_bucket=optimizer_bucket, optimizer_slots=optimizer_slots, sco_max_layers=sco_max_layers,
                      routing=routing, source=source)
     source = source or default_source()

@@ -39,6 +39,7 @@ class PlanInput:
     context: int | None = None
     global_batch: int | None = None
     dispatch_cap: int | None = None
+    dispatch_borrowed_slots: int | None = None
     vocab_block: int | None = None
     optimizer_bucket: int | None = None
     optimizer_slots: int | None = None
@@ -67,13 +68,15 @@ def _positive_int(name: str, value) -> int:
 def make_input(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None = None,
                tokens_per_rank: int | None = None, context: int | None = None, global_batch: int = 1,
                budget=PLAN_BUDGET, host_budget=None, operators=OPERATORS, dtype: str = "bf16",
-               dispatch_cap: int | None = None, vocab_block: int | None = None, optimizer_bucket: int | None = None,
+               dispatch_cap: int | None = None, dispatch_borrowed_slots: int | None = None,
+               vocab_block: int | None = None, optimizer_bucket: int | None = None,
                optimizer_slots: int | None = None, sco_max_layers: int | None = None, routing: str = "worst",
                source: ModelSource | None = None) -> PlanInput:
     """Validate and normalise plan inputs (raises BoundpassInputError naming what to change; builds nothing).
     The model is given by its family name in the model source (an alias resolved: PlanInput.model is canonical).
     budget, host_budget and the knobs are boundpass.Config's, validated by it (boundpass/config.py)."""
-    knobs = config_from(budget=budget, host_budget=host_budget, dispatch_cap=dispatch_cap, vocab_block=vocab_block,
+    knobs = config_from(budget=budget, host_budget=host_budget, dispatch_cap=dispatch_cap,
+                        dispatch_borrowed_slots=dispatch_borrowed_slots, vocab_block=vocab_block,
                         optimizer_bucket=optimizer_bucket, optimizer_slots=optimizer_slots,
                         sco_max_layers=sco_max_layers)
     if knobs.budget is None:
@@ -104,7 +107,8 @@ def make_input(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | 
         raise BoundpassInputError(f"unknown operators {sorted(ops - set(OPERATORS))}; known: {', '.join(OPERATORS)}")
     return PlanInput(model, flavor, ranks, ep, ring, tokens_per_rank, knobs.budget_bytes, knobs.host_budget_bytes, ops,
                      dtype, context, global_batch if context is not None else None, dispatch_cap=dispatch_cap,
-                     vocab_block=vocab_block, optimizer_bucket=optimizer_bucket, optimizer_slots=optimizer_slots,
+                     dispatch_borrowed_slots=dispatch_borrowed_slots, vocab_block=vocab_block,
+                     optimizer_bucket=optimizer_bucket, optimizer_slots=optimizer_slots,
                      sco_max_layers=sco_max_layers, routing=routing)
 
 

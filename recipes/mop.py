@@ -58,11 +58,12 @@ class MoPOptions:
     sequence_to_head: bool = True
     pipelined_llep: bool = False
     dispatch_cap: int | None = None  # PipelinedLLEP chunk cap c (None: config.PLAN_DISPATCH_CAP, no planner here)
+    dispatch_borrowed_slots: int | None = None  # PipelinedLLEP borrowed-expert slots s_b (None: e = E / E_p)
     ring_dtp: bool = False
     vocab_block: int | None = None  # Ring-DTP strip width C (None: the whole local vocab shard, the runtime's default)
 
     def __post_init__(self):
-        DispatchConfig(cap=self.dispatch_cap)
+        DispatchConfig(cap=self.dispatch_cap, borrowed_slots=self.dispatch_borrowed_slots)
         VocabConfig(block=self.vocab_block)
 
     @property
@@ -153,13 +154,15 @@ def apply_seq_to_head(model: torch.nn.Module, group) -> None:
         block.attention.inner_attention = SeqToHeadAttention(inner, group)
 
 
-def apply_pipelined_llep(model: torch.nn.Module, cap: int, inner: str = "aot_eager"):
+def apply_pipelined_llep(model: torch.nn.Module, cap: int, inner: str = "aot_eager",
+                         borrowed_slots: int | None = None):
     """The backend that gives every MoE block's routed experts PipelinedLLEP through the dispatch pass: a
     ``boundpass.layout_compile.DispatchBlocks`` for torchtitan's per-block compile (``prepare_mop`` hands it to the
     parallelize function as ``--compile.backend``). No forward is replaced: the module tree, its parameters, names and
     FSDP2/EP sharding stay torchtitan's, and each block graph's routed-experts region (the dispatcher's all-to-all +
     grouped experts + combine) becomes one ``boundpass::pipelined_llep_fwd`` over the EP group torchtitan wires into the
-    dispatcher, with this rank's experts and torchtitan's bf16 expert matmuls.
+    dispatcher, with this rank's experts and torchtitan's bf16 expert matmuls, and at most ``borrowed_slots`` (s_b;
+    None: e) other ranks' experts lent to a rank.
 
     Checked here, before anything is sharded or compiled, with the pass's own checks: a dispatcher or experts class
     other than torchtitan's plain SwiGLU ones (e.g. gpt_oss's biased experts, DeepEP) is refused, not
@@ -178,7 +181,7 @@ def apply_pipelined_llep(model: torch.nn.Module, cap: int, inner: str = "aot_eag
             raise BoundpassInputError(f"MoP pipelined_llep: {path}: {reason}; PipelinedLLEP reproduces only "
                                       "torchtitan's bias-free SwiGLU experts behind its local / all-to-all "
                                       "dispatcher: run this model's layout with pipelined_llep=False")
-    return DispatchBlocks(model.layers, cap, inner)
+    return DispatchBlocks(model.layers, cap, inner, borrowed_slots)
 
 
 def compile_config_under_mop(compile_config, state: "MoPState"):
@@ -244,7 +247,8 @@ def prepare_mop(model: torch.nn.Module, dims, options: MoPOptions) -> MoPState:
     if options.sequence_to_head:
         apply_seq_to_head(model, dims.get_mesh("fsdp").get_group())
     if options.pipelined_llep:
-        state.dispatch_backend = apply_pipelined_llep(model, options.cap)
+        state.dispatch_backend = apply_pipelined_llep(model, options.cap,
+                                                      borrowed_slots=options.dispatch_borrowed_slots)
     if options.ring_dtp:
         if getattr(model, "lm_head", None) is None:
             raise BoundpassInputError("MoP ring_dtp: the model has no lm_head to shard")
@@ -282,11 +286,12 @@ def finish_mop(model: torch.nn.Module, dims, state: MoPState) -> None:
 
 def parallelize_mop(model: torch.nn.Module, cfg, *, world: int, ac_config=None, sequence_to_head: bool = True,
                     pipelined_llep: bool = False, dispatch_cap: int | None = None, ring_dtp: bool = False,
-                    vocab_block: int | None = None):
+                    vocab_block: int | None = None, dispatch_borrowed_slots: int | None = None):
     """Apply the MoP layout to a materialised model (same values on every rank); returns (model, parallel_dims).
 
     torchtitan's own parallelize function does EP + FSDP2; around it this adds sequence-to-head attention, the
-    sum-reduction of gradients and, if asked, PipelinedLLEP dispatch (cap ``dispatch_cap``) and the Ring-DTP head
+    sum-reduction of gradients and, if asked, PipelinedLLEP dispatch (cap ``dispatch_cap``, borrowed slots
+    ``dispatch_borrowed_slots``) and the Ring-DTP head
     (train with ``mop_loss(model, parallel_dims)``). ``ac_config``: torchtitan's activation checkpointing config
     (e.g. ``FullAC.Config()``), applied by the same parallelize function; None: off. With ``pipelined_llep`` every
     block is compiled by torchtitan's ``apply_compile`` with boundpass's dispatch backend (``compile_config_under_mop``;
@@ -296,7 +301,7 @@ def parallelize_mop(model: torch.nn.Module, cfg, *, world: int, ac_config=None, 
     from torchtitan.distributed import ParallelDims
 
     options = MoPOptions(sequence_to_head=sequence_to_head, pipelined_llep=pipelined_llep, dispatch_cap=dispatch_cap,
-                         ring_dtp=ring_dtp, vocab_block=vocab_block)
+                         dispatch_borrowed_slots=dispatch_borrowed_slots, ring_dtp=ring_dtp, vocab_block=vocab_block)
     if not dist.is_initialized() or dist.get_world_size() != world:
         raise BoundpassInputError(f"parallelize_mop needs an initialised process group of {world} ranks")
     from torchtitan.distributed import utils as dist_utils

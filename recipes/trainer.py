@@ -254,6 +254,7 @@ class BoundpassTrainer(Trainer):
         world = _world_size()
         check_mop_launch(config, world)
         options = MoPOptions(pipelined_llep=bp.mop_pipelined_llep, dispatch_cap=bp.dispatch.cap,
+                             dispatch_borrowed_slots=bp.dispatch.borrowed_slots,
                              ring_dtp=bp.mop_ring_dtp, vocab_block=bp.vocab.block)
         if options.ring_dtp and isinstance(config.loss, ChunkedLossWrapper.Config):
             # the model's head becomes the identity and mop_loss runs projection + CE as Ring-DTP: the chunked
@@ -684,6 +685,7 @@ def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
             # them); activations are then counted at 4 bytes where torchtitan holds 2 (conservative there)
             b=4, b_acc=4, fsdp_param_b=_fsdp_cast_bytes(training),
             dispatch_cap=options.cap if options.pipelined_llep else None,
+            dispatch_borrowed_slots=options.dispatch_borrowed_slots if options.pipelined_llep else None,
             # Ring-DTP's runtime strip is the whole local vocab shard unless a width is given
             vocab_block=(options.vocab_block or shape.vocab // world) if options.ring_dtp else None,
             optimizer_bucket=bucket, optimizer_slots=bp.optimizer.slots)

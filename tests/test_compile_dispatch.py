@@ -211,7 +211,7 @@ def _ep_model(name, layers, ep):
 
 def _ep_rank(rank, world, cases):
     out = []
-    for name, layers, experts in cases:
+    for name, layers, experts, slots in cases:
         torch._dynamo.reset()
         model = _ep_model(name, layers, world)
         ref = _ep_model(name, layers, world)  # same seed, same shards
@@ -219,7 +219,7 @@ def _ep_rank(rank, world, cases):
         if experts is not None:
             route_all_to(model, experts)
             route_all_to(ref, experts)
-        compiled = boundpass.compile(model, budget="4GiB", loss_fn=_ce)
+        compiled = boundpass.compile(model, budget="4GiB", loss_fn=_ce, dispatch_borrowed_slots=slots)
         tokens, labels = _batch(seed=1 + rank)  # different tokens per rank
         loss, ref_loss, worst = _step_both(compiled, model, ref, tokens, labels)
         regions = _dispatch_regions(compiled)
@@ -227,16 +227,22 @@ def _ep_rank(rank, world, cases):
         local = sum(getattr(p, "_local_tensor", p).numel() * p.element_size() for p in model.parameters())
         term = next(t for t in boundpass.explain(compiled).table.terms if t.name == "parameters")
         assert term.value == local < sum(p.numel() * p.element_size() for p in model.parameters())
-        out.append((name, experts, loss, ref_loss, worst, [(r.rewritten, r.ep_size, r.reason) for r in regions]))
+        # the op runs (and its bound counts) the borrowed-expert slots asked for; None: e, LLEP's default
+        out.append((name, experts, loss, ref_loss, worst, [(r.rewritten, r.ep_size, r.reason) for r in regions],
+                    [(r.op_node.args[11], r.local_experts) for r in regions if r.rewritten]))
     return out
 
 
 @pytest.mark.distributed
 def test_rewrite_matches_torchtitan_expert_parallel_on_two_gloo_ranks():
-    """EP = 2 (torchtitan's all-to-all dispatcher, DTensor expert shards): skewed and all-routes-to-rank-0."""
-    cases = [("deepseek_v3", 2, None), ("deepseek_v3", 2, (0, 1, 2)), ("qwen3_moe", 2, None)]
+    """EP = 2 (torchtitan's all-to-all dispatcher, DTensor expert shards): skewed and all-routes-to-rank-0, the
+    latter also with one borrowed-expert slot (dispatch_borrowed_slots=1: LLEP's helper may take one of rank 0's hot
+    experts, the owner keeps the rest)."""
+    cases = [("deepseek_v3", 2, None, None), ("deepseek_v3", 2, (0, 1, 2), None), ("deepseek_v3", 2, (0, 1, 2), 1),
+             ("qwen3_moe", 2, None, None)]
     for rank_results in run_on_ranks(_ep_rank, 2, cases, timeout_s=400):
-        for name, experts, loss, ref_loss, worst, regions in rank_results:
+        for (name, experts, loss, ref_loss, worst, regions, slots), case in zip(rank_results, cases):
             assert regions and all(ok and ep == 2 for ok, ep, _ in regions), (name, regions)
+            assert slots and all(s == (e if case[3] is None else case[3]) for s, e in slots), (case, slots)
             assert abs(loss - ref_loss) <= LOSS_TOL * abs(ref_loss), (name, experts, loss, ref_loss)
             assert worst <= GRAD_TOL, (name, experts, worst)

@@ -23,7 +23,7 @@ KNOBS = knob_paths()  # keyword -> Config path
 COMPILE_OTHERS = {"model", "config", "loss_fn", "ring_group", "optimizer", "launch", "model_shape", "fullgraph",
                   "dynamic", "knobs"}
 # Launch / plan's launch facts: degrees, sizes, dtypes, operator set (not knobs of Config)
-LAUNCH_FACTS = {"ranks", "ep", "ring", "tokens_per_rank", "operators", "b", "b_acc", "borrowed_slots", "routing",
+LAUNCH_FACTS = {"ranks", "ep", "ring", "tokens_per_rank", "operators", "b", "b_acc", "routing",
                 "grad_accumulation", "fsdp_param_b"}
 PLAN_OTHERS = LAUNCH_FACTS | {"model", "flavor", "context", "global_batch", "dtype", "source", "do_trace", "solve",
                               "search", "progress", "trace_blocks"}
@@ -38,8 +38,8 @@ def test_the_naming_rule():
     assert KNOBS == {
         "budget": "budget", "host_budget": "host_budget", "max_tokens_per_rank": "max_tokens_per_rank",
         "inner": "inner", "vocab_enable": "vocab.enable", "vocab_block": "vocab.block",
-        "dispatch_enable": "dispatch.enable", "dispatch_cap": "dispatch.cap", "sco_enable": "sco.enable",
-        "sco_max_layers": "sco.max_layers", "optimizer_offload": "optimizer.offload",
+        "dispatch_enable": "dispatch.enable", "dispatch_cap": "dispatch.cap",
+        "dispatch_borrowed_slots": "dispatch.borrowed_slots", "sco_enable": "sco.enable", "sco_max_layers": "sco.max_layers", "optimizer_offload": "optimizer.offload",
         "optimizer_bucket": "optimizer.bucket", "optimizer_slots": "optimizer.slots"}
     for keyword, path in KNOBS.items():
         assert keyword == path.replace(".", "_")
@@ -165,7 +165,7 @@ def test_the_recipe_section_is_config_and_parses_every_knob():
     assert BoundpassConfig().flat() == Config().flat()  # the same defaults: inherited, not repeated
     values = {"budget": "2GiB", "host_budget": "3GiB", "max_tokens_per_rank": 128, "inner": "inductor",
               "vocab_enable": False, "vocab_block": 256, "dispatch_enable": False, "dispatch_cap": 64,
-              "sco_enable": False, "sco_max_layers": 2, "optimizer_offload": True, "optimizer_bucket": 4096,
+              "dispatch_borrowed_slots": 3, "sco_enable": False, "sco_max_layers": 2, "optimizer_offload": True, "optimizer_bucket": 4096,
               "optimizer_slots": 1}
     assert set(values) == set(KNOBS)
     argv = ["--module", "boundpass.recipes", "--config", "deepseek_v3_debug"]
@@ -180,10 +180,12 @@ def test_the_recipe_section_is_config_and_parses_every_knob():
         _config_manager_class()().parse_args([*argv[:4], "--boundpass.dispatch.cap", "0"])
     # the MoP layout's knobs carry the same names and defaults
     options = {f.name: f.default for f in dataclasses.fields(MoPOptions)}
-    assert options["dispatch_cap"] is options["vocab_block"] is None
+    assert options["dispatch_cap"] is options["vocab_block"] is options["dispatch_borrowed_slots"] is None
     assert MoPOptions().cap == bc.PLAN_DISPATCH_CAP
     with pytest.raises(boundpass.BoundpassInputError, match=r"dispatch\.cap"):
         MoPOptions(dispatch_cap=0)
+    with pytest.raises(boundpass.BoundpassInputError, match=r"dispatch\.borrowed_slots"):
+        MoPOptions(dispatch_borrowed_slots=-1)
 
 
 # ------------------------------------------------------------------------------------------- validation
@@ -192,6 +194,8 @@ def test_the_recipe_section_is_config_and_parses_every_knob():
     (dict(vocab_enable="yes"), ("vocab.enable", "vocab_enable=")),
     (dict(dispatch_cap=-1), ("dispatch.cap", "dispatch_cap=", "--dispatch-cap")),
     (dict(dispatch_enable=None), ("dispatch.enable", "dispatch_enable=")),
+    (dict(dispatch_borrowed_slots=-1), ("dispatch.borrowed_slots", "dispatch_borrowed_slots=",
+                                        "--dispatch-borrowed-slots")),
     (dict(sco_enable=1), ("sco.enable", "sco_enable=")),  # 1 == True, but not True: refused
     (dict(sco_max_layers=-1), ("sco.max_layers", "sco_max_layers=", "--sco-max-layers")),
     (dict(optimizer_offload="yes"), ("optimizer.offload", "optimizer_offload=")),

@@ -201,8 +201,10 @@ def _graphs(gm: fx.GraphModule):
             yield sub
 
 
-def rewrite_dispatch_regions(gm: fx.GraphModule, root: torch.nn.Module) -> list[DispatchRegion]:
-    """Rewrite every eligible routed-experts region (cap left at 0; the compiler sets it); return all found."""
+def rewrite_dispatch_regions(gm: fx.GraphModule, root: torch.nn.Module,
+                             borrowed_slots: int | None = None) -> list[DispatchRegion]:
+    """Rewrite every eligible routed-experts region (cap left at 0; the compiler sets it); return all found.
+    ``borrowed_slots``: Config's dispatch.borrowed_slots (s_b; None: e, LLEP's default)."""
     try:
         routed_cls = _routed_experts_classes()
     except ImportError:  # no torchtitan: no torchtitan MoE regions to find, only the ones found by structure
@@ -244,7 +246,7 @@ def rewrite_dispatch_regions(gm: fx.GraphModule, root: torch.nn.Module) -> list[
             regions.append(DispatchRegion(module_path=_pretty(key), rewritten=False,
                                           reason=f"the region is split across {len(parts)} nested graphs"))
             continue
-        regions.append(_rewrite_one(graph_module, key, module, nodes))
+        regions.append(_rewrite_one(graph_module, key, module, nodes, borrowed_slots))
     for graph_module in _graphs(gm):
         graph_module.graph.lint()
         graph_module.recompile()
@@ -359,16 +361,19 @@ def unsupported_reason(module) -> str:
 
 
 def _op_args(tokens, ids, scores, w1, w2, w3, *, group_name: str, local_experts: int, ep_size: int,
-             compute_dtype) -> tuple:
+             compute_dtype, borrowed_slots: int | None = None) -> tuple:
     """``pipelined_llep_fwd``'s arguments as both rewrites give them: cap 0 (the compiler sets it), LLEP's planner
-    defaults, strided chunks, and borrowed-weight slots s_b = e under EP (LLEP's default) but none on one rank:
-    there is no rank to borrow from, and the bound would count s_b experts' weights and gradients that never exist."""
-    borrowed = local_experts if ep_size > 1 else 0
+    defaults, strided chunks, and borrowed-weight slots s_b: ``borrowed_slots`` (None: e, LLEP's default), at most the
+    (E_p - 1) e experts the other ranks own (a slot no expert can fill would still be counted), none on one rank:
+    there is no rank to borrow from, and the bound would count s_b experts' weights and gradients that never exist.
+    The op's planner enforces the slots (llep_plan.plan_llep's max_borrowed), so the bound holds for any routing."""
+    slots = local_experts if borrowed_slots is None else borrowed_slots
+    borrowed = min(slots, (ep_size - 1) * local_experts) if ep_size > 1 else 0
     return (tokens, ids, scores, w1, w2, w3, group_name, 0, DEFAULT_ALPHA, DEFAULT_MIN_PIECE, DEFAULT_IMBALANCE,
             borrowed, True, [], compute_dtype)
 
 
-def _rewrite_one(gm, key, module, nodes) -> DispatchRegion:
+def _rewrite_one(gm, key, module, nodes, borrowed_slots: int | None = None) -> DispatchRegion:
     path = _pretty(key)
     skip = lambda why: DispatchRegion(module_path=path, rewritten=False, reason=why)  # noqa: E731
     dispatcher = module.token_dispatcher
@@ -412,7 +417,7 @@ def _rewrite_one(gm, key, module, nodes) -> DispatchRegion:
         local = [add("to_local", w, kind="call_method") if hasattr(_val(w), "to_local") else w for w in weights]
         fused = add(torch.ops.boundpass.pipelined_llep_fwd.default,
                     *_op_args(tokens, flat_ids, flat_scores, *local, group_name=group_name, local_experts=e,
-                              ep_size=ep_size, compute_dtype=compute_dtype))
+                              ep_size=ep_size, compute_dtype=compute_dtype, borrowed_slots=borrowed_slots))
         out = add(operator.getitem, fused, 0)
         out = add("view_as", out, x, kind="call_method")
     out_node.replace_all_uses_with(out)
