@@ -640,6 +640,19 @@ def _int_or_hint(expr, backed: dict) -> int:
     return int(out) if out.is_number else 0
 
 
+def _dispatch_fix(region, tokens) -> str:
+    """What to change when the PipelinedLLEP op binds even at c = 1: the tokens, the EP degree, and, while LLEP may
+    lend this rank other ranks' experts, fewer borrowed-expert slots (each holds an expert's weights and gradients)."""
+    fix = (f"reduce tokens per rank N (now {tokens}) or raise the budget: even c=1 token per source per chunk does not "
+           "fit beside the rest of the step (more EP ranks shrink the experts each rank holds)")
+    slots = region.op_node.args[11] if region is not None and region.op_node is not None else 0
+    if slots > 0:
+        slot_bytes = 2 * 3 * region.hidden * region.inter * (region.dtype or torch.float32).itemsize
+        fix += (f"; or lend fewer borrowed-expert slots (dispatch_borrowed_slots, now {slots}: "
+                f"{format_bytes(slot_bytes)} each)")
+    return fix
+
+
 def _raise_step_infeasible(owner: "BoundedModule", cert, knobs: list[Knob], plan) -> None:
     """Name the knob that would help most at the peak's program point (never one that cannot help)."""
     table, point = cert.table, cert.point
@@ -663,9 +676,8 @@ def _raise_step_infeasible(owner: "BoundedModule", cert, knobs: list[Knob], plan
             infeasible(cert, knob="increase the ring size P (boundpass.compile(..., ring_group=<group of more ranks>)) "
                        f"or reduce tokens per rank N (now {tokens}); the narrowest strip C={knob.lo} does not fit",
                        detail=f"at C={knob.value}", name=f"vocab (Ring-DTP, C={knob.value}){where}")
-        infeasible(cert, knob=f"reduce tokens per rank N (now {tokens}) or raise the budget: even c=1 token per "
-                   "source per chunk does not fit beside the rest of the step (more EP ranks shrink the experts "
-                   "each rank holds)", detail=f"at c={knob.value}", name=f"dispatch (PipelinedLLEP, c={knob.value}){where}")
+        infeasible(cert, knob=_dispatch_fix(knob.regions[0] if knob.regions else None, tokens),
+                   detail=f"at c={knob.value}", name=f"dispatch (PipelinedLLEP, c={knob.value}){where}")
     saved = sum(n for s, n in cert.peak.live_at(point, cert.values, top=10**6) if s.kind == "saved") if point else 0
     if plan.eligible and saved and (plan.mode is False or plan.most < len(plan.eligible)):
         # more offload can only help when boundaries are still on the device that the host pool could take

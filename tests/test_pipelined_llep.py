@@ -351,3 +351,23 @@ def test_graph_bound_reads_unlimited_borrowing_as_every_other_ranks_experts():
 
     assert charged(-1) == charged(0) > 0
     assert charged(1) > charged(0)
+
+
+def test_an_infeasible_dispatch_names_the_borrowed_slots_it_holds():
+    """When the PipelinedLLEP op binds even at c = 1, the fix names dispatch_borrowed_slots and one slot's bytes while
+    the op lends slots (EP > 1), and not on one EP rank (0 slots: fewer cannot help)."""
+    import torch.fx as fx
+    from boundpass.compiler import _dispatch_fix
+    from boundpass.passes.dispatch_pass import DispatchRegion
+
+    def region(slots):
+        graph = fx.Graph()
+        op = graph.call_function(torch.ops.boundpass.pipelined_llep_fwd.default,
+                                 tuple([None] * 11) + (slots, True, [], torch.bfloat16))
+        return DispatchRegion(module_path="layers.1.moe", rewritten=True, tokens=128, hidden=256, inter=768,
+                              experts=64, local_experts=32, top_k=8, ep_size=2, group_name="g", dtype=torch.bfloat16,
+                              op_node=op)
+    fix = _dispatch_fix(region(8), 128)
+    assert "tokens per rank N (now 128)" in fix
+    assert "dispatch_borrowed_slots, now 8: 2.25 MiB each" in fix, fix  # 2 x 3 x 256 x 768 bf16 elements
+    assert "borrowed" not in _dispatch_fix(region(0), 128)
