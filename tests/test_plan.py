@@ -417,3 +417,22 @@ def test_plan_report_says_which_block_terms_are_traced_and_why_not():
     assert any(n.startswith("block terms: traced on one rank without the routed experts") for n in wide.trace_notes)
     kinds = {t.kind for t in wide.table.terms}
     assert {"traced_moe_forward_ffn", "dispatch", "attention_exchange"} <= kinds and "moe" not in kinds
+
+
+def test_borrowed_slots_move_the_dispatch_term_by_their_experts():
+    """dispatch_borrowed_slots (s_b): PipelinedLLEP's backward holds s_b borrowed experts' weights and their gradients
+    (2 s_b Wx), its forward their weights; None is LLEP's default e = E/E_p; more slots than the other ranks' experts
+    count as those; 0 none."""
+    import dataclasses
+    shape = model_shape("deepseek_v3", "debugmodel")
+    launch = composed.Launch(ranks=2, ep=2, ring=2, tokens_per_rank=2048, b=4, b_acc=4)
+
+    def terms(slots):
+        table = composed.compose(shape, dataclasses.replace(launch, dispatch_borrowed_slots=slots), budget=1 << 40)
+        return [next(t.value for t in table.terms if t.name == f"expert dispatch (PipelinedLLEP, routing-independent)"
+                     f", its {part}") for part in ("forward", "backward")]
+    e = shape.experts // 2
+    expert = 3 * shape.expert_hidden * shape.hidden * 4  # Wx at b = 4
+    assert terms(None) == terms(e) == terms(e + 5)
+    (f0, b0), (f1, b1), (fe, be) = terms(0), terms(1), terms(None)
+    assert (f1 - f0, b1 - b0) == (expert, 2 * expert) and (fe - f0, be - b0) == (e * expert, 2 * e * expert)
