@@ -103,7 +103,7 @@ def _leaves(x, s, ws):
 def autograd_step(schedule, x, ids, s, ws, grad, group, cfg):
     """One forward+backward through autograd (the custom op for PipelinedLLEP): (out, dx, ds, dw1, dw2, dw3)."""
     x, s, ws = _leaves(x, s, ws)
-    e = ws[0].shape[0]
+    e = cfg.get("max_borrowed", ws[0].shape[0])  # borrowed-expert slots s_b (default e; bench/borrowed_slots.py)
     if schedule == "standard":
         out = standard_ep(x, ids, s, *ws, group)
     elif schedule == "llep":
@@ -125,7 +125,7 @@ def live_peak(schedule, x, ids, s, ws, grad, group, cfg, counts=()) -> int:
     graph; PipelinedLLEP: its eager forward/backward (the tracker cannot see inside the custom op)."""
     tracker = LiveStorageTracker().track_existing(x, ids, s, *ws, grad)
     if schedule.startswith("pipelined"):
-        e = ws[0].shape[0]
+        e = cfg.get("max_borrowed", ws[0].shape[0])
         args = (group.group_name if group is not None else "", _cap(schedule, x, cfg), PLAN["alpha"],
                 cfg["min_piece"], PLAN["imbalance_threshold"], e, schedule != "pipelined_consecutive")
         with tracker, torch.no_grad():
