@@ -108,7 +108,9 @@ def test_largest_flavor_plans_at_full_scale_and_gives_a_verdict(family):
 
 def test_every_moe_flavor_of_every_family_plans(survey):
     """All 14 MoE flavors of torchtitan 0.3.0 (W = 8, E_p = 1, 32K context, hand-written block terms: ~0.1-1 s
-    each): a verdict each; 236B / 671B / Kimi-K2.5 do not fit on 8 ranks (Θ/W alone), the others do."""
+    each): a verdict each; 671B / Kimi-K2.5 do not fit on 8 ranks (Θ/W alone), the others do (236B at 135.9 of
+    139 GiB: at E_p = 1 PipelinedLLEP lends no experts, so no borrowed slots are counted; 160 phantom slots, 14 GiB,
+    had put it over before dispatch.borrowed_slots was clamped to the (E_p - 1) e experts other ranks own)."""
     verdicts = {}
     for family, s in survey.items():
         for flavor in s["moe_flavors"]:
@@ -117,7 +119,7 @@ def test_every_moe_flavor_of_every_family_plans(survey):
             verdicts[(family, flavor)] = r.fits
     assert len(verdicts) == 14
     assert {k for k, fits in verdicts.items() if not fits} == {
-        ("deepseek_v3", "236B"), ("deepseek_v3", "671B"), ("kimi_k2_7", "Kimi-K2.5")}
+        ("deepseek_v3", "671B"), ("kimi_k2_7", "Kimi-K2.5")}
 
 
 def test_kimi_debug_blocks_are_traced_like_deepseek_v3():
