@@ -645,7 +645,7 @@ def _dispatch_fix(region, tokens) -> str:
     lend this rank other ranks' experts, fewer borrowed-expert slots (each holds an expert's weights and gradients)."""
     fix = (f"reduce tokens per rank N (now {tokens}) or raise the budget: even c=1 token per source per chunk does not "
            "fit beside the rest of the step (more EP ranks shrink the experts each rank holds)")
-    slots = region.op_node.args[11] if region is not None and region.op_node is not None else 0
+    slots = region.borrowed_slots if region is not None else 0
     if slots > 0:
         slot_bytes = 2 * 3 * region.hidden * region.inter * (region.dtype or torch.float32).itemsize
         fix += (f"; or lend fewer borrowed-expert slots (dispatch_borrowed_slots, now {slots}: "

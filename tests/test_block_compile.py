@@ -304,7 +304,9 @@ def test_per_block_bound_both_ways_on_4_ranks(tmp_path, assets):
         assert qwen3["w1"] == qwen3_8["w1"] and len(qwen3["w1"]) == 3 and qwen3["w1"][0] == 64, qwen3["w1"]
         slot = 2 * 3 * qwen3["w1"][1] * qwen3["w1"][2] * 2  # an expert's bf16 w1, w2, w3 and their gradients
         assert qwen3["certified"][0] - qwen3_8["certified"][0] == (32 - 8) * slot, (qwen3["certified"], qwen3_8)
-        assert qwen3_8["summary"].count("REWRITTEN dispatch") == 1, qwen3_8["summary"]
+        assert qwen3_8["summary"].count("REWRITTEN dispatch") == 1 and "s_b=8)" in qwen3_8["summary"], \
+            qwen3_8["summary"]
+        assert "s_b=32)" in qwen3["summary"], qwen3["summary"]  # the log says which slots the op was given
         _sound_and_tight(qwen3_8["peaks"], qwen3_8["certified"][0])
 
 

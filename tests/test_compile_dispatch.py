@@ -229,7 +229,7 @@ def _ep_rank(rank, world, cases):
         assert term.value == local < sum(p.numel() * p.element_size() for p in model.parameters())
         # the op runs (and its bound counts) the borrowed-expert slots asked for; None: e, LLEP's default
         out.append((name, experts, loss, ref_loss, worst, [(r.rewritten, r.ep_size, r.reason) for r in regions],
-                    [(r.op_node.args[11], r.local_experts) for r in regions if r.rewritten]))
+                    [(r.borrowed_slots, r.local_experts) for r in regions if r.rewritten]))
     return out
 
 

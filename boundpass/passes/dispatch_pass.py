@@ -60,12 +60,18 @@ class DispatchRegion:
     form: str = "token dispatch -> grouped experts -> combine"   # what was matched (torchtitan's, or by structure)
     op_node: fx.Node | None = field(default=None, repr=False)
 
+    @property
+    def borrowed_slots(self) -> int:
+        """s_b, the borrowed-expert slots the op was given (dispatch.borrowed_slots; _op_args)."""
+        return self.op_node.args[11] if self.op_node is not None else 0
+
     def describe(self) -> str:
         if not self.rewritten:
             return f"SKIPPED   dispatch {self.module_path}: {self.reason}"
         return (f"REWRITTEN dispatch {self.module_path}: {self.form} => "
                 f"boundpass::pipelined_llep (T={self.tokens}, H={self.hidden}, I={self.inter}, E={self.experts}, "
-                f"k={self.top_k}, E_p={self.ep_size}, {self.dtype}, experts in {self.compute_dtype}, c={self.cap})")
+                f"k={self.top_k}, E_p={self.ep_size}, {self.dtype}, experts in {self.compute_dtype}, c={self.cap}, "
+                f"s_b={self.borrowed_slots})")
 
 
 def _stack(node: fx.Node) -> list[tuple[str, type]]:
