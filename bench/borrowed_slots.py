@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import fmt_bytes, interleaved_medians, markdown_table, publish, run_metadata
-from bench.dispatch import PLAN, autograd_step, counts_of, live_peak, routing_ids
+from bench.dispatch import PLAN, autograd_step, counts_of, live_peak, rank_tensors, routing_ids
 from boundpass import symbols as sym
 from boundpass.runtime.llep_plan import ChunkedRoutes, plan_llep
 from boundpass.runtime.pipelined_llep import bound_values, pipelined_llep_bound
@@ -45,14 +45,8 @@ def rank_ids(kind: str, rank: int, cfg: dict) -> torch.Tensor:
 
 
 def rank_inputs(kind: str, rank: int, cfg: dict):
-    T, H, I, E = cfg["T"], cfg["H"], cfg["I"], cfg["E"]
-    e = E // cfg["world"]
-    g = torch.Generator().manual_seed(7 + rank)
-    x, s, grad = torch.randn(T, H, generator=g), torch.rand(T, cfg["k"], generator=g), torch.randn(T, H, generator=g)
-    gw = torch.Generator().manual_seed(99)
-    ws = [(torch.randn(E, *shape, generator=gw) * shape[1] ** -0.5)[rank * e:(rank + 1) * e].clone()
-          for shape in ((I, H), (H, I), (I, H))]
-    return rank_ids(kind, rank, cfg), x, s, grad, ws
+    """This rank's routing and bench/dispatch.py's tensors for it (x, scores, output gradient, its experts)."""
+    return (rank_ids(kind, rank, cfg),) + rank_tensors(rank, cfg["world"], cfg)
 
 
 def on_rank(rank: int, world: int, cfg: dict) -> dict:

@@ -144,9 +144,13 @@ def live_peak(schedule, x, ids, s, ws, grad, group, cfg, counts=()) -> int:
 # --------------------------------------------------------------------------------- measured (real tensors)
 def rank_inputs(kind: str, rank: int, world: int, cfg: dict):
     """This rank's (ids, x, scores, output gradient, its experts' w1, w2, w3) for a routing family."""
+    return (global_ids(kind, world, cfg["T"], cfg["E"], cfg["k"])[rank],) + rank_tensors(rank, world, cfg)
+
+
+def rank_tensors(rank: int, world: int, cfg: dict):
+    """This rank's (x, scores, output gradient, its experts' w1, w2, w3), the same for every routing."""
     T, H, I, E, k = cfg["T"], cfg["H"], cfg["I"], cfg["E"], cfg["k"]
     e = E // world
-    ids = global_ids(kind, world, T, E, k)[rank]
     g = torch.Generator().manual_seed(7 + rank)
     x = torch.randn(T, H, generator=g)
     s = torch.rand(T, k, generator=g)
@@ -154,7 +158,7 @@ def rank_inputs(kind: str, rank: int, world: int, cfg: dict):
     gw = torch.Generator().manual_seed(99)  # all experts, a copy of this rank's slice (own storage)
     ws = [(torch.randn(E, *shape, generator=gw) * shape[1] ** -0.5)[rank * e:(rank + 1) * e].clone()
           for shape in ((I, H), (H, I), (I, H))]
-    return ids, x, s, grad, ws
+    return x, s, grad, ws
 
 
 def real_rank(rank: int, world: int, cfg: dict) -> dict:

@@ -647,7 +647,8 @@ def _dispatch_fix(region, tokens) -> str:
            "fit beside the rest of the step (more EP ranks shrink the experts each rank holds)")
     slots = region.borrowed_slots if region is not None else 0
     if slots > 0:
-        slot_bytes = 2 * 3 * region.hidden * region.inter * (region.dtype or torch.float32).itemsize
+        from boundpass.runtime.pipelined_llep import expert_bytes
+        slot_bytes = 2 * expert_bytes(H=region.hidden, I=region.inter, b=(region.dtype or torch.float32).itemsize)
         fix += (f"; or lend fewer borrowed-expert slots (dispatch_borrowed_slots, now {slots}: "
                 f"{format_bytes(slot_bytes)} each)")
     return fix

@@ -294,10 +294,8 @@ def symbol_values(shape: ModelShape, launch: Launch, *, host_budget: int | None 
         sym.c: min(launch.resolved("dispatch_cap"), N),
         sym.C: min(launch.resolved("vocab_block"), v_shard),
         sym.beta: max(1, min(launch.resolved("optimizer_bucket"), theta)), sym.S: launch.resolved("optimizer_slots"),
-        # as the dispatch pass gives the op (_op_args): None is e = E / E_p; at most the (E_p - 1) e experts other
-        # ranks own, so none at E_p = 1 (no rank to borrow from)
-        sym.s_b: min((shape.experts // E_p) if launch.dispatch_borrowed_slots is None
-                     else launch.dispatch_borrowed_slots, (E_p - 1) * (shape.experts // E_p)),
+        # as the dispatch pass gives the op: None is e = E / E_p, never more than the other ranks' experts
+        sym.s_b: pl.borrowed_slot_count(launch.dispatch_borrowed_slots, shape.experts // E_p, E_p),
         sym.R: (E_p if launch.routing == "worst" else 1) * N * max(shape.top_k, 1),
     }
     values.update({G_lead: shape.leading_dense_params, G_dense_min: shape.min_dense_block_params,

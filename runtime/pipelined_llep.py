@@ -732,8 +732,23 @@ def pipelined_llep(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor,
 
 
 # ------------------------------------------------------------------------------------------- bounds
+def borrowed_slot_count(max_borrowed: int | None, local_experts: int, ep_size: int) -> int:
+    """s_b, the borrowed-expert slots one rank can fill: ``max_borrowed`` (None: e, LLEP's default; negative: no
+    limit), at most the (E_p - 1) e experts the other ranks own, so none on one EP rank. The dispatch pass gives
+    the op this (Config's dispatch.borrowed_slots) and the composed budget counts it."""
+    most = (ep_size - 1) * local_experts
+    if max_borrowed is None:
+        max_borrowed = local_experts
+    return most if max_borrowed < 0 else min(max_borrowed, most)
+
+
 def _expert_bytes():
     return 3 * sym.I * sym.H * sym.b  # w1, w2, w3 of one expert
+
+
+def expert_bytes(*, H: int, I: int, b: int) -> int:
+    """One expert's w1, w2, w3 in bytes (the bound's Wx; a borrowed slot holds these and their gradients)."""
+    return int(_expert_bytes().subs({sym.H: H, sym.I: I, sym.b: b}))
 
 
 def pipelined_llep_bound(*, mixed_precision: bool, narrow_compute: bool = False,

@@ -373,8 +373,8 @@ def _op_args(tokens, ids, scores, w1, w2, w3, *, group_name: str, local_experts:
     (E_p - 1) e experts the other ranks own (a slot no expert can fill would still be counted), none on one rank:
     there is no rank to borrow from, and the bound would count s_b experts' weights and gradients that never exist.
     The op's planner enforces the slots (llep_plan.plan_llep's max_borrowed), so the bound holds for any routing."""
-    slots = local_experts if borrowed_slots is None else borrowed_slots
-    borrowed = min(slots, (ep_size - 1) * local_experts) if ep_size > 1 else 0
+    from boundpass.runtime.pipelined_llep import borrowed_slot_count
+    borrowed = borrowed_slot_count(borrowed_slots, local_experts, ep_size)
     return (tokens, ids, scores, w1, w2, w3, group_name, 0, DEFAULT_ALPHA, DEFAULT_MIN_PIECE, DEFAULT_IMBALANCE,
             borrowed, True, [], compute_dtype)
 
@@ -443,7 +443,7 @@ def pipelined_llep_peak(node: fx.Node, ctx: dict):
     the expert-weight gradients and input gradients the backward has not made yet (qwen3 debug at 4 ranks: the
     block graph's peak was the recompute's forward node, 135 MiB)."""
     from boundpass import symbols as sym
-    from boundpass.runtime.pipelined_llep import _Group, bound_values, pipelined_llep_bound
+    from boundpass.runtime.pipelined_llep import _Group, borrowed_slot_count, bound_values, pipelined_llep_bound
     from boundpass.step_peak import as_expr
     forward = node.target is torch.ops.boundpass.pipelined_llep_fwd.default
     x, ids, w1 = (node.args[0], node.args[1], node.args[3]) if forward else (node.args[1], node.args[2], node.args[4])
@@ -454,7 +454,7 @@ def pipelined_llep_peak(node: fx.Node, ctx: dict):
     e, inter, hidden = (int(d) for d in w1_val.shape)
     ep, k = _Group(group_name).size, int(ids_val.shape[-1])
     if slots < 0:  # max_borrowed -1: no limit, a helper can borrow every expert of the other ranks
-        slots = (ep - 1) * e
+        slots = borrowed_slot_count(slots, e, ep)
     values = bound_values(x_val.dtype, N=1, H=hidden, I=inter, E=e * ep, E_p=ep, k=k, s_b=slots)
     values[sym.N] = as_expr(x_val.shape[0])
     values.pop(sym.c)
