@@ -294,8 +294,10 @@ def symbol_values(shape: ModelShape, launch: Launch, *, host_budget: int | None 
         sym.c: min(launch.resolved("dispatch_cap"), N),
         sym.C: min(launch.resolved("vocab_block"), v_shard),
         sym.beta: max(1, min(launch.resolved("optimizer_bucket"), theta)), sym.S: launch.resolved("optimizer_slots"),
-        # as the dispatch pass gives the op: None is e = E / E_p, never more than the other ranks' experts
-        sym.s_b: pl.borrowed_slot_count(launch.dispatch_borrowed_slots, shape.experts // E_p, E_p),
+        # as the dispatch pass gives the op: None is e = E / E_p, never more than the other ranks' experts nor than
+        # LLEP's planner lends one helper for N k routes per rank
+        sym.s_b: pl.borrowed_slot_count(launch.dispatch_borrowed_slots, shape.experts // E_p, E_p,
+                                        N * max(shape.top_k, 1)),
         sym.R: (E_p if launch.routing == "worst" else 1) * N * max(shape.top_k, 1),
     }
     values.update({G_lead: shape.leading_dense_params, G_dense_min: shape.min_dense_block_params,

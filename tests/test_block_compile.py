@@ -239,7 +239,7 @@ def _sound_and_tight(peaks, certified, tight: float = 1.10) -> None:
     assert certified <= tight * max(steady), (peaks, certified)
 
 
-def _bound_run(rank, world, tmp, assets, ac=(), config="deepseek_v3_debug_ep2", top_k=3, knobs=()):
+def _bound_run(rank, world, tmp, assets, ac=(), config="deepseek_v3_debug_ep2", top_k=3, knobs=(), hot=None):
     os.environ["BOUNDPASS_ASSETS"] = assets
     from boundpass.recipes.train import build_in_process
     from boundpass.testing.routing import route_all_to
@@ -254,8 +254,8 @@ def _bound_run(rank, world, tmp, assets, ac=(), config="deepseek_v3_debug_ep2", 
     def train_step(data_iterator):
         out = step(data_iterator)
         certified.append(trainer.certified_peak())
-        if trainer.step == 2:  # step 3: every token picks experts 0..k-1, all on EP rank 0
-            route_all_to(trainer.model_parts[0], range(top_k))
+        if trainer.step == 2:  # step 3: every token picks k of experts 0..hot-1 (default k), all on EP rank 0
+            route_all_to(trainer.model_parts[0], range(hot or top_k))
         return out
     # the routed experts' w1, global [E, F, D] (a DTensor sharded by EP and FSDP2), read before close()
     w1 = next(p for n, p in trainer.model_parts[0].named_parameters()
@@ -267,10 +267,11 @@ def _bound_run(rank, world, tmp, assets, ac=(), config="deepseek_v3_debug_ep2", 
 
 
 def _bound_runs(rank, world, tmp, assets, ac):
-    """deepseek_v3 debug, then qwen3 MoE debug cut to 3 blocks at LLEP's default borrowed-expert slots (s_b = e = 32)
-    and at 8, in one launch (a 4-rank launch costs ~8 s of process start and imports), each trainer closed before the
-    next."""
-    qwen3 = dict(config="qwen3_moe_debug_ep2_3blocks", top_k=8)
+    """deepseek_v3 debug, then qwen3 MoE debug cut to 3 blocks at LLEP's default borrowed-expert slots (s_b = e = 32,
+    cut to the 15 LLEP's planner can lend) and at 8, in one launch (a 4-rank launch costs ~8 s of process start and
+    imports), each trainer closed before the next. qwen3's step 3 routes every token to k of rank 0's 32 experts: the
+    routing that makes LLEP lend the most (15 of 32 when the load is even; test_pipelined_llep)."""
+    qwen3 = dict(config="qwen3_moe_debug_ep2_3blocks", top_k=8, hot=32)
     return (_bound_run(rank, world, tmp, assets, ac), _bound_run(rank, world, tmp, assets, ac, **qwen3),
             _bound_run(rank, world, tmp, assets, ac, **qwen3, knobs=("--boundpass.dispatch.borrowed_slots", "8")))
 
@@ -280,8 +281,8 @@ def _bound_runs(rank, world, tmp, assets, ac):
 def test_per_block_bound_both_ways_on_4_ranks(tmp_path, assets):
     """deepseek_v3 debug and qwen3 MoE debug (3 blocks) on 4 gloo ranks (FSDP2 over 4, EP = 2), every block
     checkpointed (torchtitan's FullAC; the 2-rank tests here run its SelectiveAC), per-block compile: every steady
-    step's measured peak (torch's allocator) within [certified / 1.10, certified] (qwen3 at LLEP's default 32
-    borrowed-expert slots: / 1.20), the certificate unmoved by all-to-one routing. The reduce-scatters are phases of
+    step's measured peak (torch's allocator) within [certified / 1.10, certified] (qwen3 at LLEP's default
+    borrowed-expert slots: / 1.13), the certificate unmoved by all-to-one routing. The reduce-scatters are phases of
     their own (one per block graph, the head's, the tail)."""
     results = run_on_ranks(_bound_runs, 4, str(tmp_path), assets, ("activation-checkpoint:full",), timeout_s=900)
     for result, qwen3, qwen3_8 in results:
@@ -294,19 +295,20 @@ def test_per_block_bound_both_ways_on_4_ranks(tmp_path, assets):
             assert len(set(run["certified"])) == 1, f"the certified peak moved with the routing: {run['certified']}"
         assert result["phases"] == 2 + 1 + 1, result["summary"]  # 2 block graphs' reduce-scatters, head's, tail
         _sound_and_tight(result["peaks"], result["certified"][0])
-        # qwen3 (64 experts, 32 per EP rank) at LLEP's default s_b = e = 32 borrowed-expert slots: measured 1.187x.
-        # The binding table is the block graph's, whose PipelinedLLEP bound counts the slots LLEP's planner may fill
-        # for some routing (32 experts' bf16 weights and gradients, 72 MiB); the router's draws fill at most 14 (the
-        # plan's arithmetic, docs/recipe.md), and every measured step peaks in the experts' reduce-scatter instead,
-        # under all-to-one routing too. With --boundpass.dispatch.borrowed_slots 8 the planner lends at most 8 and the
-        # bound counts 8: the certificate drops by exactly 24 slots' weights and gradients, and is within 1.10x
-        _sound_and_tight(qwen3["peaks"], qwen3["certified"][0], tight=1.20)
+        # qwen3 (64 experts, 32 per EP rank) at LLEP's default s_b = e = 32: cut to the 15 LLEP's planner can ever
+        # lend one helper at T k = 1,024 routes per rank (llep_plan.lendable_experts; 1.187x before the cut, 1.124x
+        # measured after). The binding table is the block graph's; step 3 routes every token to rank 0's 32 experts
+        # (LLEP lends ~15) and the measured peak does not move: every measured step peaks in the experts'
+        # reduce-scatter, 60-76 MiB under both the block graph's table and the reduce-scatter phase's (docs/recipe.md).
+        # With --boundpass.dispatch.borrowed_slots 8 the planner lends at most 8 and the bound counts 8: the
+        # certificate drops by exactly 7 slots' weights and gradients, and is within 1.10x
+        _sound_and_tight(qwen3["peaks"], qwen3["certified"][0], tight=1.13)
         assert qwen3["w1"] == qwen3_8["w1"] and len(qwen3["w1"]) == 3 and qwen3["w1"][0] == 64, qwen3["w1"]
         slot = 2 * 3 * qwen3["w1"][1] * qwen3["w1"][2] * 2  # an expert's bf16 w1, w2, w3 and their gradients
-        assert qwen3["certified"][0] - qwen3_8["certified"][0] == (32 - 8) * slot, (qwen3["certified"], qwen3_8)
+        assert qwen3["certified"][0] - qwen3_8["certified"][0] == (15 - 8) * slot, (qwen3["certified"], qwen3_8)
         assert qwen3_8["summary"].count("REWRITTEN dispatch") == 1 and "s_b=8)" in qwen3_8["summary"], \
             qwen3_8["summary"]
-        assert "s_b=32)" in qwen3["summary"], qwen3["summary"]  # the log says which slots the op was given
+        assert "s_b=15)" in qwen3["summary"], qwen3["summary"]  # the log says which slots the op was given
         _sound_and_tight(qwen3_8["peaks"], qwen3_8["certified"][0])
 
 

@@ -7,8 +7,8 @@ from hypothesis import given, settings, strategies as st
 from boundpass import symbols as sym
 from boundpass.errors import BoundpassInputError
 from boundpass.memtrack import LiveStorageTracker
-from boundpass.runtime.llep_plan import ChunkedRoutes, plan_llep
-from boundpass.runtime.pipelined_llep import (bound_values, llep, llep_bound, num_chunks, pipelined_llep,
+from boundpass.runtime.llep_plan import ChunkedRoutes, lendable_experts, plan_llep
+from boundpass.runtime.pipelined_llep import (borrowed_slot_count, bound_values, llep, llep_bound, num_chunks, pipelined_llep,
                                               pipelined_llep_backward, pipelined_llep_bound, pipelined_llep_forward,
                                               standard_ep, standard_ep_bound)
 from boundpass.testing.distributed import run_on_ranks
@@ -144,6 +144,59 @@ def test_plan_covers_every_route_and_chunks_respect_the_cap(data, world, e, k, c
         assert all(sum(row) <= -(-max(tokens) * k // K) <= cap * k for row in sends)
     assert [sum(routes.send_splits(s, j)[d] for j in range(K) for d in range(world)) for s in range(world)] \
         == [sum(row) for row in counts]
+
+
+def _token_routes(rng, T, k, experts):
+    """One rank's counts over E experts: each of T tokens picks k distinct experts of ``experts`` (weights 1/i^a)."""
+    E, pool, a = experts
+    weights = [1.0 / (i + 1) ** a for i in range(len(pool))]
+    row = [0] * E
+    for _ in range(T):
+        picked = set()
+        while len(picked) < k:
+            picked.add(rng.choices(pool, weights)[0])
+        for ex in picked:
+            row[ex] += 1
+    return row
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**31), world=st.integers(2, 4), e=st.sampled_from([1, 2, 3, 4, 8, 32]),
+       T=st.sampled_from([1, 2, 3, 7, 64]), alpha=st.sampled_from([1.0, 1.1, 1.5]),
+       min_piece=st.sampled_from([1, 4, 1024]), threshold=st.sampled_from([0.0, 1.3]),
+       where=st.sampled_from(["anywhere", "rank 0", "some experts"]), skew=st.sampled_from([0.0, 1.2, 3.0]))
+def test_llep_never_lends_a_helper_more_than_lendable_experts(seed, world, e, T, alpha, min_piece, threshold, where,
+                                                              skew):
+    """The planner's arithmetic (llep_plan.lendable_experts): for every routing of T k routes per rank, no helper
+    borrows more experts, and a slot limit of that many changes no plan (the dispatch pass gives it to the op); cut
+    below (E_p - 1) e only where proven (E_p = 2, alpha >= 1)."""
+    import random
+    rng = random.Random(seed)
+    E = world * e
+    k = rng.randint(1, e)
+    pool = {"anywhere": list(range(E)), "rank 0": list(range(e)),
+            "some experts": rng.sample(range(E), rng.randint(k, E))}[where]
+    counts = [_token_routes(rng, T, k, (E, pool, skew)) for _ in range(world)]
+    most = lendable_experts(T * k, e, world, alpha)
+    assert most <= (world - 1) * e and (world == 2 or most == (world - 1) * e)
+    kw = dict(alpha=alpha, min_piece=min_piece, imbalance_threshold=threshold)
+    free, limited = plan_llep(counts, **kw), plan_llep(counts, **kw, max_borrowed=most)
+    assert max(len(b) for b in free.borrowed) <= most, (counts, free.borrowed, most)
+    assert (free.pieces, free.borrowed, free.transfers) == (limited.pieces, limited.borrowed, limited.transfers)
+
+
+def test_lendable_experts_is_attained_and_caps_the_slot_count():
+    """qwen3 MoE debug's shape (E = 64 over E_p = 2, k = 8, T = 128 per rank): routes spread evenly over rank 0's 32
+    experts make LLEP lend the helper 15 of them, exactly lendable_experts; s_b (LLEP's default e = 32, or a larger
+    limit) is cut to 15, a smaller one kept; without a static T, nothing is cut."""
+    row = [32] * 32 + [0] * 32  # 128 tokens x 8 routes, 32 per expert of rank 0
+    assert lendable_experts(128 * 8, 32, 2) == 15
+    assert [len(b) for b in plan_llep([row, row]).borrowed] == [0, 15]
+    assert borrowed_slot_count(None, 32, 2, 128 * 8) == borrowed_slot_count(-1, 32, 2, 128 * 8) == 15
+    assert borrowed_slot_count(8, 32, 2, 128 * 8) == 8 and borrowed_slot_count(None, 32, 2) == 32
+    assert lendable_experts(128 * 8, 32, 1) == 0 and lendable_experts(0, 32, 2) == 0
+    assert lendable_experts(128 * 8, 32, 2, alpha=2.0) == 0  # one rank may compute everything: no lending
+    assert lendable_experts(128 * 8, 32, 4) == 96 and lendable_experts(128 * 8, 32, 2, alpha=0.9) == 32  # not proven
 
 
 def test_fallback_when_balanced_and_relocation_when_skewed():

@@ -422,7 +422,9 @@ def test_plan_report_says_which_block_terms_are_traced_and_why_not():
 def test_borrowed_slots_move_the_dispatch_term_by_their_experts():
     """dispatch_borrowed_slots (s_b): PipelinedLLEP's backward holds s_b borrowed experts' weights and their gradients
     (2 s_b Wx), its forward their weights; None is LLEP's default e = E/E_p; more slots than the other ranks' experts
-    count as those; 0 none."""
+    count as those, more than LLEP's planner ever lends one helper for N k routes per rank (lendable_experts: 2 of
+    the 4 here) as those; 0 none."""
+    from boundpass.runtime.llep_plan import lendable_experts
     import dataclasses
     shape = model_shape("deepseek_v3", "debugmodel")
     launch = composed.Launch(ranks=2, ep=2, ring=2, tokens_per_rank=2048, b=4, b_acc=4)
@@ -433,6 +435,8 @@ def test_borrowed_slots_move_the_dispatch_term_by_their_experts():
                      f", its {part}") for part in ("forward", "backward")]
     e = shape.experts // 2
     expert = 3 * shape.expert_hidden * shape.hidden * 4  # Wx at b = 4
-    assert terms(None) == terms(e) == terms(e + 5)
+    lent = lendable_experts(launch.tokens_per_rank * shape.top_k, e, 2)
+    assert 1 < lent < e
+    assert terms(None) == terms(e) == terms(e + 5) == terms(lent) != terms(lent - 1)
     (f0, b0), (f1, b1), (fe, be) = terms(0), terms(1), terms(None)
-    assert (f1 - f0, b1 - b0) == (expert, 2 * expert) and (fe - f0, be - b0) == (e * expert, 2 * e * expert)
+    assert (f1 - f0, b1 - b0) == (expert, 2 * expert) and (fe - f0, be - b0) == (lent * expert, 2 * lent * expert)

@@ -372,9 +372,13 @@ def _op_args(tokens, ids, scores, w1, w2, w3, *, group_name: str, local_experts:
     defaults, strided chunks, and borrowed-weight slots s_b: ``borrowed_slots`` (None: e, LLEP's default), at most the
     (E_p - 1) e experts the other ranks own (a slot no expert can fill would still be counted), none on one rank:
     there is no rank to borrow from, and the bound would count s_b experts' weights and gradients that never exist.
-    The op's planner enforces the slots (llep_plan.plan_llep's max_borrowed), so the bound holds for any routing."""
+    With a static token count T, s_b is also at most what LLEP's planner lends one helper for any routing of T k
+    routes per rank (``llep_plan.lendable_experts``), which changes no plan. The op's planner enforces the slots
+    (llep_plan.plan_llep's max_borrowed), so the bound holds for any routing."""
     from boundpass.runtime.pipelined_llep import borrowed_slot_count
-    borrowed = borrowed_slot_count(borrowed_slots, local_experts, ep_size)
+    shape = getattr(_val(ids), "shape", None)  # [T, k]: a static T gives the slots LLEP's planner can ever fill
+    routes = int(shape[0]) * int(shape[1]) if shape is not None and all(isinstance(d, int) for d in shape) else None
+    borrowed = borrowed_slot_count(borrowed_slots, local_experts, ep_size, routes, DEFAULT_ALPHA)
     return (tokens, ids, scores, w1, w2, w3, group_name, 0, DEFAULT_ALPHA, DEFAULT_MIN_PIECE, DEFAULT_IMBALANCE,
             borrowed, True, [], compute_dtype)
 
