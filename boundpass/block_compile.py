@@ -14,8 +14,12 @@ The budget each block graph is checked against is the whole step's, composed fro
   a new graph appears every earlier graph is checked again with what is now known (``recheck``), before the
   blocks that run it execute again: nothing runs whose memory was not checked.
 - FSDP2's parameter units: the running block's units, unsharded, and the next module's, prefetched and held twice
-  while copied out of the all-gather buffer or, on gloo, in flight (``fsdp_units``, ``_gather_rows``); units that
+  while copied out of the all-gather buffer or, on gloo, in flight (``fsdp_units``, ``_units_row``: in the
+  forward the next block's, in the backward the block before's, the embedding's before block 0's); units that
   are not resharded after forward (torchtitan's ``[norm, lm_head]``) stay gathered through the step.
+- the gradients FSDP2 already reduce-scattered: those of the blocks after block i (and the head's) while block i's
+  backward runs, none in its forward. The rows that depend on the block are counted for the block and phase
+  (forward / backward) whose rows sum the largest (``_block_rows``), not each at its own worst.
 - the reduce-scatter of one unit's gradients. With every unit on ``boundpass.gloo_release`` (the recipe
   installs it on gloo: synchronous, its buffers freed in the call) each reduce-scatter runs between two graphs
   and is a phase of its own (``sync_reduce``: ``reduce_tables`` per block graph, ``head_reduce``, the tail), with
@@ -232,20 +236,32 @@ class CompiledBlocks(BoundedModule):
         block's backward; stock gloo: copies held by worker threads) it is counted inside every graph's table."""
         return bool(self.units) and all(u.releasing for u in self.units)
 
-    def _gather_rows(self, scatter: bool = True) -> list[BoundTerm]:
+    def _next_units(self, i: int, phase: str) -> int:
+        """Bytes of the module FSDP2 prefetches while block i runs (torchtitan's explicit prefetch): in the forward the
+        next block's units (after the last block, the head's), in the backward the block before's (before block 0's
+        backward, the embedding's: the input units)."""
+        if phase == "forward":
+            units = self.units_of_block[i + 1] if i + 1 < self.num_blocks else self.head_units
+        else:
+            units = self.units_of_block[i - 1] if i > 0 else self.input_units
+        return sum(u.gathered for u in units)
+
+    def _units_row(self, i: int, phase: str) -> BoundTerm:
         # A block's units unshard together (a block with routed experts has two: torchtitan's EP experts are a group
-        # of their own), and FSDP2 prefetches the next module's while one computes (torchtitan's explicit forward and
-        # backward prefetch: the next block; before the first block's backward, the embedding). The next module's
-        # units are held twice: while copied out of the all-gather buffer into the unsharded parameters, and on gloo
-        # while the collective is in flight (ProcessGroupGloo's own output beside FSDP2's buffer, _reduce_gather_rows).
-        # Counting 3x the largest single unit left the running block's other unit and the next block's out (qwen3
-        # debug: 3 x 36 MiB where the blocks hold 39.0 MiB each)
-        running = max((sum(u.gathered for u in units) for units in self.units_of_block), default=0)
-        ahead = max(running, sum(u.gathered for u in self.input_units))
-        held = running + 2 * ahead
-        return ([BoundTerm("FSDP2 all-gathered block units (the running block's + the next module's, held twice "
-                           "while copied out or in flight)", sympy.Integer(held), held, kind="transient", knob=SHARD)]
-                + ([_scatter_row(self.block_units)] if scatter else []) + self._gloo_row() + self._held_rows())
+        # of their own), and FSDP2 prefetches the next module's while one computes (``_next_units``). The next
+        # module's units are held twice: while copied out of the all-gather buffer into the unsharded parameters,
+        # and on gloo while the collective is in flight (ProcessGroupGloo's own output beside FSDP2's buffer,
+        # _reduce_gather_rows). Counted for the block and phase the table is for: the largest block's units and
+        # 2x the largest module, whatever the block, left 37 MiB of qwen3's block graph table unused (4 ranks: block
+        # 0's backward prefetches the 16 MiB embedding, not a 39 MiB block)
+        running = sum(u.gathered for u in self.units_of_block[i]) if self.units_of_block else 0
+        held = running + 2 * self._next_units(i, phase)
+        return BoundTerm(f"FSDP2 all-gathered block units (block {i}'s + the {phase} prefetch's, held twice while "
+                         "copied out or in flight)", sympy.Integer(held), held, kind="transient", knob=SHARD)
+
+    def _gather_rows(self, scatter: bool = True) -> list[BoundTerm]:
+        """FSDP2's rows of a block graph's table that do not depend on the block (its units: ``_units_row``)."""
+        return ([_scatter_row(self.block_units)] if scatter else []) + self._gloo_row() + self._held_rows()
 
     def _passed_row(self) -> BoundTerm:
         passed = 2 * self.hidden
@@ -257,11 +273,14 @@ class CompiledBlocks(BoundedModule):
         (``sync_reduce``): the same rows as its graph's table, the graph's own workspace replaced by the gradient
         it passes on, plus the reduce-scatter."""
         table = BudgetTable(budget=self.budget, host_budget=self.host_budget)
-        table.terms += ([t for t in self.state_terms] + self._block_rows(graph, own_saved, trial)
-                        + [self._passed_row()] + self._reduce_gather_rows() + self._sco_host_rows(trial))
+        table.terms += ([t for t in self.state_terms]
+                        + self._block_rows(graph, own_saved, trial, per_block=self._reduce_gather_rows,
+                                           phases=("backward",))
+                        + [self._passed_row()] + self._gloo_row() + self._held_rows(after_head=True)
+                        + self._sco_host_rows(trial))
         return table
 
-    def _reduce_gather_rows(self) -> list[BoundTerm]:
+    def _reduce_gather_rows(self, i: int, phase: str = "backward") -> list[BoundTerm]:
         """FSDP2's units while one unit of a block reduce-scatters, after the block's backward. FSDP2's post-backward
         reshards a unit before reducing it, so the running block holds only its other units (a block with routed
         experts has two: torchtitan's EP experts are a group of their own), gathered until their own post-backward;
@@ -269,25 +288,25 @@ class CompiledBlocks(BoundedModule):
         waits for that module's pre-backward, which comes after this post-backward). The head's units were resharded
         after the head's backward, the step's first. Measured (qwen3 debug, 4 ranks, experts reducing): the block's
         other unit (3 MiB) and the embedding's prefetched buffer (16 MiB), where the graph's rows count 3x the
-        largest unit (108 MiB) and the head's units (16 MiB)."""
+        largest unit (108 MiB) and the head's units (16 MiB). For block i (the block whose phase the table is):
+        its largest reduce-scatter and the module its backward prefetched (block i-1's units, the embedding's before
+        block 0)."""
         worst, reducing = 0, None
-        for units in self.units_of_block:
-            for u in units:
-                cost = _scatter_cost(u) + sum(g.gathered for g in units if g is not u)
-                if cost > worst:
-                    worst, reducing = cost, u
-        ahead = max([sum(u.gathered for u in units) for units in self.units_of_block]
-                    + [sum(u.gathered for u in self.input_units)])
+        units = self.units_of_block[i] if self.units_of_block else []
+        for u in units:
+            cost = _scatter_cost(u) + sum(g.gathered for g in units if g is not u)
+            if cost > worst:
+                worst, reducing = cost, u
+        ahead = self._next_units(i, phase)
         # on gloo the prefetch's collective may still be in flight, and ProcessGroupGloo's all-gather holds an output
         # of its own beside FSDP2's buffer until then (measured in a MoP layout's forward prefetch: both 15 MiB)
         copies = 2 if any(not u.nccl for u in self.units) else 1
-        rows = [BoundTerm(f"FSDP2 gradient reduce-scatter of the largest block unit ({reducing.path if reducing else '-'})"
-                          ", its block's other units still unsharded", sympy.Integer(worst), worst, kind="transient",
-                          knob=SHARD),
-                BoundTerm("FSDP2 units of the next module all-gathered by the backward prefetch (its buffer"
+        return [BoundTerm(f"FSDP2 gradient reduce-scatter of block {i}'s largest unit "
+                          f"({reducing.path if reducing else '-'}), its other units still unsharded",
+                          sympy.Integer(worst), worst, kind="transient", knob=SHARD),
+                BoundTerm(f"FSDP2 units of the module block {i}'s backward prefetched (its buffer"
                           + (", and gloo's own output while the collective is in flight)" if copies == 2 else ")"),
                           sympy.Integer(copies * ahead), copies * ahead, kind="transient", knob=SHARD)]
-        return rows + self._gloo_row() + self._held_rows(after_head=True)
 
     def _check_reduce_table(self, table: BudgetTable, which: str) -> None:
         if not table.fits():
@@ -329,7 +348,8 @@ class CompiledBlocks(BoundedModule):
                         *self._gloo_row()]
         return table
 
-    def _block_rows(self, graph: int, own_saved: int, trial: int | None = None) -> list[BoundTerm]:
+    def _block_rows(self, graph: int, own_saved: int, trial: int | None = None, per_block=None,
+                    phases: tuple = ("forward", "backward")) -> list[BoundTerm]:
         """The other blocks while block i runs its forward or backward: the saved tensors of the blocks before it and
         the reduced gradients of the blocks after it (and of the head), for the worst block i that may run ``graph``
         (a block that already ran it this step, or any block still to run). Blocks still to run save at most what
@@ -337,7 +357,12 @@ class CompiledBlocks(BoundedModule):
 
         SCO: block j's saved bytes include its output, block j+1's boundary. An offloaded boundary of a block before
         block i is on the host while block i runs (the first block's input likewise), except the one block i's
-        backward prefetches: block i-1's, copied back while block i's backward runs."""
+        backward prefetches: block i-1's, copied back while block i's backward runs.
+
+        ``per_block(i, phase)``: the rows that depend on the block and the phase (default: its FSDP2 units,
+        ``_units_row``). The block and the phase are the ones whose rows sum the largest: the reduced gradients of
+        the blocks after block i exist in its backward only, and its units and the prefetch differ per block."""
+        per_block = per_block or (lambda i, phase: [self._units_row(i, phase)])
         ran = len(self.runs)
         widest = max([own_saved, *self.graph_saved])
         saved = [self.graph_saved[g] for g in self.runs[:self.num_blocks]] + [widest] * (self.num_blocks - ran)
@@ -353,8 +378,13 @@ class CompiledBlocks(BoundedModule):
             on_host = sum(off[1:i]) * self.boundary + (min(self.hidden, saved[i - 1]) if i > 0 else 0)
             prefetch = self.boundary if i > 0 and off[i - 1] else 0
             return first, sum(saved[:i]) - on_host, prefetch, sum(self.block_grads[i + 1:]) + head, sum(off[1:i])
-        worst = max(candidates or [0], key=lambda i: sum(rows_of(i)[:4]))
+        def total(i, phase):
+            first, before, prefetch, after, _ = rows_of(i)
+            return first + before + prefetch + (after if phase == "backward" else 0) + sum(
+                t.value for t in per_block(i, phase))
+        worst, phase = max(((i, ph) for i in (candidates or [0]) for ph in phases), key=lambda ip: total(*ip))
         first, before, prefetch, after, hosted = rows_of(worst)
+        after = after if phase == "backward" else 0
         rows = [BoundTerm("the first block's input (the embedding's output, held for that block's backward)"
                           + ("; on the host (SCO)" if worst > 0 and off[0] else "")
                           + ("; counted by this graph" if worst == 0 else ""),
@@ -373,8 +403,9 @@ class CompiledBlocks(BoundedModule):
         if prefetch:
             rows.append(BoundTerm(f"SCO prefetch of block {worst - 1}'s boundary (block {worst}'s backward copies it "
                                   "back)", sympy.Integer(prefetch), prefetch, kind="transient", knob=KNOB))
-        rows.append(_grads_row(after, f"the head's and those of the {self.num_blocks - 1 - worst} block(s) after it"))
-        return rows
+        rows.append(_grads_row(after, f"the head's and those of the {self.num_blocks - 1 - worst} block(s) after it"
+                               if phase == "backward" else f"none yet in block {worst}'s forward"))
+        return rows + per_block(worst, phase)
 
     def _sco_host_rows(self, trial: int | None = None) -> list[BoundTerm]:
         """The SCO host pool: one buffer per offloaded block, reused across steps."""

@@ -281,8 +281,8 @@ def _bound_runs(rank, world, tmp, assets, ac):
 def test_per_block_bound_both_ways_on_4_ranks(tmp_path, assets):
     """deepseek_v3 debug and qwen3 MoE debug (3 blocks) on 4 gloo ranks (FSDP2 over 4, EP = 2), every block
     checkpointed (torchtitan's FullAC; the 2-rank tests here run its SelectiveAC), per-block compile: every steady
-    step's measured peak (torch's allocator) within [certified / 1.10, certified] (qwen3 at LLEP's default
-    borrowed-expert slots: / 1.13), the certificate unmoved by all-to-one routing. The reduce-scatters are phases of
+    step's measured peak (torch's allocator) within [certified / 1.10, certified], qwen3 at LLEP's default
+    borrowed-expert slots too, the certificate unmoved by all-to-one routing. The reduce-scatters are phases of
     their own (one per block graph, the head's, the tail)."""
     results = run_on_ranks(_bound_runs, 4, str(tmp_path), assets, ("activation-checkpoint:full",), timeout_s=900)
     for result, qwen3, qwen3_8 in results:
@@ -296,13 +296,12 @@ def test_per_block_bound_both_ways_on_4_ranks(tmp_path, assets):
         assert result["phases"] == 2 + 1 + 1, result["summary"]  # 2 block graphs' reduce-scatters, head's, tail
         _sound_and_tight(result["peaks"], result["certified"][0])
         # qwen3 (64 experts, 32 per EP rank) at LLEP's default s_b = e = 32: cut to the 15 LLEP's planner can ever
-        # lend one helper at T k = 1,024 routes per rank (llep_plan.lendable_experts; 1.187x before the cut, 1.124x
-        # measured after). The binding table is the block graph's; step 3 routes every token to rank 0's 32 experts
-        # (LLEP lends ~15) and the measured peak does not move: every measured step peaks in the experts'
-        # reduce-scatter, 60-76 MiB under both the block graph's table and the reduce-scatter phase's (docs/recipe.md).
-        # With --boundpass.dispatch.borrowed_slots 8 the planner lends at most 8 and the bound counts 8: the
-        # certificate drops by exactly 7 slots' weights and gradients, and is within 1.10x
-        _sound_and_tight(qwen3["peaks"], qwen3["certified"][0], tight=1.13)
+        # lend one helper at T k = 1,024 routes per rank (llep_plan.lendable_experts), FSDP2's rows counted for the
+        # block and phase the table is for (block_compile._units_row): 1.187x -> 1.124x -> 1.063x measured. Step 3
+        # routes every token to rank 0's 32 experts (LLEP lends ~15) and the measured peak does not move: every step
+        # peaks in block 0's experts' reduce-scatter. With --boundpass.dispatch.borrowed_slots 8 the planner lends at
+        # most 8 and the bound counts 8: the certificate drops by exactly 7 slots' weights and gradients (1.037x)
+        _sound_and_tight(qwen3["peaks"], qwen3["certified"][0])
         assert qwen3["w1"] == qwen3_8["w1"] and len(qwen3["w1"]) == 3 and qwen3["w1"][0] == 64, qwen3["w1"]
         slot = 2 * 3 * qwen3["w1"][1] * qwen3["w1"][2] * 2  # an expert's bf16 w1, w2, w3 and their gradients
         assert qwen3["certified"][0] - qwen3_8["certified"][0] == (15 - 8) * slot, (qwen3["certified"], qwen3_8)

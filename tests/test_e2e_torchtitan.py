@@ -40,7 +40,10 @@ def _rel_norm(a, b):
 
 @pytest.mark.parametrize("name,dtype,vocab_block,loss_rtol,head_tol,model_tol", [
     ("deepseek_v3", torch.float32, None, 1e-6, 1e-5, 2e-3),
-    # bf16 with one strip (C = V): the op sums in the reference's order, so the head's bf16 gradients match to 1e-4
+    # bf16 with one strip (C = V): the op sums in the reference's order, so lm_head's bf16 gradient matches to 1e-4
+    # (6e-6 measured); norm.weight's comes through the hidden-state gradient, a bf16 matmul whose kernel's blocking
+    # differs between CPUs (2.8e-4 on an AVX-512 Xeon, under 1e-4 on an EPYC): within a quarter of a bf16 ulp (2^-8 x
+    # 1/4 = 2^-10) of the reference
     ("gpt_oss", torch.bfloat16, 16_384, 1e-5, 1e-4, 3e-2),
     # bf16 at the planner's strip (its knee): fp32 sums in another order, rounded to bf16: one bf16 ulp (2^-7)
     ("gpt_oss", torch.bfloat16, None, 1e-5, 2 ** -7, 3e-2),
@@ -62,7 +65,8 @@ def test_debug_moe_model_matches_uncompiled(name, dtype, vocab_block, loss_rtol,
         if p.grad is None:
             assert ref_params[pname].grad is None
             continue
-        tol = head_tol if pname in ("lm_head.weight", "norm.weight") else model_tol
+        tol = head_tol if pname == "lm_head.weight" else max(head_tol, 2 ** -10) if pname == "norm.weight" \
+            else model_tol
         assert _rel_norm(p.grad, ref_params[pname].grad) <= tol, pname
     report = boundpass.explain(compiled)
     assert [r.module_path for r in report.rewritten_of("vocab")] == ["model.lm_head"]
