@@ -122,8 +122,13 @@ def render(data: dict) -> str:
                           fmt_bytes(peak), fmt_bytes(row["bound_bytes"]), f"{row['bound_bytes'] / peak:.3f}",
                           f"{row['seconds'][0] * 1e3:.1f} ms",
                           f"{row['seconds'][0] / base:.2f}" if base else "—"])
+    from boundpass.runtime.llep_plan import lendable_experts
+    lent = lendable_experts(cfg["T"] * cfg["k"], e, cfg["world"])
     lines += [markdown_table(headers, table), "",
-              f"Run {data['meta'].get('date_utc', '')}, wall {data.get('wall_seconds', 0):.0f} s."]
+              f"The op here is given each s_b as is. Through the compiler (the dispatch pass) s_b is at most what LLEP's "
+              f"planner can ever lend one helper at T k routes per rank: {lent} here (`llep_plan.lendable_experts`), so "
+              f"an s_b above {lent} runs and is bounded as s_b = {lent}, with the same plans: no row above borrows more.",
+              "", f"Run {data['meta'].get('date_utc', '')}, wall {data.get('wall_seconds', 0):.0f} s."]
     return "\n".join(lines) + "\n"
 
 
