@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from boundpass.errors import BoundpassInputError
 
 
+# LLEP's planner defaults (the public LLEP planner's): the capacity factor alpha, the smallest helper piece, the
+# max/mean native load under which nothing is relocated. The dispatch pass gives the op these.
+DEFAULT_ALPHA, DEFAULT_MIN_PIECE, DEFAULT_IMBALANCE = 1.1, 1024, 1.3
+
+
 @dataclass
 class LLEPPlan:
     """Where each expert's routes are computed, and which experts each rank borrows (weights sent to it)."""
@@ -38,8 +43,8 @@ def _standard_pieces(totals: list[int], experts_per_rank: int) -> list[list[tupl
     return [[(e // experts_per_rank, 0, n)] if n else [] for e, n in enumerate(totals)]
 
 
-def plan_llep(counts: list[list[int]], *, alpha: float = 1.1, min_piece: int = 1024,
-              imbalance_threshold: float = 1.3, max_borrowed: int | None = None) -> LLEPPlan:
+def plan_llep(counts: list[list[int]], *, alpha: float = DEFAULT_ALPHA, min_piece: int = DEFAULT_MIN_PIECE,
+              imbalance_threshold: float = DEFAULT_IMBALANCE, max_borrowed: int | None = None) -> LLEPPlan:
     """Greedy least-loaded plan from counts[rank][expert] (routes); deterministic on every rank.
 
     Follows the public LLEP planner (capacity alpha * total // E_p, helper pieces of at least ``min_piece``
@@ -118,7 +123,7 @@ def plan_capacity(total: int, ranks: int, alpha: float) -> int:
     return total if total // ranks == 0 else max(1, int(alpha * (total // ranks)))
 
 
-def lendable_experts(routes_per_rank: int, local_experts: int, ep_size: int, alpha: float = 1.1) -> int:
+def lendable_experts(routes_per_rank: int, local_experts: int, ep_size: int, alpha: float = DEFAULT_ALPHA) -> int:
     """The most experts ``plan_llep`` (no slot limit) lends one helper when each of the ``ep_size`` ranks routes
     exactly ``routes_per_rank`` (T k) routes, whatever the routing; (E_p - 1) e, no cut, where that is not proven.
 

@@ -28,7 +28,7 @@ from torch import Tensor
 from boundpass import symbols as sym
 from boundpass.errors import BoundpassInputError
 from boundpass.runtime.agreement import agree, check_devices, mixed_real_call
-from boundpass.runtime.llep_plan import ChunkedRoutes, LLEPPlan, lendable_experts, plan_llep
+from boundpass.runtime.llep_plan import DEFAULT_ALPHA, ChunkedRoutes, LLEPPlan, lendable_experts, plan_llep
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -733,16 +733,15 @@ def pipelined_llep(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor,
 
 # ------------------------------------------------------------------------------------------- bounds
 def borrowed_slot_count(max_borrowed: int | None, local_experts: int, ep_size: int,
-                        routes_per_rank: int | None = None, alpha: float = 1.1) -> int:
+                        routes_per_rank: int | None = None, alpha: float = DEFAULT_ALPHA) -> int:
     """s_b, the borrowed-expert slots one rank can fill: ``max_borrowed`` (None: e, LLEP's default; negative: no
     limit), at most the (E_p - 1) e experts the other ranks own, so none on one EP rank, and, when every rank routes
     ``routes_per_rank`` (T k) routes, at most what LLEP's planner ever lends one helper
     (``llep_plan.lendable_experts``: 15 of qwen3's 32 at E_p = 2): a smaller limit that changes no plan, and the
     bound's s_b counts only slots some routing fills. The dispatch pass gives the op this (Config's
     dispatch.borrowed_slots), the op's planner enforces it, and the composed budget counts it."""
-    most = (ep_size - 1) * local_experts
-    if routes_per_rank is not None:
-        most = min(most, lendable_experts(int(routes_per_rank), local_experts, ep_size, alpha))
+    most = ((ep_size - 1) * local_experts if routes_per_rank is None
+            else lendable_experts(int(routes_per_rank), local_experts, ep_size, alpha))
     if max_borrowed is None:
         max_borrowed = local_experts
     return most if max_borrowed < 0 else min(max_borrowed, most)

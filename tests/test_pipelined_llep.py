@@ -8,9 +8,9 @@ from boundpass import symbols as sym
 from boundpass.errors import BoundpassInputError
 from boundpass.memtrack import LiveStorageTracker
 from boundpass.runtime.llep_plan import ChunkedRoutes, lendable_experts, plan_llep
-from boundpass.runtime.pipelined_llep import (borrowed_slot_count, bound_values, llep, llep_bound, num_chunks, pipelined_llep,
-                                              pipelined_llep_backward, pipelined_llep_bound, pipelined_llep_forward,
-                                              standard_ep, standard_ep_bound)
+from boundpass.runtime.pipelined_llep import (borrowed_slot_count, bound_values, llep, llep_bound, num_chunks,
+                                              pipelined_llep, pipelined_llep_backward, pipelined_llep_bound,
+                                              pipelined_llep_forward, standard_ep, standard_ep_bound)
 from boundpass.testing.distributed import run_on_ranks
 
 TOL = dict(rtol=1e-12, atol=1e-12)  # fp64: exact up to summation order

@@ -33,10 +33,9 @@ import torch.nn.functional as F
 
 from boundpass.passes.graph_edit import example_value as _val
 from boundpass.passes.graph_edit import node_adder
-from boundpass.runtime.pipelined_llep import group_name_of
-
 # PipelinedLLEP planner defaults (LLEP's public defaults: docs/design.md §6); the cap c is set by the budget
-DEFAULT_ALPHA, DEFAULT_MIN_PIECE, DEFAULT_IMBALANCE = 1.1, 1024, 1.3
+from boundpass.runtime.llep_plan import DEFAULT_ALPHA, DEFAULT_IMBALANCE, DEFAULT_MIN_PIECE
+from boundpass.runtime.pipelined_llep import group_name_of
 
 
 @dataclass
