@@ -28,6 +28,7 @@ Runtime ops, host pool, prefetch and event log: ``boundpass.runtime.sco`` (Compi
 """
 from __future__ import annotations
 
+import operator as _operator
 import uuid
 from dataclasses import dataclass, field
 
@@ -437,8 +438,9 @@ def rewrite_partitioned(plan: SCOPlan, joint, fw: fx.GraphModule, bw: fx.GraphMo
             plan.rewrite_notes.append(f"layer {layer}: {len(readers[layer + 1]) - len(ahead)} readers of the next "
                                       f"boundary depend on this one and do not order its reload")
         for consumer in ahead if ORDER_RELOADS else []:
-            with bw.graph.inserting_after(consumer):
-                after.append(_add(bw.graph, fake_mode, done_op, consumer))
+            for anchor in _tensor_outputs(consumer):  # a multi-output reader (native_layer_norm) through its getitems
+                with bw.graph.inserting_after(anchor):
+                    after.append(_add(bw.graph, fake_mode, done_op, anchor))
         if layer + 1 < len(eligible) and layer + 1 not in readers:
             plan.rewrite_notes.append(f"layer {layer}: the next boundary was not matched; its reload is ordered "
                                       f"by data flow only")
@@ -447,6 +449,7 @@ def rewrite_partitioned(plan: SCOPlan, joint, fw: fx.GraphModule, bw: fx.GraphMo
             reload = _add(bw.graph, fake_mode, reload_op, placeholder, after, runtime.sco_id, layer,
                           list(val.shape), list(val.stride()), val.dtype)
         placeholder.replace_all_uses_with(reload, delete_user_cb=lambda user: user is not reload)
+        _refresh_views(reload, fake_mode)
     stable_topological_sort(bw.graph)
     for gm in (fw, bw):
         gm.graph.lint()
@@ -503,10 +506,44 @@ def rewrite_block_boundary(plan: SCOPlan, joint, fw: fx.GraphModule, bw: fx.Grap
         reload = _add(bw.graph, fake_mode, torch.ops.boundpass.sco_reload.default, placeholder, [], runtime.sco_id, -1,
                       list(val.shape), list(val.stride()), val.dtype)
     placeholder.replace_all_uses_with(reload, delete_user_cb=lambda user: user is not reload)
+    _refresh_views(reload, fake_mode)
     for gm in (fw, bw):
         gm.graph.lint()
         gm.recompile()
     plan.rewritten = True
+
+
+def _tensor_outputs(node: fx.Node) -> list[fx.Node]:
+    """The nodes that hold ``node``'s tensor results: itself, or for a multi-output op (``native_layer_norm`` and its
+    backward return tuples) the getitem users that read a tensor out of it."""
+    if isinstance(_val(node), Tensor):
+        return [node]
+    return [u for u in node.users if u.op == "call_function" and u.target is _operator.getitem
+            and isinstance(_val(u), Tensor)]
+
+
+def _is_alias(node: fx.Node) -> bool:
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
+        target.is_view or target in _ALIASING)
+
+
+def _refresh_views(reload: fx.Node, fake_mode) -> None:
+    """Re-derive the fake values of the views read through ``reload``: they were views of the boundary the
+    partitioner saved, and the step analysis tracks storages by their fake values, so a stale view would
+    make the restored boundary look dead at its first view (and the weight gradient that reads it later free)."""
+    stack = [u for u in reload.users if _is_alias(u)]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        args = torch.fx.node.map_arg(node.args, _val)
+        kwargs = torch.fx.node.map_arg(node.kwargs, _val)
+        with fake_mode:
+            node.meta["val"] = node.target(*args, **kwargs)
+        stack.extend(u for u in node.users if _is_alias(u))
 
 
 def _descendants(node: fx.Node) -> set:
