@@ -24,7 +24,7 @@ from boundpass.aot_workarounds import saved_tensors_before_opaque, static_placeh
 from boundpass import symbols as sym
 from boundpass.bounds import BoundTerm, BudgetTable, raise_infeasible
 from boundpass.config import Config, config_from
-from boundpass.errors import BoundpassError, BoundpassInputError
+from boundpass.errors import BoundpassError, BoundpassInputError, NotCertifiedError
 from boundpass.explain import ExplainReport
 from boundpass.passes import sco_pass
 from boundpass.passes.dispatch_pass import rewrite_dispatch_regions
@@ -76,6 +76,8 @@ class BoundedModule(nn.Module):
         self._by_key: dict = {}                 # every rank's signatures -> compiled step (its own code object)
         self._first_signature = None            # this rank's signature at a compile before any group was known
         self._group_compiles = 0                # compiles every rank of the groups made together after the first
+        self.not_certified: NotCertifiedError | None = None  # set when a step ran code no certificate saw
+        self.last_report: ExplainReport | None = None  # the report of the graph that ran last (explain shows it)
         self._compiled = self._new_compiled()
 
     @property
@@ -110,7 +112,7 @@ class BoundedModule(nn.Module):
             module = owner()
             if module is None:
                 raise RuntimeError("boundpass: a graph was compiled for a BoundedModule that no longer exists")
-            return module._backend(gm, example_inputs)
+            return _running_sizes(module._backend(gm, example_inputs), gm, module.reports[-1], owner)
         return torch.compile(types.MethodType(fn, self), backend=backend, fullgraph=self.fullgraph,
                              dynamic=self.dynamic)
 
@@ -184,15 +186,48 @@ class BoundedModule(nn.Module):
         # suppress_errors=True would make Dynamo swallow a budget error and run eagerly: force errors through.
         if self.certificates and self._grads_held():
             self.check_accumulation()
+        if self.not_certified and not self.config.allow_uncertified:
+            raise self.not_certified
         compiled = self._select_compiled(args, kwargs)
+        reports, breaks = len(self.reports), _graph_breaks()
         with torch._dynamo.config.patch(suppress_errors=False):
             try:
-                return compiled(*args, **kwargs)
+                out = compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as exc:
                 inner = getattr(exc, "inner_exception", None)
                 if isinstance(inner, BoundpassError):
                     raise inner.with_traceback(None) from None
                 raise
+        if len(self.reports) > reports:  # this call compiled: the graphs it made are one step's
+            self._step_compiled(self.reports[reports:], _graph_breaks() - breaks)
+        return out
+
+    def _step_compiled(self, reports: list, breaks) -> None:
+        """A call compiled ``reports``' graphs. More than one graph, or any graph break, means code ran between them
+        that no certificate saw: the step is not certified, and is refused unless ``allow_uncertified``."""
+        for report in reports:
+            report.step_graphs = reports
+        if self.fullgraph or (len(reports) == 1 and not breaks):
+            return
+        reasons = [" (".join(ln.strip().removeprefix("Explanation: ") for ln in reason.strip().splitlines()[:2])
+                   + (")" if len(reason.strip().splitlines()) > 1 else "") for reason in breaks] or [
+            f"Dynamo compiled {len(reports)} graphs for one call (its break reasons were not recorded)"]
+        graphs = [r.table.total if r.table is not None else None for r in reports]
+        listed = ", ".join(f"#{i} {format_bytes(g) if g is not None else 'not certified'}"
+                           for i, g in enumerate(graphs, 1))
+        message = (f"boundpass: this step is NOT CERTIFIED: Dynamo split it into {len(reports)} graph(s) at "
+                   f"{len(breaks) or 'unrecorded'} graph break(s), and the code that runs between them (eager, "
+                   f"with its own activations) is in no certificate, so no budget check of the whole step can be "
+                   f"honest.\n  graph breaks: " + "; ".join(dict.fromkeys(reasons)) +
+                   f"\n  each compiled graph's certificate (its own peak, not the step's): {listed}"
+                   f"\n  to fix       : remove the graph break(s) (boundpass.compile(..., fullgraph=True) shows where), "
+                   f"or pass allow_uncertified=True to run with per-graph certificates only (explain says NOT "
+                   f"CERTIFIED)")
+        self.not_certified = NotCertifiedError(message, reasons=list(dict.fromkeys(reasons)), graphs=graphs)
+        for report in reports:
+            report.not_certified = self.not_certified
+        if not self.config.allow_uncertified:
+            raise self.not_certified
 
     # ------------------------------------------------------------------------------------ backend
     def _backend(self, gm: torch.fx.GraphModule, example_inputs):
@@ -223,22 +258,32 @@ class BoundedModule(nn.Module):
         partitioner = _PlanningPartitioner(self, report, knobs, sco_plan, gm)
         with torch._functorch.config.patch(enable_autograd_cache=False):  # a cache hit would skip the planner
             if self.inner == "inductor":
-                from torch._inductor.compile_fx import compile_fx
+                from torch._inductor.compile_fx import compile_fx, compile_fx_inner
                 plan_fn = _InductorPartitioner(partitioner)
                 # the budget is checked on the kernels Inductor emits (after fusion), once both graphs are lowered
                 # fx_graph_cache off: its key pickles the graphs, whose boundpass op arguments hold cyclic runtime
                 # objects; it never hit ("Failed to pickle cache key"), and on a deep checkpointed graph with SCO the
                 # pickler's RecursionError was fatal. Inductor's kernel cache (compiled C++) is unaffected.
                 patches = {"custom_partitioner_fn": plan_fn, "fx_graph_cache": False}
+
+                def inner_compile(graph, inputs, **kw):  # an inference graph is never partitioned: plan it here
+                    if kw.get("is_inference"):
+                        partitioner.plan_inference(graph, kw.get("static_input_idxs") or ())
+                    return compile_fx_inner(graph, inputs, **kw)
                 with inductor_peak.recording() as schedules:
-                    compiled = compile_fx(gm, example_inputs, config_patches=patches)
+                    compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
                 partitioner.finish_inductor(schedules)
                 return compiled
 
             def eager(graph, inputs):
                 return sco_pass.eager_callable(graph)  # boxed: saved tensors die at their last use
+
+            def inference(graph, inputs):  # no backward (no_grad / eval): no partition, so the planner runs here
+                partitioner.plan_inference(graph, _static_input_indices())
+                return sco_pass.eager_callable(graph)
             # aot_autograd is required even for eager kernels: torchtitan's MoE mutates a buffer in forward.
-            return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partitioner)(gm, example_inputs)
+            return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partitioner,
+                                inference_compiler=inference)(gm, example_inputs)
 
     def _find_sco(self, gm: torch.fx.GraphModule, host_pool: int | None):
         """SCO's plan for this graph (boundpass/passes/sco_pass.py); per-block compile overrides it."""
@@ -462,6 +507,56 @@ class _PlanningPartitioner:
         # Inductor: checked in finish_inductor, on the schedule it emits for both graphs (still before any compute)
         return fw, bw
 
+    def plan_inference(self, graph: torch.fx.GraphModule, static_indices) -> None:
+        """Certify and check a call without a backward (``torch.no_grad()``, eval): one graph, no SCO (nothing is
+        saved for a backward), the state the call holds (parameters, buffers, optimizer state, gradients an earlier
+        backward left) beside the graph's peak, the knobs chosen and written into it. Raises before it runs."""
+        owner = self.owner
+        outputs = len(graph.graph.find_nodes(op="output")[0].args[0])
+        ctx = {"max_tokens_per_rank": owner.max_tokens_per_rank or owner.ring_n_max or None}
+        begun = time.perf_counter()
+        peak = analyze_graphs(graph, None, static_inputs=set(static_indices), num_user_outputs=outputs, ctx=ctx)
+        analysis = time.perf_counter() - begun
+        shape_env = _graph_shape_env(graph)
+        backed = dict(shape_env.backed_var_to_val) if shape_env is not None else {}
+        if shape_env is not None:
+            upper = _data_dependent_sizes(shape_env, peak, (graph,), backed, self.knobs)
+            backed.update(upper)
+            peak.bind(upper)
+        # no gradients are made and no optimizer steps: the step terms do not exist in this call, except the
+        # gradients an earlier backward left (held until zero_grad)
+        state = [t for t in owner.state_terms if t.kind != "step"]
+        planner = StepPlanner(budget=owner.budget, host_budget=owner.host_budget, state_terms=state,
+                              knobs=self.knobs, symbol_values=backed,
+                              carry=0 if owner.fullgraph else sum(owner.saved_of_earlier_graphs))
+        if owner._grads_held():
+            planner.held_grads = sum(t.value for t in owner.state_terms if t.name == "gradients")
+        planner.choose(peak)
+        _agree_on_caps(self.knobs)
+        values = planner.values(**{k.name: k.value for k in self.knobs})
+        cert = planner.certify(peak, values, extra_terms=[])
+        cert.inference = True
+        cert.analysis_s = analysis
+        cert.planning_s = time.perf_counter() - begun
+        self.report.table, self.report.certificate = cert.table, cert
+        self.report.inference = True
+        owner.certificates.append(cert)
+        for knob in self.knobs:
+            for node in graph.graph.nodes:
+                if node.op == "call_function" and node.target in knob.ops:
+                    set_op_arg(node, knob.arg, knob.value)
+            for region in knob.regions:
+                set_op_arg(region.op_node, knob.arg, knob.value)
+                setattr(region, knob.attr, knob.value)
+        graph.recompile()
+        self.report.graph_code = self.gm.print_readable(print_output=False)
+        self.report.forward_code = graph.print_readable(print_output=False)
+        self.report.forward_graph = graph
+        pending = types.SimpleNamespace(fw=graph, bw=None, planner=planner, values=values, extra=[], held=[],
+                                        static=set(static_indices), outputs=outputs, ctx=ctx, shape_env=shape_env,
+                                        backed=backed, carry=planner.carry, cert=cert)
+        self._check(cert, peak, pending)
+
     def finish_inductor(self, schedules) -> None:
         """Certify the step on Inductor's final schedules of the forward and backward just lowered, and check it.
 
@@ -583,6 +678,39 @@ def _signature(args, model_kwargs) -> int:
         return type(x).__qualname__
     text = describe(tuple(args)) + describe(dict(model_kwargs))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _running_sizes(compiled, gm, report, owner):
+    """``compiled`` recording, at every call, the sizes its symbolic inputs take (a dynamic graph's certificate is
+    symbolic: explain() shows its figure at the shape that ran last), and which graph ran last."""
+    where = []  # (input index, dim or None for a SymInt input, symbol)
+    for i, node in enumerate(gm.graph.find_nodes(op="placeholder")):
+        val = node.meta.get("example_value")
+        dims = [(None, val)] if isinstance(val, torch.SymInt) else \
+            list(enumerate(val.shape)) if isinstance(val, torch.Tensor) else []
+        where += [(i, d, size.node.expr) for d, size in dims
+                  if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol]
+
+    def run(*args):  # Dynamo calls a backend's result with the graph's inputs as positional arguments
+        report.running = {symbol: int(args[i] if d is None else args[i].shape[d]) for i, d, symbol in where}
+        module = owner()
+        if module is not None:
+            module.last_report = report
+        return compiled(*args)
+    return run
+
+
+def _graph_breaks():
+    """Dynamo's graph breaks so far, by reason (a Counter: subtracting two gives the breaks in between)."""
+    from collections import Counter
+    return Counter(torch._dynamo.utils.counters["graph_break"])
+
+
+def _static_input_indices() -> tuple:
+    """The parameter / buffer inputs of the graph AOTAutograd is compiling (its inference compiler is not told)."""
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    return tuple(getattr(meta, "static_input_indices", None) or ())
 
 
 def _graph_shape_env(gm):
@@ -785,6 +913,9 @@ def compile(model: nn.Module, config: Config | None = None, *, loss_fn=None, rin
     compute; BoundpassInputError for a bad or unknown knob.
     """
     config = config_from(config, **knobs)
+    if isinstance(model, BoundedModule):
+        raise BoundpassInputError("boundpass.compile: this model is already compiled by boundpass; compile the "
+                                  "original model (its .model) once, with every knob you need")
     if not isinstance(model, nn.Module):
         raise BoundpassInputError(f"boundpass.compile expects an nn.Module, got {type(model).__name__}")
     if config.budget is None:
@@ -813,4 +944,4 @@ def explain(compiled: BoundedModule) -> ExplainReport:
     if not compiled.reports:
         raise BoundpassInputError("nothing compiled yet: boundpass compiles on the first call; call the module once "
                                   "(e.g. one training step), then explain it")
-    return compiled.reports[-1]
+    return compiled.last_report or compiled.reports[-1]

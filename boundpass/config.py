@@ -161,7 +161,12 @@ class Config:
     """Per-rank device budget: bytes or a size such as "60GiB". boundpass.compile needs one; None in the recipe means
     boundpass off (stock torchtitan)."""
     host_budget: str | int | None = None
-    """Per-rank host budget for offloaded optimizer state and SCO's boundary pool (None: unchecked, unlimited)."""
+    """Per-rank host budget for offloaded optimizer state and SCO's boundary pool (None: unchecked, unlimited; 0: no
+    host memory, so nothing is offloaded)."""
+    allow_uncertified: bool = False
+    """A step boundpass cannot certify whole (graph breaks under fullgraph=False: code runs between the compiled
+    graphs that no certificate sees) is refused on its first call (NotCertifiedError, naming Dynamo's break reasons).
+    True: it runs, each compiled graph checked on its own, and explain() says NOT CERTIFIED with the reasons."""
     max_tokens_per_rank: int | None = None
     """The largest token count N any ring / EP rank will hold (Ring-DTP's branch, PipelinedLLEP's cap range). None:
     the group's largest N at each compile (one all-reduce)."""
@@ -180,7 +185,7 @@ class Config:
     def __post_init__(self):
         for name in ("budget", "host_budget"):
             if getattr(self, name) is not None:
-                parse_bytes(getattr(self, name), what=name)
+                parse_bytes(getattr(self, name), what=name, zero_ok=name == "host_budget")
         _positive("max_tokens_per_rank", self.max_tokens_per_rank, what="N_max; ")
         if self.inner not in INNER_COMPILERS:
             raise BoundpassInputError(f"boundpass.Config: inner must be one of {INNER_COMPILERS}, got {self.inner!r}")
@@ -199,7 +204,7 @@ class Config:
 
     @property
     def host_budget_bytes(self) -> int | None:
-        return None if self.host_budget is None else parse_bytes(self.host_budget, what="host_budget")
+        return None if self.host_budget is None else parse_bytes(self.host_budget, what="host_budget", zero_ok=True)
 
     def flat(self) -> dict:
         """Every knob as ``{keyword: value}`` (``{"budget": ..., "dispatch_cap": ...}``)."""

@@ -25,3 +25,15 @@ class InfeasibleBudgetError(BoundpassError):
         self.value_bytes = value_bytes
         self.budget_bytes = budget_bytes
         self.knob = knob
+
+
+class NotCertifiedError(BoundpassError, RuntimeError):
+    """The step runs code no certificate covers (graph breaks), so no budget check of it can be honest.
+
+    ``reasons``: Dynamo's break reasons (first line of each); ``graphs``: the certified device peak of each
+    compiled graph of the step (bytes, None where a graph was not certified)."""
+
+    def __init__(self, message: str, *, reasons: list[str], graphs: list):
+        super().__init__(message)
+        self.reasons = reasons
+        self.graphs = graphs

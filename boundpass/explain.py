@@ -46,7 +46,22 @@ class ExplainReport:
         "none" shows no graph. formulas=True adds each bound term's sympy formula under its row."""
         if graph not in ("full", "excerpt", "none"):
             raise ValueError(f"graph must be 'full', 'excerpt' or 'none', got {graph!r}")
-        lines = [f"boundpass report (per-rank budget {format_bytes(self.budget)})", "", "regions:"]
+        lines = [f"boundpass report (per-rank budget {format_bytes(self.budget)})"]
+        if getattr(self, "not_certified", None) is not None:
+            lines += ["", "NOT CERTIFIED: the step runs code between its compiled graphs that no certificate covers",
+                      *(f"  graph break: {r}" for r in self.not_certified.reasons),
+                      "  each graph's table below is that graph's own peak, not the step's"]
+        graphs = getattr(self, "step_graphs", None) or []
+        if len(graphs) > 1:
+            lines += ["", f"graphs of this step ({len(graphs)}; this report is #{graphs.index(self) + 1}):"]
+            for i, g in enumerate(graphs, 1):
+                regions = ", ".join(f"{r.kind if hasattr(r, 'kind') else 'vocab'} "
+                                    f"{'rewritten' if r.rewritten else 'skipped'}" for r in g.regions) or "no regions"
+                total = format_bytes(g.table.total) if g.table is not None else "not certified"
+                lines.append(f"  #{i}: certified {total}; {regions}")
+        if getattr(self, "inference", False):
+            lines += ["", "inference call (no backward): the graph's forward beside the state it holds"]
+        lines += ["", "regions:"]
         if not self.regions:
             lines.append("  (none found: no linear -> cross_entropy in the captured graph; is the loss compiled "
                          "together with the model? pass loss_fn= to boundpass.compile)")
@@ -64,6 +79,12 @@ class ExplainReport:
             lines += self.sco.lines()
         lines += ["", "bounds (bytes per rank):",
                   self.table.render(formulas=formulas, width=width) if self.table else "  (none)"]
+        running = self.running_total()
+        if running is not None:
+            shape = ", ".join(f"{k}={v}" for k, v in sorted(self.running.items(), key=lambda kv: str(kv[0])))
+            verdict = "FITS" if running <= self.budget else "DOES NOT FIT"
+            lines.append(f"at the shape that ran last ({shape}): device peak {format_bytes(running)} ({verdict}); "
+                         f"the table is at the shape first compiled")
         lines += self._knob_lines()
         lines += self._step_peak_lines()
         if getattr(self, "composed", None) is not None:  # compile(..., launch=, model_shape=)
@@ -81,6 +102,15 @@ class ExplainReport:
         if graph == "full":
             text += "\n\nrewritten graph (Dynamo, torch IR):\n" + self.graph_code
         return text
+
+    def running_total(self) -> int | None:
+        """The certified device peak (bytes) at the sizes the last call of a dynamic graph had; None for a static graph
+        (or before it ran)."""
+        cert, running = getattr(self, "certificate", None), getattr(self, "running", None)
+        if cert is None or not running or cert.planner is None:
+            return None
+        values = {**cert.values, **running}
+        return cert.planner.total(cert.peak.evaluate(values)[0])
 
     def _knob_lines(self) -> list[str]:
         """The planner's choice per knob: value, why, and what the budget alone would have allowed.

@@ -74,6 +74,7 @@ class StepCertificate:
     planning_s: float = 0.0      # seconds in the planning partitioner (partitions, rewrites, walks, knobs)
     source: str = "partitioned FX graphs"   # what the peak was read from (Inductor: its final schedule)
     before_fusion: int | None = None        # Inductor: the graph peak the FX walk gave before fusion (bytes)
+    inference: bool = False      # a call without a backward (no_grad / eval): one graph, no gradients made
 
     def total_at(self, **knobs) -> int:
         """The certified device peak (bytes) had the knobs been ``knobs`` (e.g. dispatch_cap=8)."""

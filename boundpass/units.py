@@ -16,16 +16,25 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([+-]?(?:\d[\d_]*)?(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*$")
 
 
-def parse_bytes(size: int | float | str, *, what: str = "budget") -> int:
-    """Parse a positive byte size (int, float or string with a unit) into an int number of bytes."""
+def parse_bytes(size: int | float | str, *, what: str = "budget", zero_ok: bool = False) -> int:
+    """Parse a positive byte size (int, float or string with a unit) into an int number of bytes.
+
+    A bare number is bytes, so it must be a whole number (``1.9`` is refused, not read as 1 byte: write "1.9GiB").
+    ``zero_ok``: 0 is a valid size (a host budget of 0 says "no host memory")."""
     if isinstance(size, bool):
         raise BoundpassInputError(f"{what}: expected a byte size such as '60GiB' or 2**30, got {size!r}")
+    if zero_ok and isinstance(size, (int, float)) and size == 0:
+        return 0
     if isinstance(size, (int, float)):
         value, unit = float(size), ""
         if isinstance(size, int):
             if size <= 0:
                 raise BoundpassInputError(f"{what} must be a positive number of bytes, got {size}")
             return size
+        if math.isfinite(size) and size != int(size):
+            raise BoundpassInputError(
+                f"{what}: a bare number is a count of bytes, and {size!r} is not a whole number of bytes; give the "
+                f"unit as a string (e.g. '{size}GiB') or an int of bytes")
     elif isinstance(size, str):
         match = _PATTERN.match(size)
         if not match or not match.group(1) or match.group(1) in "+-.":
