@@ -11,7 +11,7 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "runtime")) and 
         _os.path.isfile(_os.path.join(_root, "runtime", "__init__.py")):
     __path__.append(_root)  # noqa: F821 (a package's __path__)
 from boundpass.errors import (BoundpassError, BoundpassInputError, InfeasibleBudgetError,  # noqa: F401,E402
-                              NotCertifiedError)
+                              NotCertifiedError, PeerRefusedError)
 from boundpass.units import format_bytes, parse_bytes  # noqa: F401,E402
 from boundpass.config import Config  # noqa: F401,E402  (every knob, one name each: imports no torch)
 

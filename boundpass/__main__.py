@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 
@@ -124,4 +125,8 @@ if __name__ == "__main__":
     # exiting: the interpreter's last full collections then skip all the plan built (~1 s of a 671B plan's wall time
     # went into walking it there); exit handlers and module teardown run as usual
     gc.freeze()
-    sys.exit(code)
+    # os._exit skips the interpreter's teardown, where triton's nanobind extension (imported through torch's Inductor)
+    # prints "nanobind: leaked N instances / types / functions" (~27 lines a user cannot act on) to stderr
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

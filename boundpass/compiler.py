@@ -6,6 +6,7 @@ the budget (planner.py; raises before any real compute) -> eager kernels ("aot_e
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 import types
@@ -32,7 +33,7 @@ from boundpass.passes.optimizer_swap import plan_optimizer
 from boundpass.passes.vocab_pass import VocabRewriteConfig, rewrite_vocab_regions
 from boundpass.planner import Knob, StepPlanner, infeasible, set_op_arg
 from boundpass.runtime import ring_dtp
-from boundpass.runtime.agreement import agree, global_max_tokens
+from boundpass.runtime.agreement import agree, fail_together, global_max_tokens
 from boundpass.step_peak import analyze_graphs, module_path
 from boundpass.units import format_bytes
 
@@ -238,11 +239,15 @@ class BoundedModule(nn.Module):
             ring_size, ring_rank = dist.get_world_size(self.ring_group), dist.get_rank(self.ring_group)
             group_name = ring_dtp.group_name_of(self.ring_group)
         vocab = VocabRewriteConfig(group_name=group_name, ring_size=ring_size, ring_rank=ring_rank)
+        # the rewritten ops compute in the dtype of what they are given; under autocast eager computes the projection
+        # and the experts in autocast's dtype instead, so a rewrite would change the numerics: left as written
+        autocast = _autocast_reason(gm)
         # passes: find -> match -> replace; the knobs they leave open (C, c, L_off) are the planner's
-        regions = rewrite_vocab_regions(gm, vocab) if self.config.vocab.enable else []
+        regions = [] if not self.config.vocab.enable else [SkippedPass("vocab", autocast)] if autocast else \
+            rewrite_vocab_regions(gm, vocab)
         report.regions.extend(regions)
-        dispatch_regions = (rewrite_dispatch_regions(gm, self.dispatch_root(), self.config.dispatch.borrowed_slots)
-                            if self.config.dispatch.enable else [])
+        dispatch_regions = [] if not self.config.dispatch.enable else [SkippedPass("dispatch", autocast)] if autocast \
+            else rewrite_dispatch_regions(gm, self.dispatch_root(), self.config.dispatch.borrowed_slots)
         report.regions.extend(dispatch_regions)
         for region in dispatch_regions:  # later calls agree over these groups before compiling (forward)
             if region.rewritten and region.group_name and region.group_name not in self.ep_groups:
@@ -592,7 +597,26 @@ class _PlanningPartitioner:
         self._check(refined, peak, p)
 
     def _check(self, cert, peak, p) -> None:
-        """Raise if the certified step does not fit; guard a dynamic size on the budget; record what it saves."""
+        """Raise if the certified step does not fit, on every rank of the ring / EP groups together (a rank whose
+        check passed would otherwise wait for a refused one in the step's collectives); guard a dynamic size on the
+        budget; record what it saves."""
+        error = None
+        try:
+            self._check_here(cert, peak, p)
+        except BoundpassError as exc:
+            error = exc
+        groups = self.owner._agreement_groups() + [g for g in self._region_groups() if g is not None]
+        groups = [g for i, g in enumerate(groups) if all(g is not h for h in groups[:i])]
+        fail_together("boundpass.compile", groups, error, numbers=(cert.table.total, self.owner.budget))
+
+    def _region_groups(self) -> list:
+        """The EP groups of this graph's rewritten dispatch regions (its ring is the owner's)."""
+        if not dist.is_initialized():
+            return []
+        names = {r.group_name for k in self.knobs for r in k.regions if getattr(r, "group_name", "")}
+        return [dist.distributed_c10d._resolve_process_group(name) for name in sorted(names)]
+
+    def _check_here(self, cert, peak, p) -> None:
         owner = self.owner
         planner = cert.planner
         if not cert.table.host_fits():
@@ -678,6 +702,39 @@ def _signature(args, model_kwargs) -> int:
         return type(x).__qualname__
     text = describe(tuple(args)) + describe(dict(model_kwargs))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+@dataclasses.dataclass
+class SkippedPass:
+    """A pass not run on a graph at all, and why (explain lists it as a skipped region)."""
+    kind: str
+    reason: str
+    module_path: str = ""
+    rewritten: bool = False
+    tokens: object = None
+
+    def describe(self) -> str:
+        return f"SKIPPED   {self.kind:<8} (every region): {self.reason}"
+
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _autocast_reason(gm) -> str:
+    """Why the rewrites must not run under the autocast this graph was captured in ("" when none applies): autocast
+    at capture (the caller's ``with torch.autocast(...)``) or entered inside the graph, to a lower precision."""
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in _LOW_PRECISION:
+            dtype = torch.get_autocast_dtype(device)
+            return (f"the step runs under torch.autocast({device!r}, {dtype}): eager computes the region in {dtype}, "
+                    f"the rewritten op would compute it in the model's dtype (left as written, so the numerics are "
+                    f"autocast's; cast the model to {dtype} instead to have it rewritten)")
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_enter_autocast" \
+                and len(node.args) >= 3 and node.args[1] in _LOW_PRECISION and node.args[2]:
+            return (f"the model enters torch.autocast({node.args[0]!r}, {node.args[1]}) in its forward: the rewritten "
+                    f"ops would not follow autocast's dtype (left as written)")
+    return ""
 
 
 def _running_sizes(compiled, gm, report, owner):
@@ -931,10 +988,31 @@ def compile(model: nn.Module, config: Config | None = None, *, loss_fn=None, rin
                                       "model_shape= (e.g. boundpass.plan.model_shape(model, flavor))")
         from boundpass import composed
         composed_table = composed.check(model_shape, launch, budget=budget_bytes, host_budget=host_bytes)
-    state_terms, plan = _state_terms(model, optimizer, budget=budget_bytes, host_budget=host_bytes,
-                                     knobs=config.optimizer)
+    error = state_terms = plan = None
+    try:
+        state_terms, plan = _state_terms(model, optimizer, budget=budget_bytes, host_budget=host_bytes,
+                                         knobs=config.optimizer)
+    except BoundpassError as exc:
+        error = exc
+    _agree_at_compile(ring_group, error)
     return BoundedModule(model, loss_fn, config, ring_group=ring_group, fullgraph=fullgraph, dynamic=dynamic,
                          state_terms=state_terms, optimizer_plan=plan, composed_table=composed_table)
+
+
+def _agree_at_compile(ring_group, error) -> None:
+    """Every rank of the job compiles together: each learns whether any rank's state check failed and whether the
+    ranks agree on having a ring (a ring on one rank only leaves the others waiting in their next collective).
+    One small all-gather over the default group when torch.distributed runs several real ranks; then every rank
+    raises together (its own error, or PeerRefusedError), never a process-group timeout."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or str(dist.get_backend()).lower() == "fake":
+        if error is not None:
+            raise error
+        return
+    world = dist.group.WORLD
+    ring = dist.get_world_size(ring_group) if ring_group is not None else 0
+    agree("boundpass.compile", world, dist.get_rank(), dist.get_world_size(),
+          [("ring_group given (its size; 0: none)", "int", ring)], what="job")
+    fail_together("boundpass.compile", [world], error)
 
 
 def explain(compiled: BoundedModule) -> ExplainReport:

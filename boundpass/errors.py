@@ -37,3 +37,12 @@ class NotCertifiedError(BoundpassError, RuntimeError):
         super().__init__(message)
         self.reasons = reasons
         self.graphs = graphs
+
+
+class PeerRefusedError(BoundpassError, RuntimeError):
+    """Another rank of a ring / EP group (or of the job) refused the step; this rank stops with it instead of
+    waiting in a collective. ``ranks``: the global ranks that refused."""
+
+    def __init__(self, message: str, *, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks

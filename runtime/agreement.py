@@ -161,3 +161,39 @@ def global_max_tokens(tokens: int, group=None, *, device: torch.device | None = 
     t = torch.tensor([int(tokens)], dtype=torch.int64, device=_exchange_device(group, device))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t.item())
+
+
+_KINDS = ("fits", "InfeasibleBudgetError", "BoundpassInputError", "NotCertifiedError", "other")
+
+
+def fail_together(op: str, groups: Sequence, error: BaseException | None, *, numbers: Sequence[int] = (0, 0)) -> None:
+    """Every rank of ``groups`` learns whether any rank's local check failed, and every rank raises.
+
+    One all-gather per group of [what failed (0: nothing), numbers...] (``numbers``: two ints the message shows, e.g.
+    the certified peak and the budget, bytes). This rank's own ``error`` is re-raised unchanged; a rank whose own
+    check passed raises ``PeerRefusedError`` naming each rank that failed, what failed and its numbers, instead of
+    entering the step's collectives, where it would wait for that rank until the process group's timeout.
+    Groups of one rank and fake (simulated) groups exchange nothing."""
+    from boundpass.errors import PeerRefusedError
+    kind = 0 if error is None else next((i for i, name in enumerate(_KINDS) if i and any(
+        c.__name__ == name for c in type(error).__mro__)), len(_KINDS) - 1)
+    failed = []
+    for group in groups:
+        size = dist.get_world_size(group)
+        if size == 1 or str(dist.get_backend(group)).lower() == "fake":
+            continue
+        mine = torch.tensor([kind, *map(int, numbers)], dtype=torch.int64, device=_exchange_device(group, None))
+        out = torch.empty(size * mine.numel(), dtype=torch.int64, device=mine.device)
+        dist.all_gather_single(out, mine, group=group)
+        ranks = dist.get_process_group_ranks(group)
+        failed += [(ranks[r], row) for r, row in enumerate(out.view(size, -1).tolist()) if row[0]]
+    if error is not None:
+        raise error
+    if failed:
+        from boundpass.units import format_bytes
+        listed = "; ".join(f"rank {r}: {_KINDS[row[0]]}" + (f" (peak {format_bytes(row[1])} over its budget "
+                                                            f"{format_bytes(row[2])})" if row[0] == 1 else "")
+                           for r, row in dict(failed).items())
+        raise PeerRefusedError(f"{op}: another rank refused this step ({listed}); every rank stops here instead of "
+                               f"waiting for it in the step's collectives: see that rank's error for the fix",
+                               ranks=sorted(dict(failed)))

@@ -60,6 +60,17 @@ _WORKING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _copy = torch.ops.aten.copy_.default
 
 
+def _refuse_unimplemented(group: dict, where: str) -> None:
+    """AdamW variants this optimizer does not compute: refused wherever they are set (the constructor's arguments,
+    a group dict, add_param_group, a group edited later), never silently ignored."""
+    on = [key for key in ("amsgrad", "maximize") if group.get(key)]
+    if group.get("decoupled_weight_decay") is False and group.get("weight_decay"):
+        on.append("decoupled_weight_decay=False (Adam's coupled weight decay)")
+    if on:
+        raise BoundpassInputError(f"OffloadStreamAdamW computes AdamW without {' / '.join(on)}, which {where} sets; "
+                                  f"use torch.optim.AdamW for those")
+
+
 def _local(t: Tensor) -> Tensor:
     """This rank's shard of an FSDP2/DTensor parameter or grad (the tensor itself otherwise)."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -116,6 +127,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             raise BoundpassInputError("OffloadStreamAdamW: add_param_group after the first step/load would "
                                       "resize the host state; build a new optimizer with all groups instead")
         group = {**self.defaults, **param_group}
+        _refuse_unimplemented(group, "a param group")
         _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         items = param_group["params"]
         param_group["params"] = items = [items] if isinstance(items, Tensor) else list(items)
@@ -201,6 +213,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step of every param with a grad (params with grad None are skipped, like torch)."""
+        for group in self.param_groups:  # a group's flags may have been set after it was added
+            _refuse_unimplemented(group, "param_groups (set after construction)")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -399,6 +413,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         """
         groups = []
         for g in adamw.param_groups:
+            _refuse_unimplemented(g, f"the {type(adamw).__name__} to migrate")
             params = list(zip(g["param_names"], g["params"])) if "param_names" in g else list(g["params"])
             groups.append({**{k: v for k, v in g.items() if k not in _TORCH_IMPL_KEYS | {"param_names"}},
                            "params": params})
