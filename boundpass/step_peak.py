@@ -17,6 +17,8 @@ tracker is the part that serves, and it is reused as is.
 """
 from __future__ import annotations
 
+import operator
+
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -227,6 +229,37 @@ class _Walk:
             self.total -= storage.nbytes
 
 
+def _saved_by_position(out_node: fx.Node, num_user_outputs: int, bw_placeholders: list) -> dict:
+    """Backward's saved-tensor placeholders paired with the forward outputs they are, by position: the forward
+    returns the saved tensors in the order backward takes them (symbolic sizes, saved after the tensors in forward
+    but before them in backward, are left out). Names do not always agree: the partitioner calls a saved RNG state
+    rng_state_output_<i> in backward, and SCO's token takes the place of the boundary it offloads."""
+    def is_tensor(node):
+        return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+    saved = [o for o in list(out_node.args[0])[num_user_outputs:] if is_tensor(o)]
+    taken = [ph for ph in bw_placeholders if not ph.name.startswith("tangents") and is_tensor(ph)]
+    if len(saved) != len(taken):
+        return {}
+    return dict(zip(taken, saved))
+
+
+def _tuple_values(graph: fx.Graph) -> None:
+    """Give a multi-output node without a value (``run_and_save_rng_state``, which a checkpoint that preserves the
+    RNG state wraps around an op: its RNG state and the op's outputs) the tuple its getitems read, so its outputs are
+    allocations of that node; without it the saved RNG states (5,056 B each on CPU) were never counted."""
+    for node in graph.nodes:
+        if node.op != "call_function" or node.meta.get("val") is not None or not node.users:
+            continue
+        items = {}
+        for user in node.users:
+            if user.op != "call_function" or user.target is not operator.getitem or not isinstance(user.args[1], int):
+                items = None
+                break
+            items[user.args[1]] = user.meta.get("val")
+        if items:
+            node.meta["val"] = tuple(items.get(i) for i in range(max(items) + 1))
+
+
 def _storage_bytes(key: StorageKey) -> sympy.Expr:
     return as_expr(key.storage.nbytes())
 
@@ -298,6 +331,8 @@ def analyze_graphs(fw: fx.GraphModule, bw: fx.GraphModule | None, *, static_inpu
     ctx: launch facts the workspace bounds need (e.g. max_tokens_per_rank).
     """
     ctx = ctx or {}
+    for graph in (fw, bw) if bw is not None else (fw,):
+        _tuple_values(graph.graph)
     result = GraphPeak()
     placeholders = fw.graph.find_nodes(op="placeholder")
     fw_alias_probe = GraphAliasTracker(list(fw.graph.nodes))
@@ -333,8 +368,10 @@ def analyze_graphs(fw: fx.GraphModule, bw: fx.GraphModule | None, *, static_inpu
                               sympy.Integer(0))
     saved_keys = set()
     bw_placeholders = bw.graph.find_nodes(op="placeholder")
+    bw_probe = GraphAliasTracker(list(bw.graph.nodes))
+    paired = _saved_by_position(out_node, num_user_outputs, bw_placeholders)
     for ph in bw_placeholders:
-        src = fw_nodes.get(ph.name)
+        src = paired.get(ph) or fw_nodes.get(ph.name)
         if src is not None:
             saved_keys |= set(fw_alias.node_to_output_storages.get(src, ()))
     for key in list(walk.live):  # forward outputs neither returned nor saved die when forward returns
@@ -355,7 +392,6 @@ def analyze_graphs(fw: fx.GraphModule, bw: fx.GraphModule | None, *, static_inpu
             if key in (user_keys | set(inputs)) and key not in saved_keys:
                 walk.free(key)
     bw_out = bw.graph.find_nodes(op="output")[0]
-    bw_probe = GraphAliasTracker(list(bw.graph.nodes))
     grad_keys, param_grad_keys = set(), set()
     for i, o in enumerate(bw_out.args[0]):
         if isinstance(o, fx.Node):
