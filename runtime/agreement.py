@@ -174,6 +174,12 @@ def fail_together(op: str, groups: Sequence, error: BaseException | None, *, num
     check passed raises ``PeerRefusedError`` naming each rank that failed, what failed and its numbers, instead of
     entering the step's collectives, where it would wait for that rank until the process group's timeout.
     Groups of one rank and fake (simulated) groups exchange nothing."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():  # AOTAutograd's partitioner runs under its fake mode: these ints are real
+        _fail_together(op, groups, error, numbers)
+
+
+def _fail_together(op, groups, error, numbers) -> None:
     from boundpass.errors import PeerRefusedError
     kind = 0 if error is None else next((i for i, name in enumerate(_KINDS) if i and any(
         c.__name__ == name for c in type(error).__mro__)), len(_KINDS) - 1)
