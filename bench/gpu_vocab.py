@@ -53,14 +53,17 @@ def peak_device_bytes(step, device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated()
 
 
-def bound(schedule: str, *, N: int, H: int, V: int, C: int, dtype) -> int | None:
-    """The runtime's sympy bound (bytes, inputs included) for Ring-DTP and the standard schedule."""
+def bound(schedule: str, *, N: int, H: int, V: int, C: int, dtype, device=None) -> int | None:
+    """The runtime's sympy bound (bytes, inputs included) for Ring-DTP and the standard schedule, plus the cuBLAS /
+    cuBLASLt workspaces torch keeps once a matmul ran (in max_memory_allocated, not the op's: 64 MiB on an H200)."""
+    from boundpass.bounds import blas_workspace_bytes
     mixed = dtype != torch.float32
     values = bound_values(dtype, N=N, H=H, V=V, P=1, C=C)
+    workspace = blas_workspace_bytes(device) if device is not None else 0
     if schedule == "ring_dtp":
-        return sym.evaluate(ring_dtp_bound(choose_branch(N, V, 1), mixed_precision=mixed), values)
+        return sym.evaluate(ring_dtp_bound(choose_branch(N, V, 1), mixed_precision=mixed), values) + workspace
     if schedule == "standard":
-        return sym.evaluate(reference_bound(mixed_precision=mixed), values)
+        return sym.evaluate(reference_bound(mixed_precision=mixed), values) + workspace
     return None
 
 
@@ -84,7 +87,7 @@ def measure_schedule(schedule: str, h, w, labels, *, V: int, C: int, device, ref
     del outputs
     N, H = h.shape
     return {"peak_bytes": peak_device_bytes(step, device),
-            "bound_bytes": bound(schedule, N=N, H=H, V=V, C=C, dtype=h.dtype),
+            "bound_bytes": bound(schedule, N=N, H=H, V=V, C=C, dtype=h.dtype, device=device),
             "seconds": median_step_seconds(step, device, REPEATS), "loss": loss,
             "auto_chunked_graphs": chunked if schedule.startswith("inductor") else None}, ref
 
@@ -152,6 +155,8 @@ def render(cases: list[dict], device: torch.device) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, to check the script")
+    parser.add_argument("--case", type=int, action="append", help="only these GPU_CASES (by index; repeatable)")
+    parser.add_argument("--no-inductor", action="store_true", help="skip the Inductor variants (a short recheck)")
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_vocab: no CUDA device visible to torch; nothing measured (use --dry-run to check on a CPU)",
@@ -170,7 +175,9 @@ def main(argv=None) -> int:
     # a fresh Inductor cache: on a cache hit nothing compiles and the auto-chunker's counter stays 0
     with tempfile.TemporaryDirectory(prefix="gpu_vocab_inductor_") as cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-        for N, H, V, dtype, C, with_inductor in (DRY_RUN_CASES if args.dry_run else GPU_CASES):
+        cases = DRY_RUN_CASES if args.dry_run else [c for i, c in enumerate(GPU_CASES) if not args.case or i in args.case]
+        for N, H, V, dtype, C, with_inductor in cases:
+            with_inductor = with_inductor and not args.no_inductor
             print(f"N={N} H={H} V={V} {dtype}", flush=True)
             data["cases"].append(measure_case(N, H, V, dtype, C, with_inductor, device, deadline))
             out_path.write_text(json.dumps(data, indent=2) + "\n")

@@ -113,3 +113,22 @@ def largest_fitting(lo: int, hi: int, cost) -> int | None:
         else:
             hi = mid - 1
     return lo
+
+
+def blas_workspace_bytes(device) -> int:
+    """Device bytes cuBLAS and cuBLASLt hold as workspaces once a matmul has run on ``device``'s stream (0 off CUDA).
+
+    torch allocates them through its caching allocator on the first matmul of a stream and keeps them (they count in
+    ``torch.cuda.max_memory_allocated``), so they are device memory of every step: 64 MiB on an H200 under torch 2.11
+    (measured as the one term the Ring-DTP GPU check exceeded its op bound by, 67,077,112 B with 31,752 B of slack).
+    The sizes are torch's own (``CUBLAS_WORKSPACE_CONFIG`` / ``CUBLASLT_WORKSPACE_SIZE`` respected); where torch
+    shares one workspace between the two libraries this counts it twice, an upper bound."""
+    import torch
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    total = 0
+    for name in ("_cuda_getCublasWorkspaceSize", "_cuda_getCublasLtWorkspaceSize"):
+        getter = getattr(torch._C, name, None)
+        total += int(getter()) if getter is not None else 32 << 20  # torch's Hopper default where not exposed
+    return total

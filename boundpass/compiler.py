@@ -23,7 +23,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from boundpass import inductor_peak
 from boundpass.aot_workarounds import saved_tensors_before_opaque, static_placeholders
 from boundpass import symbols as sym
-from boundpass.bounds import BoundTerm, BudgetTable, raise_infeasible
+from boundpass.bounds import BoundTerm, BudgetTable, blas_workspace_bytes, raise_infeasible
 from boundpass.config import Config, config_from
 from boundpass.errors import BoundpassError, BoundpassInputError, NotCertifiedError
 from boundpass.explain import ExplainReport
@@ -748,11 +748,15 @@ def _running_sizes(compiled, gm, report, owner):
         where += [(i, d, size.node.expr) for d, size in dims
                   if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol]
 
+    # weakly: Dynamo keeps this function as long as the process, and the report leads to the graphs (and through
+    # them to the model's parameters); the module's reports list owns it
+    report = weakref.ref(report)
+
     def run(*args):  # Dynamo calls a backend's result with the graph's inputs as positional arguments
-        report.running = {symbol: int(args[i] if d is None else args[i].shape[d]) for i, d, symbol in where}
-        module = owner()
-        if module is not None:
-            module.last_report = report
+        module, made = owner(), report()
+        if module is not None and made is not None:
+            made.running = {symbol: int(args[i] if d is None else args[i].shape[d]) for i, d, symbol in where}
+            module.last_report = made
         return compiled(*args)
     return run
 
@@ -912,6 +916,11 @@ def _state_terms(model: nn.Module, optimizer, *, budget: int, host_budget, knobs
     if buffer_bytes:
         terms.append(BoundTerm("buffers", sympy.Integer(buffer_bytes), buffer_bytes, kind="persistent",
                                knob="shard the model over more ranks or raise the budget"))
+    devices = {t.device for t, _ in params} | {t.device for t in buffers}
+    blas = sum(blas_workspace_bytes(d) for d in devices)
+    if blas:  # allocated by the first matmul of the stream and kept: device memory of every step
+        terms.append(BoundTerm("cuBLAS + cuBLASLt workspaces", sympy.Integer(blas), blas, kind="persistent",
+                               knob="CUBLAS_WORKSPACE_CONFIG / CUBLASLT_WORKSPACE_SIZE set smaller, or raise the budget"))
     plan = None
     if optimizer is not None:
         plan = plan_optimizer(optimizer, budget=budget, persistent=param_bytes + grad_bytes + buffer_bytes,
