@@ -202,11 +202,15 @@ def _inference_peak(step, model, batch):
     return out, tracker.peak_bytes()
 
 
-def test_inference_is_planned_certified_both_ways_and_matches_eager():
+def _dense_eval():
+    """A DenseLM in eval mode (V = 4,096) and a 4 x 512 batch for it."""
     torch.manual_seed(0)
-    model = DenseLM(vocab=4096, hidden=64, inter=1024).eval()
-    batch = _batch(512, batch=4)
-    batch = (batch[0] % 4096, batch[1] % 4096)
+    tokens, labels = _batch(512, batch=4)
+    return DenseLM(vocab=4096, hidden=64, inter=1024).eval(), (tokens % 4096, labels % 4096)
+
+
+def test_inference_is_planned_certified_both_ways_and_matches_eager():
+    model, batch = _dense_eval()
     step = boundpass.compile(model, budget="1GiB", loss_fn=ce)
     loss, measured = _inference_peak(step, model, batch)
     cert = step.certificates[-1]
@@ -220,10 +224,7 @@ def test_inference_is_planned_certified_both_ways_and_matches_eager():
 
 
 def test_inference_over_budget_is_refused_before_it_runs():
-    torch.manual_seed(0)
-    model = DenseLM(vocab=4096, hidden=64, inter=1024).eval()
-    batch = _batch(512, batch=4)
-    batch = (batch[0] % 4096, batch[1] % 4096)
+    model, batch = _dense_eval()
     step = boundpass.compile(model, budget="6MiB", loss_fn=ce)
     with pytest.raises(boundpass.InfeasibleBudgetError, match="cannot be met"):
         with torch.no_grad():
