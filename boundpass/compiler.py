@@ -238,7 +238,9 @@ class BoundedModule(nn.Module):
         if self.ring_group is not None:
             ring_size, ring_rank = dist.get_world_size(self.ring_group), dist.get_rank(self.ring_group)
             group_name = ring_dtp.group_name_of(self.ring_group)
-        vocab = VocabRewriteConfig(group_name=group_name, ring_size=ring_size, ring_rank=ring_rank)
+        # training (Liger-Kernel's convention for HF models): a logits output only the caller reads is not made
+        drop = not self.config.vocab.keep_logits and self.model.training and torch.is_grad_enabled()
+        vocab = VocabRewriteConfig(group_name=group_name, ring_size=ring_size, ring_rank=ring_rank, drop_logits=drop)
         # the rewritten ops compute in the dtype of what they are given; under autocast eager computes the projection
         # and the experts in autocast's dtype instead, so a rewrite would change the numerics: left as written
         autocast = _autocast_reason(gm)

@@ -81,9 +81,15 @@ class VocabConfig:
     block: int | None = None
     """Ring-DTP's strip width C (vocab rows per strip). None: the planner's choice, min(the widest the budget allows,
     the knee of the modelled time) (docs/knobs.md); boundpass.plan takes PLAN_VOCAB_BLOCK."""
+    keep_logits: bool = False
+    """A model that returns its [N, V] logits beside the loss it computes (Hugging Face's CausalLMOutput): in training
+    (module.training, grad enabled) the logits only the caller would read are not materialised, their place in the
+    output holds None (Liger-Kernel's convention) and the region is rewritten. True: they are returned, and the region
+    is skipped (the [N, V] tensor must exist). Eval / no_grad calls always return them."""
 
     def __post_init__(self):
         _switch("vocab.enable", self.enable)
+        _switch("vocab.keep_logits", self.keep_logits)
         _positive("vocab.block", self.block, what="strip width C; ")
 
 

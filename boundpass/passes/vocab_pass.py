@@ -58,13 +58,16 @@ class VocabRegion:
     block: int = 0                 # strip width C chosen by the budget
     branch: str = ""               # Ring-DTP branch chosen for the launch configuration
     op_node: fx.Node | None = field(default=None, repr=False)
+    dropped_logits: list = field(default_factory=list)  # outputs that returned the logits, None now (keep_logits)
 
     def describe(self) -> str:
         if not self.rewritten:
             return f"SKIPPED   vocab  {self.module_path}: {self.reason}"
+        dropped = (f"; the logits it returned ({', '.join(self.dropped_logits)}) are None in training "
+                   f"(vocab_keep_logits=True keeps them)") if self.dropped_logits else ""
         return (f"REWRITTEN vocab  {self.module_path}: {self.form or 'linear -> cross_entropy'} => boundpass::ring_dtp "
                 f"(N={self.tokens}, H={self.hidden}, V={self.vocab}, {self.dtype}, branch={self.branch}, "
-                f"C={self.block})")
+                f"C={self.block}){dropped}")
 
 
 @dataclass
@@ -75,6 +78,7 @@ class VocabRewriteConfig:
     ring_rank: int = 0
     block: int = 0
     branch: str = "auto"
+    drop_logits: bool = False  # logits returned beside the loss become None in the output (Config vocab.keep_logits)
 
 
 def _module_path(node: fx.Node) -> str:
@@ -311,6 +315,8 @@ class _Match:
     ignore_index: int = -100
     reduction: str = "sum"           # "sum", "mean" (over valid tokens), "mean_all" (over all tokens)
     reason: str = ""
+    drop: set = field(default_factory=set)       # nodes that only return the logits (config.drop_logits)
+    dropped: list = field(default_factory=list)  # graph outputs that returned the logits, now None
     dead: list = field(default_factory=list)   # runtime size asserts on a boolean selection the rewrite removes
     twin: list = field(default_factory=list)   # a second spelling of the logits chain (read by gather)
     negate: bool = False                       # the region reduces log-probabilities (-loss): replace by -op
@@ -648,6 +654,66 @@ def _reaches_output(node, depth: int = 8) -> bool:
     return depth > 0 and aliasing and any(_reaches_output(u, depth - 1) for u in node.users)
 
 
+def _output_only(node, depth: int = 8) -> set | None:
+    """``node`` and the aliases / casts / reshapes of it that lead only to the graph's output (None if anything else
+    reads one of them)."""
+    if depth < 0:
+        return None
+    aliasing = _is_pass_through(node) or _is_call(node, methods=("detach", "clone", "cpu") + tuple(_CAST_METHODS),
+                                                   funcs=(torch.detach,))
+    if not aliasing:
+        return None
+    out = {node}
+    for user in node.users:
+        if user.op == "output":
+            continue
+        more = _output_only(user, depth - 1)
+        if more is None:
+            return None
+        out |= more
+    return out
+
+
+def _returned_logits(nodes: list, allowed: set) -> set | None:
+    """The nodes that only return the logits (``nodes``' readers outside the region that lead to the graph's output
+    and nowhere else); None when something else reads them (then they must exist)."""
+    drop = set()
+    for node in nodes:
+        for user in node.users:
+            if user in allowed or user.op == "output":
+                continue
+            only = _output_only(user)
+            if only is None:
+                return None
+            drop |= only
+    return drop
+
+
+def _drop_returned_logits(match: _Match, nodes: list) -> None:
+    """The logits' output slots become None (the caller gets ``logits=None``, as Liger-Kernel's patched Hugging Face
+    models return in training) and the nodes that only fed the output go, so the [N, V] tensor need not exist."""
+    graph = match.anchor.graph
+    out_node = graph.find_nodes(op="output")[0]
+    drop = match.drop | {n for n in nodes if out_node in n.users}
+    if not drop:
+        return
+
+    def replace(value):
+        if isinstance(value, fx.Node) and value in drop:
+            match.dropped.append(value.name)
+            return None
+        if isinstance(value, (tuple, list)):
+            return type(value)(replace(v) for v in value)
+        if isinstance(value, dict):
+            return {k: replace(v) for k, v in value.items()}
+        return value
+    out_node.args = tuple(replace(a) for a in out_node.args)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in sorted(match.drop, key=lambda n: -order[n]):
+        if not node.users:
+            graph.erase_node(node)
+
+
 def _users_reason(nodes: list, allowed: set, path: str) -> str:
     for node in nodes:
         extra = [u for u in node.users if u not in allowed]
@@ -701,7 +767,13 @@ def _resolve(match: _Match, config: "VocabRewriteConfig | None" = None):
     h_dtype, norm_dtype = _val(proj.h).dtype, _val(match.norm).dtype
     acc = torch.promote_types(h_dtype, torch.float32)
     allowed = set(chain) | match.region | _z_loss_uses(match, proj, chain, acc)
-    reason = _chain_reason(chain, vocab) or _users_reason([proj.node] + chain + match.twin, allowed, path)
+    reason = _chain_reason(chain, vocab)
+    if not reason and config.drop_logits:  # dropped only if the region is rewritten (rewrite_vocab_regions)
+        drop = _returned_logits([proj.node] + chain + match.twin, allowed)
+        if drop is not None:
+            match.drop = drop
+            allowed |= drop | set(proj.node.graph.find_nodes(op="output"))
+    reason = reason or _users_reason([proj.node] + chain + match.twin, allowed, path)
     if not reason:
         if norm_dtype != acc:
             reason = (f"{match.loss} runs on {norm_dtype} logits of a {h_dtype} projection; "
@@ -819,7 +891,10 @@ def rewrite_vocab_regions(gm: fx.GraphModule, config: VocabRewriteConfig) -> lis
             regions.append(VocabRegion(module_path=path, rewritten=False, reason=reason, form=form))
             continue
         gathered = None if proj.transpose else _gathered_shard(proj.weight, config)
+        if config.drop_logits:
+            _drop_returned_logits(match, [proj.node] + chain + match.twin)
         regions.append(_rewrite(gm, match, proj, chain, config, path, form, gathered))
+        regions[-1].dropped_logits = list(match.dropped)
         erased.update([match.anchor, *match.dead])
         if gathered is not None:
             gathers.append(gathered[1:])
