@@ -38,6 +38,7 @@ def test_the_naming_rule():
     assert KNOBS == {
         "budget": "budget", "host_budget": "host_budget", "allow_uncertified": "allow_uncertified",
         "max_tokens_per_rank": "max_tokens_per_rank", "inner": "inner", "vocab_enable": "vocab.enable", "vocab_block": "vocab.block",
+        "vocab_keep_logits": "vocab.keep_logits",
         "dispatch_enable": "dispatch.enable", "dispatch_cap": "dispatch.cap",
         "dispatch_borrowed_slots": "dispatch.borrowed_slots", "sco_enable": "sco.enable", "sco_max_layers": "sco.max_layers", "optimizer_offload": "optimizer.offload",
         "optimizer_bucket": "optimizer.bucket", "optimizer_slots": "optimizer.slots"}
@@ -166,13 +167,14 @@ def test_the_recipe_section_is_config_and_parses_every_knob():
     values = {"budget": "2GiB", "host_budget": "3GiB", "max_tokens_per_rank": 128, "inner": "inductor",
               "vocab_enable": False, "vocab_block": 256, "dispatch_enable": False, "dispatch_cap": 64,
               "dispatch_borrowed_slots": 3, "sco_enable": False, "sco_max_layers": 2, "optimizer_offload": True, "optimizer_bucket": 4096,
-              "optimizer_slots": 1, "allow_uncertified": True}
+              "optimizer_slots": 1, "allow_uncertified": True, "vocab_keep_logits": True}
     assert set(values) == set(KNOBS)
     argv = ["--module", "boundpass.recipes", "--config", "deepseek_v3_debug"]
     for keyword, value in values.items():  # a bool is a flag, as torchtitan's own: --boundpass.vocab.no-enable
         section, _, field = KNOBS[keyword].rpartition(".")
         argv += [f"--boundpass.{section}.no-{field}"] if value is False and keyword.endswith("_enable") and \
-            section in ("vocab", "dispatch") else [f"--boundpass.{field}"] if keyword == "allow_uncertified" \
+            section in ("vocab", "dispatch") else [f"--boundpass.{KNOBS[keyword]}"] \
+            if keyword in ("allow_uncertified", "vocab_keep_logits") \
             else [f"--boundpass.{KNOBS[keyword]}", str(value)]
     parsed = _config_manager_class()().parse_args(argv).boundpass
     assert isinstance(parsed, BoundpassConfig) and parsed.flat() == values

@@ -110,11 +110,27 @@ def test_hf_style_labels_keyword_reaches_the_model():
     torch.testing.assert_close(logits, reference(tokens)[0], rtol=1e-6, atol=1e-6)
 
 
-def test_hf_style_model_returning_its_logits_too_is_exact_and_says_why_it_is_not_rewritten():
+def test_hf_style_model_returning_its_logits_in_training_gets_none_and_is_rewritten():
     model = HFStyleLM(return_logits=True)
     reference = copy.deepcopy(model)
     tokens, labels = _batch(seed=3)
     compiled = boundpass.compile(model, budget="1GiB")
+    loss, logits = compiled(tokens, labels=labels)
+    want, _ = reference(tokens, labels=labels)
+    loss.backward()
+    want.backward()
+    assert logits is None  # Liger-Kernel's convention: the [N, V] logits are never made in training
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-7)
+    _assert_same_grads(model, reference)
+    (region,) = boundpass.explain(compiled).rewritten_of("vocab")
+    assert region.dropped_logits
+
+
+def test_hf_style_model_returning_its_logits_kept_is_exact_and_says_why_it_is_not_rewritten():
+    model = HFStyleLM(return_logits=True)
+    reference = copy.deepcopy(model)
+    tokens, labels = _batch(seed=3)
+    compiled = boundpass.compile(model, budget="1GiB", vocab_keep_logits=True)
     loss, logits = compiled(tokens, labels=labels)
     want, want_logits = reference(tokens, labels=labels)
     loss.backward()

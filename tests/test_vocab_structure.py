@@ -301,8 +301,8 @@ class ReturnsLogits(nn.Module):
         return {"logits": self.lm(tokens)}
 
 
-def _skipped(model, loss_fn, reason):
-    got, want, _, report = _run(model, loss_fn)
+def _skipped(model, loss_fn, reason, **kw):
+    got, want, _, report = _run(model, loss_fn, **kw)
     torch.testing.assert_close(got, want, **TOL)
     assert not report.rewritten_of("vocab")
     (region,) = report.skipped_of("vocab")
@@ -311,20 +311,44 @@ def _skipped(model, loss_fn, reason):
     return region
 
 
-@pytest.mark.parametrize("loss_fn", [
+RETURNS_LOGITS = [
     lambda lg, y: (ce_shifted(lg, y), lg),
     lambda lg, y: (lse_masked_mean(lg, y), lg.detach()),
     lambda lg, y: (lse_cast_twice(lg, y), lg.float()),
     lambda lg, y: (nll_mean(lg, y), lg.float().view(-1, V)),
-], ids=["ce", "lse-detached", "lse-twin-cast", "nll-reshaped"])
-def test_returned_logits_are_skipped_naming_the_module_and_the_fix(loss_fn):
-    region = _skipped(LM("at_T"), loss_fn, "are also returned by the compiled graph")
+]
+RETURNS_LOGITS_IDS = ["ce", "lse-detached", "lse-twin-cast", "nll-reshaped"]
+
+
+@pytest.mark.parametrize("loss_fn", RETURNS_LOGITS, ids=RETURNS_LOGITS_IDS)
+def test_returned_logits_kept_are_skipped_naming_the_module_and_the_fix(loss_fn):
+    region = _skipped(LM("at_T"), loss_fn, "are also returned by the compiled graph", vocab_keep_logits=True)
     assert region.module_path in region.reason and "return only the loss" in region.reason
 
 
-def test_model_returning_its_logits_in_a_dict_is_skipped():
+@pytest.mark.parametrize("loss_fn", RETURNS_LOGITS, ids=RETURNS_LOGITS_IDS)
+def test_returned_logits_are_none_in_training_and_the_region_rewritten(loss_fn):
+    """Liger-Kernel's convention: in training the logits only the caller reads are not materialised."""
+    got, want, reference, report = _run(LM("at_T"), loss_fn)
+    assert got[1] is None and want[1] is not None
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    got[0].backward()
+    want[0].backward()
+    (region,) = report.rewritten_of("vocab")
+    assert region.dropped_logits and "are None in training (vocab_keep_logits=True keeps them)" in flat(str(report))
+
+
+def test_returned_logits_stay_in_eval():
+    model = LM("at_T").eval()
+    loss_fn = RETURNS_LOGITS[0]
+    with torch.no_grad():
+        got, want, _, report = _run(model, loss_fn)
+    torch.testing.assert_close(got[1], want[1], **TOL)
+
+
+def test_model_returning_its_logits_in_a_dict_is_skipped_when_kept():
     loss_fn = lambda out, y: (ce_mean(out["logits"], y), out)  # noqa: E731
-    region = _skipped(ReturnsLogits(), loss_fn, "are also returned by the compiled graph")
+    region = _skipped(ReturnsLogits(), loss_fn, "are also returned by the compiled graph", vocab_keep_logits=True)
     assert region.module_path == "model.lm" and "model.lm (" in region.reason
 
 

@@ -1,0 +1,105 @@
+"""Hugging Face transformers MoE models as their users call them (issue 35, the logits): `cm(input_ids=x, labels=y)`.
+
+In training the [N, V] logits HF returns beside the loss are not materialised (None in the output: Liger-Kernel's
+convention), so the vocab region is rewritten to Ring-DTP; loss and every gradient equal eager HF's (up to Ring-DTP's
+strip-wise sums), and the certificate equals the measured whole step (live storages) within 1.10x both ways. In eval
+the model's outputs are unchanged; vocab_keep_logits=True keeps the logits (the region is then skipped, as before).
+Tiny configs built from the config classes (no hub), transformers pinned in the test extra.
+"""
+import copy
+
+import pytest
+import torch
+
+import boundpass
+from boundpass.testing.whole_step import measured_step_peak
+
+transformers = pytest.importorskip("transformers")
+V, H = 1024, 64
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _model(family: str):
+    common = dict(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, use_cache=False, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    if family == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
+                                                                          **common))
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1, **common))
+    return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2, **common))
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, V, (2, 128), generator=g)
+    labels[:, :5] = -100  # ignored tokens
+    return torch.randint(0, V, (2, 128), generator=g), labels
+
+
+FAMILIES = ["mixtral", "qwen3_moe", "olmoe"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_drops_the_logits_rewrites_the_head_and_is_exact(family):
+    model = _model(family)
+    plain = copy.deepcopy(model)
+    step = boundpass.compile(model, budget="1GiB")
+    tokens, labels = _batch()
+    out = step(input_ids=tokens, labels=labels)
+    ref = plain(input_ids=tokens, labels=labels)
+    assert out.logits is None and ref.logits is not None
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    report = boundpass.explain(step)
+    (region,) = report.rewritten_of("vocab")
+    assert region.module_path == "model.lm_head" and region.dropped_logits
+    assert "are None in training" in str(report)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_step_certified_both_ways(family):
+    model = _model(family)
+    step = boundpass.compile(model, budget="1GiB")
+
+    def train(tokens, labels):  # the caller holds the output (logits None) through backward
+        out = step(input_ids=tokens, labels=labels)
+        return out.loss, out
+    measured = measured_step_peak(train, model, None, [_batch(s) for s in range(3)])
+    certified = step.certificates[-1].table.total
+    assert measured <= certified <= 1.10 * measured, (certified, measured)
+
+
+def test_eval_keeps_the_logits():
+    model = _model("mixtral").eval()
+    plain = copy.deepcopy(model)
+    step = boundpass.compile(model, budget="1GiB")
+    tokens, labels = _batch()
+    with torch.no_grad():
+        out = step(input_ids=tokens, labels=labels)
+        ref = plain(input_ids=tokens, labels=labels)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
+
+
+def test_keep_logits_returns_them_and_skips_the_region():
+    model = _model("qwen3_moe")
+    plain = copy.deepcopy(model)
+    step = boundpass.compile(model, budget="1GiB", vocab_keep_logits=True)
+    tokens, labels = _batch()
+    out = step(input_ids=tokens, labels=labels)
+    ref = plain(input_ids=tokens, labels=labels)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-6, atol=1e-6)
+    (skipped,) = boundpass.explain(step).skipped_of("vocab")
+    assert "are also returned by the compiled graph" in skipped.reason
