@@ -191,7 +191,7 @@ class BoundedModule(nn.Module):
             raise self.not_certified
         compiled = self._select_compiled(args, kwargs)
         reports, breaks = len(self.reports), _graph_breaks()
-        with torch._dynamo.config.patch(suppress_errors=False):
+        with torch._dynamo.config.patch(suppress_errors=False, ignore_logger_methods=_ignored_loggers()):
             try:
                 out = compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as exc:
@@ -761,6 +761,19 @@ def _running_sizes(compiled, gm, report, owner):
             module.last_report = made
         return compiled(*args)
     return run
+
+
+def _ignored_loggers() -> set:
+    """Logger methods Dynamo may skip instead of breaking the graph: Hugging Face's ``warning_once`` (transformers
+    patches it onto logging.Logger), which its models call inside forward (gradient checkpointing with
+    ``use_cache=True``: the model sets ``use_cache=False`` itself and says so; under torch.compile that sentence
+    would stop the capture with torch's error)."""
+    import logging
+    out = set(torch._dynamo.config.ignore_logger_methods)
+    once = getattr(logging.Logger, "warning_once", None)
+    if once is not None:
+        out.add(once)
+    return out
 
 
 def _graph_breaks():
