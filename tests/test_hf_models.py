@@ -48,6 +48,27 @@ def _batch(seed=0):
 FAMILIES = ["mixtral", "qwen3_moe", "olmoe"]
 
 
+def _issue_shape_mixtral(**config):
+    """Mixtral at issue 35's shape, V = 4,096 (H = 128, 2 layers, 8 experts, top-2), every token routed to experts
+    0 and 1 (router weights zero: equal logits, top-k takes the first): the routing PipelinedLLEP's bound is set
+    for (it holds for any routing; a random one measures below it)."""
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, eos_token_id=None, pad_token_id=None,
+        bos_token_id=None, **config))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.zero_()
+    return model
+
+
+def _issue_batches(n=3):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 4096, (2, 512), generator=g), torch.randint(0, 4096, (2, 512), generator=g))
+            for _ in range(n)]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_drops_the_logits_rewrites_the_head_and_is_exact(family):
     model = _model(family)
@@ -66,17 +87,41 @@ def test_training_drops_the_logits_rewrites_the_head_and_is_exact(family):
     (region,) = report.rewritten_of("vocab")
     assert region.module_path == "model.lm_head" and region.dropped_logits
     assert "are None in training" in str(report)
+    # HF's grouped_mm experts (the default implementation) -> PipelinedLLEP, one op per layer
+    dispatch = report.rewritten_of("dispatch")
+    assert [r.module_path for r in dispatch] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert all("grouped_mm" in r.form for r in dispatch) and not report.skipped_of("dispatch")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_training_step_certified_both_ways(family):
-    model = _model(family)
+def test_experts_the_op_does_not_compute_are_skipped_with_the_reason_and_exact():
+    """GeGLU experts (hidden_act="gelu"): the probes find no SwiGLU layout, the region stays as HF wrote it."""
+    common = dict(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, use_cache=False, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        num_local_experts=4, num_experts_per_tok=2, hidden_act="gelu", **common))
+    plain = copy.deepcopy(model)
+    step = boundpass.compile(model, budget="1GiB")
+    tokens, labels = _batch()
+    out = step(input_ids=tokens, labels=labels)
+    ref = plain(input_ids=tokens, labels=labels)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
+    (skipped,) = boundpass.explain(step).skipped_of("dispatch")
+    assert "do not compute sum_s S[t, s] * SwiGLU_e(x[t])" in skipped.reason
+
+
+def test_training_step_certified_both_ways_at_the_issues_shape():
+    """Mixtral at H = 128, 8 experts, top-2, 2 x 512 tokens (V = 4,096): both regions rewritten, the whole step
+    measured against the certificate under the routing the bound is set for."""
+    model = _issue_shape_mixtral(use_cache=False)
     step = boundpass.compile(model, budget="1GiB")
 
     def train(tokens, labels):  # the caller holds the output (logits None) through backward
         out = step(input_ids=tokens, labels=labels)
         return out.loss, out
-    measured = measured_step_peak(train, model, None, [_batch(s) for s in range(3)])
+    measured = measured_step_peak(train, model, None, _issue_batches())
+    report = boundpass.explain(step)
+    assert len(report.rewritten_of("dispatch")) == 2 and report.rewritten_of("vocab")
     certified = step.certificates[-1].table.total
     assert measured <= certified <= 1.10 * measured, (certified, measured)
 
@@ -108,11 +153,7 @@ def test_keep_logits_returns_them_and_skips_the_region():
 def test_gradient_checkpointing_with_hf_defaults_offloads_boundaries_exactly():
     """HF's own checkpointing (gradient_checkpointing_enable) with the config's default use_cache=True: the model's
     warning_once inside forward no longer stops the capture; SCO offloads every block boundary, exact and certified."""
-    torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                     num_experts_per_tok=2, eos_token_id=None, pad_token_id=None, bos_token_id=None)
-    model = transformers.MixtralForCausalLM(cfg)
+    model = _issue_shape_mixtral()  # HF's default use_cache=True
     model.gradient_checkpointing_enable()
     plain = copy.deepcopy(model)
     step = boundpass.compile(model, budget="1GiB", sco_enable=True, host_budget="1GiB")
@@ -120,11 +161,13 @@ def test_gradient_checkpointing_with_hf_defaults_offloads_boundaries_exactly():
     def train(tokens, labels):
         out = step(input_ids=tokens, labels=labels)
         return out.loss, out
-    measured = measured_step_peak(train, model, None, [_batch(s) for s in range(3)])
+    batches = _issue_batches()
+    measured = measured_step_peak(train, model, None, batches)
     assert step.sco_plans[-1].offloaded == 2
+    assert len(boundpass.explain(step).rewritten_of("dispatch")) == 2  # the experts inside the checkpoints too
     certified = step.certificates[-1].table.total
     assert measured <= certified <= 1.10 * measured, (certified, measured)
-    tokens, labels = _batch()
+    tokens, labels = batches[0]
     train(tokens, labels)[0].backward()
     plain(input_ids=tokens, labels=labels).loss.backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):

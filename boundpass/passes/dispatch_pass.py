@@ -271,6 +271,7 @@ def _routed_by_structure(gm: fx.GraphModule, routed_cls) -> list[DispatchRegion]
     When it computes what PipelinedLLEP computes (passes/dispatch_structure.py) it is rewritten at EP = 1;
     otherwise it is reported SKIPPED with the reason, so the user knows its dispatch is not bounded by the op."""
     from boundpass.passes.dispatch_structure import _Skip, match_routed_experts
+    from boundpass.passes.sorted_experts import match_sorted_experts
     out, seen = [], set()
     for graph_module in list(_graphs(gm)):
         routed_nodes = {n for n in graph_module.graph.nodes
@@ -302,6 +303,15 @@ def _routed_by_structure(gm: fx.GraphModule, routed_cls) -> list[DispatchRegion]
             try:
                 matched = match_routed_experts(graph_module.graph, node, routed_nodes)
             except _Skip as why:
+                try:  # the sorted grouped-matmul form (Hugging Face's grouped_mm experts)
+                    sorted_match = match_sorted_experts(graph_module.graph, node)
+                except _Skip as also:
+                    why = f"{why}; as sorted grouped-matmul experts: {also}"
+                else:
+                    seen.add(path)
+                    experts = [p for p, _ in _stack(sorted_match["out"])]  # name the experts, not the router
+                    out.append(_rewrite_sorted(graph_module, sorted_match, _pretty(experts[-1]) if experts else path))
+                    continue
                 if path not in seen:
                     seen.add(path)
                     out.append(DispatchRegion(module_path=path, rewritten=False, reason=(
@@ -330,6 +340,19 @@ def _rewrite_structural(graph_module: fx.GraphModule, matched: dict, path: str) 
 
 
 STRUCTURAL_FORM = "top-k -> tokens grouped by expert -> per-expert SwiGLU linears -> weighted index_add"
+
+
+def _rewrite_sorted(graph_module: fx.GraphModule, matched: dict, path: str) -> DispatchRegion:
+    """Sorted grouped-matmul experts (Hugging Face's grouped_mm), rewritten at EP = 1 on views of their weights."""
+    from boundpass.passes.sorted_experts import SORTED_FORM, rewrite_sorted_experts
+    e = matched["experts"]
+    dtype = _val(matched["x"]).dtype
+    fused = rewrite_sorted_experts(graph_module, matched, functools.partial(
+        _op_args, group_name="", local_experts=e, ep_size=1, compute_dtype=dtype))
+    return DispatchRegion(module_path=path, rewritten=True, form=SORTED_FORM, tokens=_val(fused.args[0]).shape[0],
+                          hidden=matched["hidden"], inter=matched["inter"], experts=e, local_experts=e,
+                          top_k=matched["top_k"], ep_size=1, group_name="", dtype=dtype, compute_dtype=dtype,
+                          op_node=fused)
 
 
 # torchtitan 0.3.0's other dispatchers, and why they are not rewritten. Only LocalTokenDispatcher (EP = 1) and
