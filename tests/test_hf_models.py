@@ -4,7 +4,8 @@ In training the [N, V] logits HF returns beside the loss are not materialised (N
 convention), so the vocab region is rewritten to Ring-DTP; loss and every gradient equal eager HF's (up to Ring-DTP's
 strip-wise sums), and the certificate equals the measured whole step (live storages) within 1.10x both ways. In eval
 the model's outputs are unchanged; vocab_keep_logits=True keeps the logits (the region is then skipped, as before).
-Tiny configs built from the config classes (no hub), transformers pinned in the test extra.
+Families: Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE, OLMoE, GLM-4-MoE (group-limited routing); gpt-oss skipped with
+its reason. Tiny configs built from the config classes (no hub), transformers pinned in the test extra.
 """
 import copy
 
@@ -32,6 +33,17 @@ def _model(family: str):
     if family == "mixtral":
         return transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
                                                                           **common))
+    if family == "qwen2_moe":  # routed experts beside a gated shared expert
+        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+            **common))
+    if family == "glm4_moe":  # group-limited routing: a top-k over groups before the top-k over experts
+        return transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_group=1, topk_group=1,
+            first_k_dense_replace=0, **common))
+    if family == "gpt_oss":
+        return transformers.GptOssForCausalLM(transformers.GptOssConfig(num_local_experts=4, num_experts_per_tok=2,
+                                                                        **common))
     if family == "qwen3_moe":
         return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1, **common))
@@ -45,7 +57,7 @@ def _batch(seed=0):
     return torch.randint(0, V, (2, 128), generator=g), labels
 
 
-FAMILIES = ["mixtral", "qwen3_moe", "olmoe"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"]
 
 
 def _issue_shape_mixtral(**config):
@@ -91,6 +103,24 @@ def test_training_drops_the_logits_rewrites_the_head_and_is_exact(family):
     dispatch = report.rewritten_of("dispatch")
     assert [r.module_path for r in dispatch] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert all("grouped_mm" in r.form for r in dispatch) and not report.skipped_of("dispatch")
+
+
+def test_gpt_oss_experts_are_skipped_with_the_reason_and_the_step_exact():
+    """gpt-oss's experts (biases, a clamped SwiGLU, its own combine) are not what PipelinedLLEP computes."""
+    model = _model("gpt_oss")
+    plain = copy.deepcopy(model)
+    step = boundpass.compile(model, budget="1GiB")
+    tokens, labels = _batch()
+    out = step(input_ids=tokens, labels=labels)
+    ref = plain(input_ids=tokens, labels=labels)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    report = boundpass.explain(step)
+    assert report.rewritten_of("vocab") and not report.rewritten_of("dispatch")
+    assert all("PipelinedLLEP does not compute" in r.reason for r in report.skipped_of("dispatch"))
 
 
 def test_experts_the_op_does_not_compute_are_skipped_with_the_reason_and_exact():

@@ -322,7 +322,10 @@ def _routed_by_structure(gm: fx.GraphModule, routed_cls) -> list[DispatchRegion]
                 continue
             seen.add(path)
             out.append(_rewrite_structural(graph_module, matched, path))
-    return out
+    # a top-k of a MoE block whose experts were rewritten through another top-k (GLM-4-MoE's group selection before
+    # its expert selection) routes nothing of its own: not a skipped region
+    done = {r.module_path.rpartition(".")[0] for r in out if r.rewritten}
+    return [r for r in out if r.rewritten or r.module_path.rpartition(".")[0] not in done]
 
 
 def _rewrite_structural(graph_module: fx.GraphModule, matched: dict, path: str) -> DispatchRegion:
