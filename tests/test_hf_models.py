@@ -202,3 +202,20 @@ def test_gradient_checkpointing_with_hf_defaults_offloads_boundaries_exactly():
     plain(input_ids=tokens, labels=labels).loss.backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_budget_just_below_the_certificate_is_refused_before_any_compute():
+    model = _model("qwen3_moe")
+    tokens, labels = _batch()
+    step = boundpass.compile(copy.deepcopy(model), budget="1GiB")
+    step(input_ids=tokens, labels=labels)
+    cert = step.certificates[-1]
+    # the least the step can be certified at: every knob (Ring-DTP's C, PipelinedLLEP's c) at its narrowest
+    least = cert.total_at(**{k.name: k.lo for k in cert.planner.knobs})
+    tight = boundpass.compile(copy.deepcopy(model), budget=least - 1)
+    with pytest.raises(boundpass.InfeasibleBudgetError, match="cannot be met"):
+        tight(input_ids=tokens, labels=labels)
+    assert all(p.grad is None for p in tight.model.parameters())
+    fits = boundpass.compile(model, budget=least)
+    fits(input_ids=tokens, labels=labels).loss.backward()
+    assert fits.certificates[-1].table.total <= least
