@@ -199,6 +199,17 @@ class BoundedModule(nn.Module):
                 if isinstance(inner, BoundpassError):
                     raise inner.with_traceback(None) from None
                 raise
+            except (torch._dynamo.exc.UserError, torch._dynamo.exc.Unsupported) as exc:
+                if not self.fullgraph:
+                    raise
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                hint = (" Hugging Face's experts_implementation='eager' loops over the experts a batch hit: build the "
+                        "model with config._experts_implementation = 'grouped_mm' (the default) or 'batched_mm', "
+                        "which boundpass rewrites to PipelinedLLEP." if "expert" in str(exc) else "")
+                raise BoundpassInputError(
+                    f"boundpass: torch.compile cannot capture this step in one graph (fullgraph=True): {first}.{hint} "
+                    f"Otherwise remove the data-dependent code, or compile with fullgraph=False: the step is then "
+                    f"refused as not certified unless allow_uncertified=True.") from exc
         if len(self.reports) > reports:  # this call compiled: the graphs it made are one step's
             self._step_compiled(self.reports[reports:], _graph_breaks() - breaks)
         return out

@@ -219,3 +219,41 @@ def test_a_budget_just_below_the_certificate_is_refused_before_any_compute():
     fits = boundpass.compile(model, budget=least)
     fits(input_ids=tokens, labels=labels).loss.backward()
     assert fits.certificates[-1].table.total <= least
+
+
+def _mixtral_with(implementation: str):
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                                        num_local_experts=4, num_experts_per_tok=2, eos_token_id=None,
+                                        pad_token_id=None, bos_token_id=None)
+    config._experts_implementation = implementation
+    return transformers.MixtralForCausalLM(config)
+
+
+def test_batched_mm_experts_are_rewritten_and_exact():
+    model = _mixtral_with("batched_mm")
+    plain = copy.deepcopy(model)
+    step = boundpass.compile(model, budget="1GiB")
+    tokens, labels = _batch()
+    out = step(input_ids=tokens, labels=labels)
+    ref = plain(input_ids=tokens, labels=labels)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    dispatch = boundpass.explain(step).rewritten_of("dispatch")
+    assert len(dispatch) == 2 and all("HF batched_mm" in r.form for r in dispatch)
+
+
+def test_eager_experts_loop_is_refused_with_the_way_forward():
+    """HF's eager experts loop over the experts a batch hit (data-dependent): one graph cannot hold it."""
+    tokens, labels = _batch()
+    step = boundpass.compile(_mixtral_with("eager"), budget="1GiB")
+    with pytest.raises(boundpass.BoundpassInputError, match="_experts_implementation = 'grouped_mm'"):
+        step(input_ids=tokens, labels=labels)
+    torch._dynamo.reset()
+    step = boundpass.compile(_mixtral_with("eager"), budget="1GiB", fullgraph=False)
+    with pytest.raises(boundpass.NotCertifiedError, match="NOT CERTIFIED"):
+        step(input_ids=tokens, labels=labels)

@@ -265,6 +265,17 @@ _ROUTING_METHODS = {"index_add_", "index_add", "scatter_add_", "scatter_add", "n
                     "bincount", "histc"}
 
 
+def _gathers_experts(node: fx.Node) -> bool:
+    """P[ids] of a 3-D parameter P (one [out, in] weight per expert) at indices computed from a top-k: each route's
+    expert weights gathered (HF's batched_mm experts)."""
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
+        return False
+    base, index = node.args
+    val = _val(base) if isinstance(base, fx.Node) else None
+    return isinstance(index, fx.Node) and isinstance(base, fx.Node) and base.op == "placeholder" \
+        and val is not None and val.dim() == 3
+
+
 def _routed_by_structure(gm: fx.GraphModule, routed_cls) -> list[DispatchRegion]:
     """Every top-k whose results route tokens (grouped by expert, then combined) outside torchtitan's
     RoutedExperts: a MoE block written another way (a Mixtral-style block in plain PyTorch, another library's).
@@ -294,7 +305,7 @@ def _routed_by_structure(gm: fx.GraphModule, routed_cls) -> list[DispatchRegion]
                     torchtitan = True  # torchtitan's router feeding its RoutedExperts: reported by the pass above
                     break
                 routes |= (user.op == "call_function" and user.target in _ROUTING_TARGETS) or \
-                          (user.op == "call_method" and user.target in _ROUTING_METHODS)
+                          (user.op == "call_method" and user.target in _ROUTING_METHODS) or _gathers_experts(user)
                 stack.extend(user.users)
             if torchtitan or not routes:
                 continue  # not routing (e.g. top-k sampling), or torchtitan's own
@@ -347,12 +358,12 @@ STRUCTURAL_FORM = "top-k -> tokens grouped by expert -> per-expert SwiGLU linear
 
 def _rewrite_sorted(graph_module: fx.GraphModule, matched: dict, path: str) -> DispatchRegion:
     """Sorted grouped-matmul experts (Hugging Face's grouped_mm), rewritten at EP = 1 on views of their weights."""
-    from boundpass.passes.sorted_experts import SORTED_FORM, rewrite_sorted_experts
+    from boundpass.passes.sorted_experts import FORMS, rewrite_sorted_experts
     e = matched["experts"]
     dtype = _val(matched["x"]).dtype
     fused = rewrite_sorted_experts(graph_module, matched, functools.partial(
         _op_args, group_name="", local_experts=e, ep_size=1, compute_dtype=dtype))
-    return DispatchRegion(module_path=path, rewritten=True, form=SORTED_FORM, tokens=_val(fused.args[0]).shape[0],
+    return DispatchRegion(module_path=path, rewritten=True, form=FORMS[matched["kind"]], tokens=_val(fused.args[0]).shape[0],
                           hidden=matched["hidden"], inter=matched["inter"], experts=e, local_experts=e,
                           top_k=matched["top_k"], ep_size=1, group_name="", dtype=dtype, compute_dtype=dtype,
                           op_node=fused)

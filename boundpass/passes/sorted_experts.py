@@ -35,7 +35,9 @@ from boundpass.passes.dispatch_structure import _Probe, _Skip, _erase_dead, _hin
 from boundpass.passes.graph_edit import example_value as _val
 from boundpass.passes.graph_edit import node_adder
 
-SORTED_FORM = "top-k -> sort -> grouped_mm SwiGLU experts (gate/up fused) -> weighted sum (HF grouped_mm)"
+FORMS = {"grouped_mm": "top-k -> sort -> grouped_mm SwiGLU experts (gate/up fused) -> weighted sum (HF grouped_mm)",
+         "batched_mm": "top-k -> per-route gathered weights -> bmm SwiGLU experts (gate/up fused) -> weighted sum "
+                       "(HF batched_mm)"}
 
 
 def _is_grouped_mm(node) -> bool:
@@ -45,6 +47,32 @@ def _is_grouped_mm(node) -> bool:
     if target is getattr(torch, "_grouped_mm", None) or target is getattr(F, "grouped_mm", None):
         return True
     return "grouped_mm" in str(getattr(target, "__name__", target))  # transformers::grouped_mm_fallback
+
+
+def _gathered_param(node):
+    """The [E, a, b] parameter P when ``node`` is P[expert ids] (through a transpose): batched_mm's per-route weights."""
+    node = _through(node, "transpose", "contiguous", "to")
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem \
+            and isinstance(node.args[1], fx.Node):
+        base = node.args[0]
+        if isinstance(base, fx.Node) and base.op == "placeholder" and _val(base) is not None and _val(base).dim() == 3:
+            return base
+    return None
+
+
+def _expert_matmul(node):
+    """(kind, token operand, weight operand) of one expert matmul: a grouped matmul over the sorted routes, or a
+    bmm of each route's gathered weight; None for anything else."""
+    if _is_grouped_mm(node):
+        return "grouped_mm", node.args[0], node.args[1]
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target in (torch.bmm, torch.matmul) \
+            or isinstance(node, fx.Node) and node.op == "call_method" and node.target in ("bmm", "matmul"):
+        a, b = node.args[:2]
+        if _gathered_param(a) is not None:
+            return "batched_mm", b, a
+        if _gathered_param(b) is not None:
+            return "batched_mm", a, b
+    return None
 
 
 def _through(node, *methods):
@@ -86,18 +114,24 @@ def match_sorted_experts(graph: fx.Graph, topk: fx.Node) -> dict:
     T, k = _val(ids).shape
     order = {n: i for i, n in enumerate(graph.nodes)}
     after_ids = _descendants([ids])
-    mms = sorted((n for n in after_ids if _is_grouped_mm(n)), key=order.__getitem__)
+    mms = sorted((n for n in after_ids if _expert_matmul(n) is not None), key=order.__getitem__)
     if len(mms) < 2:
         raise _Skip("no grouped matmuls follow the routing")
     up_mm = mms[0]
     down_mm = next((m for m in mms[1:] if m in _descendants([up_mm])), None)
     if down_mm is None:
         raise _Skip("the grouped matmuls are not chained (up projection -> down projection)")
-    gathered = _through(up_mm.args[0], "to", "contiguous")
-    if not (isinstance(gathered, fx.Node) and gathered.target is operator.getitem
-            and isinstance(gathered.args[1], fx.Node)):
-        raise _Skip("the first grouped matmul is not fed the tokens gathered by the sort")
-    x = gathered.args[0]
+    kind, up_tokens, up_weight = _expert_matmul(up_mm)
+    _, _, down_weight = _expert_matmul(down_mm)
+    gathered = _through(up_tokens, "to", "contiguous", "unsqueeze")
+    if kind == "grouped_mm" and isinstance(gathered, fx.Node) and gathered.target is operator.getitem \
+            and isinstance(gathered.args[1], fx.Node):
+        x = gathered.args[0]  # x[perm // k]
+    elif kind == "batched_mm" and isinstance(gathered, fx.Node) and gathered.op == "call_method" \
+            and gathered.target == "repeat_interleave":
+        x = gathered.args[0]  # each token once per route
+    else:
+        raise _Skip("the first expert matmul is not fed the tokens gathered per route")
     x_val = _val(x)
     if x_val is None or x_val.dim() != 2 or not x_val.is_floating_point():
         raise _Skip("the experts gather rows of a tensor that is not [T, H]")
@@ -106,7 +140,13 @@ def match_sorted_experts(graph: fx.Graph, topk: fx.Node) -> dict:
                     f"accumulation), PipelinedLLEP's combine adds them one by one in {x_val.dtype}, which would change "
                     f"the numerics")
     H = x_val.shape[1]
-    w_gu, w_d = _param(up_mm.args[1]), _param(down_mm.args[1])
+    if kind == "grouped_mm":
+        w_gu, w_d = _param(up_weight), _param(down_weight)
+    else:
+        w_gu, w_d = _gathered_param(up_weight), _gathered_param(down_weight)
+        if w_d is None:
+            raise _Skip("the down projection's weights are not gathered per route from one parameter")
+        _param(w_gu), _param(w_d)  # parameters, not tensor arguments
     # the [T, H] result: the chain after the down projection until a value shaped like x (its cast to x's dtype too)
     out, stack, seen = None, [down_mm], set()
     while stack:
@@ -165,7 +205,7 @@ def match_sorted_experts(graph: fx.Graph, topk: fx.Node) -> dict:
     layout = _probe_layout(graph, region, order, dict(x=x, ids=ids, scores=scores, w_gu=w_gu, w_d=w_d), H)
     E = int(_val(w_gu).shape[0])
     return dict(x=x, ids=ids, scores=scores, w_gu=w_gu, w_d=w_d, out=out, region=region, layout=layout,
-                hidden=int(H), inter=layout["inter"], experts=E, top_k=int(k))
+                hidden=int(H), inter=layout["inter"], experts=E, top_k=int(k), kind=kind)
 
 
 def _scores(down_mm: fx.Node, out: fx.Node, shape) -> fx.Node:
