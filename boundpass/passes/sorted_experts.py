@@ -13,7 +13,9 @@ by default for Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, ... : ``transformers
     out = (y * S.flatten()[perm]).[inverse perm].view(T, k, H).sum(1)
 
 which is PipelinedLLEP's contract: out[t] = sum_s S[t, s] * expert_{ids[t, s]}(x[t]) with w1 = the gate half of W_gu,
-w3 = its up half, w2 = W_d: views of the model's own parameters, no copy.
+w3 = its up half, w2 = W_d: views of the model's own parameters, no copy. HF's ``batched_mm`` implementation computes
+the same function without the sort: each token repeated k times, each route's weights gathered (W_gu[ids], a
+[T k, 2I, H] copy) and applied with bmm; its expert matmuls are matched as bmm's of a gathered 3-D parameter.
 
 How it is recognised: the two grouped matmuls and their parameters structurally (the first fed x gathered through
 the sort, the second reading the first's descendants), the region as every node between the routing and the
