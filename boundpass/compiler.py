@@ -503,16 +503,7 @@ class _PlanningPartitioner:
         cert.planning_s = time.perf_counter() - begun          # partitions, SCO rewrites, walks, knob search
         self.report.table, self.report.certificate = cert.table, cert
         owner.certificates.append(cert)
-        for knob in self.knobs:  # the planner writes its choice into every graph by argument name
-            for graph in (fw.graph, bw.graph):
-                for node in graph.nodes:
-                    if node.op == "call_function" and node.target in knob.ops:
-                        set_op_arg(node, knob.arg, knob.value)
-            for region in knob.regions:
-                set_op_arg(region.op_node, knob.arg, knob.value)
-                setattr(region, knob.attr, knob.value)
-        for gm in (fw, bw):
-            gm.recompile()
+        self._write_knobs(fw, bw)
         self.report.graph_code = self.gm.print_readable(print_output=False)
         self.report.forward_code = fw.print_readable(print_output=False)
         self.report.backward_code = bw.print_readable(print_output=False)
@@ -524,6 +515,19 @@ class _PlanningPartitioner:
             self._check(cert, peak, self.pending)
         # Inductor: checked in finish_inductor, on the schedule it emits for both graphs (still before any compute)
         return fw, bw
+
+    def _write_knobs(self, *graphs: torch.fx.GraphModule) -> None:
+        """The planner's choice written into every graph (and the regions explain shows) by argument name."""
+        for knob in self.knobs:
+            for graph in graphs:
+                for node in graph.graph.nodes:
+                    if node.op == "call_function" and node.target in knob.ops:
+                        set_op_arg(node, knob.arg, knob.value)
+            for region in knob.regions:
+                set_op_arg(region.op_node, knob.arg, knob.value)
+                setattr(region, knob.attr, knob.value)
+        for graph in graphs:
+            graph.recompile()
 
     def plan_inference(self, graph: torch.fx.GraphModule, static_indices) -> None:
         """Certify and check a call without a backward (``torch.no_grad()``, eval): one graph, no SCO (nothing is
@@ -559,14 +563,7 @@ class _PlanningPartitioner:
         self.report.table, self.report.certificate = cert.table, cert
         self.report.inference = True
         owner.certificates.append(cert)
-        for knob in self.knobs:
-            for node in graph.graph.nodes:
-                if node.op == "call_function" and node.target in knob.ops:
-                    set_op_arg(node, knob.arg, knob.value)
-            for region in knob.regions:
-                set_op_arg(region.op_node, knob.arg, knob.value)
-                setattr(region, knob.attr, knob.value)
-        graph.recompile()
+        self._write_knobs(graph)
         self.report.graph_code = self.gm.print_readable(print_output=False)
         self.report.forward_code = graph.print_readable(print_output=False)
         self.report.forward_graph = graph

@@ -59,6 +59,21 @@ def _batch(seed=0):
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"]
 
+def _exact_against_eager(model, batch=None, **knobs):
+    """boundpass.compile(model) against the model itself on one batch: the loss and every gradient; the report."""
+    plain = copy.deepcopy(model)
+    step = boundpass.compile(model, budget="1GiB", **knobs)
+    tokens, labels = batch if batch is not None else _batch()
+    out = step(input_ids=tokens, labels=labels)
+    ref = plain(input_ids=tokens, labels=labels)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    return out, ref, boundpass.explain(step)
+
+
 
 def _issue_shape_mixtral(**config):
     """Mixtral at issue 35's shape, V = 4,096 (H = 128, 2 layers, 8 experts, top-2), every token routed to experts
@@ -83,19 +98,8 @@ def _issue_batches(n=3):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_drops_the_logits_rewrites_the_head_and_is_exact(family):
-    model = _model(family)
-    plain = copy.deepcopy(model)
-    step = boundpass.compile(model, budget="1GiB")
-    tokens, labels = _batch()
-    out = step(input_ids=tokens, labels=labels)
-    ref = plain(input_ids=tokens, labels=labels)
+    out, ref, report = _exact_against_eager(_model(family))
     assert out.logits is None and ref.logits is not None
-    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
-    out.loss.backward()
-    ref.loss.backward()
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
-    report = boundpass.explain(step)
     (region,) = report.rewritten_of("vocab")
     assert region.module_path == "model.lm_head" and region.dropped_logits
     assert "are None in training" in str(report)
@@ -107,18 +111,7 @@ def test_training_drops_the_logits_rewrites_the_head_and_is_exact(family):
 
 def test_gpt_oss_experts_are_skipped_with_the_reason_and_the_step_exact():
     """gpt-oss's experts (biases, a clamped SwiGLU, its own combine) are not what PipelinedLLEP computes."""
-    model = _model("gpt_oss")
-    plain = copy.deepcopy(model)
-    step = boundpass.compile(model, budget="1GiB")
-    tokens, labels = _batch()
-    out = step(input_ids=tokens, labels=labels)
-    ref = plain(input_ids=tokens, labels=labels)
-    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
-    out.loss.backward()
-    ref.loss.backward()
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
-    report = boundpass.explain(step)
+    _, _, report = _exact_against_eager(_model("gpt_oss"))
     assert report.rewritten_of("vocab") and not report.rewritten_of("dispatch")
     assert all("PipelinedLLEP does not compute" in r.reason for r in report.skipped_of("dispatch"))
 
@@ -130,13 +123,8 @@ def test_experts_the_op_does_not_compute_are_skipped_with_the_reason_and_exact()
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
         num_local_experts=4, num_experts_per_tok=2, hidden_act="gelu", **common))
-    plain = copy.deepcopy(model)
-    step = boundpass.compile(model, budget="1GiB")
-    tokens, labels = _batch()
-    out = step(input_ids=tokens, labels=labels)
-    ref = plain(input_ids=tokens, labels=labels)
-    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
-    (skipped,) = boundpass.explain(step).skipped_of("dispatch")
+    _, _, report = _exact_against_eager(model)  # loss and gradients too (before: the loss only)
+    (skipped,) = report.skipped_of("dispatch")
     assert "do not compute sum_s S[t, s] * SwiGLU_e(x[t])" in skipped.reason
 
 
@@ -150,6 +138,8 @@ def test_training_step_certified_both_ways_at_the_issues_shape():
         out = step(input_ids=tokens, labels=labels)
         return out.loss, out
     measured = measured_step_peak(train, model, None, _issue_batches())
+    # exact under that skewed routing too (a fresh compile of the same model: the measured steps left no gradients)
+    _exact_against_eager(copy.deepcopy(model), _issue_batches(1)[0])
     report = boundpass.explain(step)
     assert len(report.rewritten_of("dispatch")) == 2 and report.rewritten_of("vocab")
     certified = step.certificates[-1].table.total
@@ -232,18 +222,8 @@ def _mixtral_with(implementation: str):
 
 
 def test_batched_mm_experts_are_rewritten_and_exact():
-    model = _mixtral_with("batched_mm")
-    plain = copy.deepcopy(model)
-    step = boundpass.compile(model, budget="1GiB")
-    tokens, labels = _batch()
-    out = step(input_ids=tokens, labels=labels)
-    ref = plain(input_ids=tokens, labels=labels)
-    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
-    out.loss.backward()
-    ref.loss.backward()
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
-    dispatch = boundpass.explain(step).rewritten_of("dispatch")
+    _, _, report = _exact_against_eager(_mixtral_with("batched_mm"))
+    dispatch = report.rewritten_of("dispatch")
     assert len(dispatch) == 2 and all("HF batched_mm" in r.form for r in dispatch)
 
 

@@ -281,7 +281,7 @@ def _routed_by_structure(gm: fx.GraphModule, routed_cls) -> list[DispatchRegion]
     RoutedExperts: a MoE block written another way (a Mixtral-style block in plain PyTorch, another library's).
     When it computes what PipelinedLLEP computes (passes/dispatch_structure.py) it is rewritten at EP = 1;
     otherwise it is reported SKIPPED with the reason, so the user knows its dispatch is not bounded by the op."""
-    from boundpass.passes.dispatch_structure import _Skip, match_routed_experts
+    from boundpass.passes.dispatch_structure import Skip, match_routed_experts
     from boundpass.passes.sorted_experts import match_sorted_experts
     out, seen = [], set()
     for graph_module in list(_graphs(gm)):
@@ -313,10 +313,10 @@ def _routed_by_structure(gm: fx.GraphModule, routed_cls) -> list[DispatchRegion]
             path = _pretty(stack_paths[-1]) if stack_paths else "(top level)"
             try:
                 matched = match_routed_experts(graph_module.graph, node, routed_nodes)
-            except _Skip as why:
+            except Skip as why:
                 try:  # the sorted grouped-matmul form (Hugging Face's grouped_mm experts)
                     sorted_match = match_sorted_experts(graph_module.graph, node)
-                except _Skip as also:
+                except Skip as also:
                     why = f"{why}; as sorted grouped-matmul experts: {also}"
                 else:
                     seen.add(path)

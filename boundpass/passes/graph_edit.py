@@ -41,3 +41,14 @@ def sweep_dead_nodes(graph: fx.Graph, keep) -> None:
     for node in reversed(graph.nodes):
         if not node.users and not keep(node):
             graph.erase_node(node)
+
+
+def descendants(*nodes: fx.Node) -> set:
+    """Every node computed from ``nodes`` (their users, transitively), ``nodes`` themselves excluded unless reached."""
+    out, stack = set(), [u for n in nodes for u in n.users]
+    while stack:
+        node = stack.pop()
+        if node not in out:
+            out.add(node)
+            stack.extend(node.users)
+    return out

@@ -39,6 +39,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from boundpass.bounds import BoundTerm
 from boundpass.errors import BoundpassInputError
+from boundpass.passes.graph_edit import descendants
 from boundpass.runtime import sco as sco_rt
 from boundpass.units import format_bytes
 
@@ -425,7 +426,7 @@ def rewrite_partitioned(plan: SCOPlan, joint, fw: fx.GraphModule, bw: fx.GraphMo
     out_node.args = (tuple(new_outputs),)
     # backward: reload each offloaded boundary after every consumer of the next layer's boundary
     readers = {layer: _consumers(ph) for layer, ph in restored.items()}
-    downstream = {layer: _descendants(ph) for layer, ph in restored.items()}
+    downstream = {layer: descendants(ph) for layer, ph in restored.items()}
     for layer in sorted(matched, reverse=True):
         if not eligible[layer].offloaded:
             continue
@@ -544,16 +545,6 @@ def _refresh_views(reload: fx.Node, fake_mode) -> None:
         with fake_mode:
             node.meta["val"] = node.target(*args, **kwargs)
         stack.extend(u for u in node.users if _is_alias(u))
-
-
-def _descendants(node: fx.Node) -> set:
-    out, stack = set(), [node]
-    while stack:
-        for user in stack.pop().users:
-            if user not in out:
-                out.add(user)
-                stack.append(user)
-    return out
 
 
 def _order(graph: fx.Graph):

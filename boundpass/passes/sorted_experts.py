@@ -33,9 +33,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from boundpass.passes.dispatch_structure import _Probe, _Skip, _erase_dead, _hint
+from boundpass.passes.dispatch_structure import Probe, Skip, erase_dead, size_hint
 from boundpass.passes.graph_edit import example_value as _val
-from boundpass.passes.graph_edit import node_adder
+from boundpass.passes.graph_edit import descendants, node_adder
 
 FORMS = {"grouped_mm": "top-k -> sort -> grouped_mm SwiGLU experts (gate/up fused) -> weighted sum (HF grouped_mm)",
          "batched_mm": "top-k -> per-route gathered weights -> bmm SwiGLU experts (gate/up fused) -> weighted sum "
@@ -88,41 +88,31 @@ def _param(node) -> fx.Node:
     """The [E, a, b] parameter a grouped matmul reads (through a transpose of its last two dims)."""
     base = _through(node, "transpose", "contiguous", "to")
     if not isinstance(base, fx.Node) or base.op != "placeholder":
-        raise _Skip(f"the grouped matmul's weight {getattr(node, 'name', node)} is computed in the graph, not a "
+        raise Skip(f"the grouped matmul's weight {getattr(node, 'name', node)} is computed in the graph, not a "
                     f"parameter")
     arg = base.meta.get("grapharg")
     if arg is not None and not isinstance(arg.example, torch.nn.Parameter):
-        raise _Skip(f"the grouped matmul's weight {base.name} is a tensor argument, not a parameter")
+        raise Skip(f"the grouped matmul's weight {base.name} is a tensor argument, not a parameter")
     if _val(base) is None or _val(base).dim() != 3:
-        raise _Skip(f"the grouped matmul's weight {base.name} is not [E, out, in]")
+        raise Skip(f"the grouped matmul's weight {base.name} is not [E, out, in]")
     return base
 
 
-def _descendants(nodes) -> set:
-    seen, stack = set(), [u for n in nodes for u in n.users]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.users)
-    return seen
-
-
 def match_sorted_experts(graph: fx.Graph, topk: fx.Node) -> dict:
-    """The sorted grouped-matmul experts fed by this top-k, or _Skip with the reason."""
+    """The sorted grouped-matmul experts fed by this top-k, or Skip with the reason."""
     ids = next((u for u in topk.users if u.target is operator.getitem and u.args[1] == 1), None)
     if ids is None or _val(ids) is None or _val(ids).dim() != 2:
-        raise _Skip("the top-k's expert ids are not used as [T, k]")
+        raise Skip("the top-k's expert ids are not used as [T, k]")
     T, k = _val(ids).shape
     order = {n: i for i, n in enumerate(graph.nodes)}
-    after_ids = _descendants([ids])
+    after_ids = descendants(ids)
     mms = sorted((n for n in after_ids if _expert_matmul(n) is not None), key=order.__getitem__)
     if len(mms) < 2:
-        raise _Skip("no grouped matmuls follow the routing")
+        raise Skip("no grouped matmuls follow the routing")
     up_mm = mms[0]
-    down_mm = next((m for m in mms[1:] if m in _descendants([up_mm])), None)
+    down_mm = next((m for m in mms[1:] if m in descendants(up_mm)), None)
     if down_mm is None:
-        raise _Skip("the grouped matmuls are not chained (up projection -> down projection)")
+        raise Skip("the grouped matmuls are not chained (up projection -> down projection)")
     kind, up_tokens, up_weight = _expert_matmul(up_mm)
     _, _, down_weight = _expert_matmul(down_mm)
     gathered = _through(up_tokens, "to", "contiguous", "unsqueeze")
@@ -133,12 +123,12 @@ def match_sorted_experts(graph: fx.Graph, topk: fx.Node) -> dict:
             and gathered.target == "repeat_interleave":
         x = gathered.args[0]  # each token once per route
     else:
-        raise _Skip("the first expert matmul is not fed the tokens gathered per route")
+        raise Skip("the first expert matmul is not fed the tokens gathered per route")
     x_val = _val(x)
     if x_val is None or x_val.dim() != 2 or not x_val.is_floating_point():
-        raise _Skip("the experts gather rows of a tensor that is not [T, H]")
+        raise Skip("the experts gather rows of a tensor that is not [T, H]")
     if x_val.dtype not in (torch.float32, torch.float64):
-        raise _Skip(f"the tokens are {x_val.dtype}: this form sums a token's k routes in one reduction (fp32 "
+        raise Skip(f"the tokens are {x_val.dtype}: this form sums a token's k routes in one reduction (fp32 "
                     f"accumulation), PipelinedLLEP's combine adds them one by one in {x_val.dtype}, which would change "
                     f"the numerics")
     H = x_val.shape[1]
@@ -147,7 +137,7 @@ def match_sorted_experts(graph: fx.Graph, topk: fx.Node) -> dict:
     else:
         w_gu, w_d = _gathered_param(up_weight), _gathered_param(down_weight)
         if w_d is None:
-            raise _Skip("the down projection's weights are not gathered per route from one parameter")
+            raise Skip("the down projection's weights are not gathered per route from one parameter")
         _param(w_gu), _param(w_d)  # parameters, not tensor arguments
     # the [T, H] result: the chain after the down projection until a value shaped like x (its cast to x's dtype too)
     out, stack, seen = None, [down_mm], set()
@@ -162,7 +152,7 @@ def match_sorted_experts(graph: fx.Graph, topk: fx.Node) -> dict:
             break
         stack.extend(sorted(n.users, key=order.__getitem__))
     if out is None:
-        raise _Skip("the experts' outputs are not combined back to [T, H]")
+        raise Skip("the experts' outputs are not combined back to [T, H]")
     while len(out.users) == 1:  # a cast / contiguous to x's dtype belongs to the region
         (user,) = out.users
         if user.op == "call_method" and user.target in ("to", "contiguous", "type_as") and \
@@ -171,13 +161,13 @@ def match_sorted_experts(graph: fx.Graph, topk: fx.Node) -> dict:
         else:
             break
     if _val(out).dtype != x_val.dtype:
-        raise _Skip(f"the experts' output is {_val(out).dtype}, x is {x_val.dtype}")
+        raise Skip(f"the experts' output is {_val(out).dtype}, x is {x_val.dtype}")
 
     scores = _scores(down_mm, out, (T, k))
     # the region: every node between the routing / x / the scores / the weights and the result (walked back from
     # the result), plus mutations of region values (an inverse permutation filled in place) made before the result
     sources = {ids, x, scores, w_gu, w_d}
-    reach = _descendants(sources)
+    reach = descendants(*sources)
     region, leaves, stack = set(), set(), [out]
     while stack:
         n = stack.pop()
@@ -200,10 +190,10 @@ def match_sorted_experts(graph: fx.Graph, topk: fx.Node) -> dict:
     for n in leaves - sources:
         v = _val(n)
         if isinstance(v, torch.Tensor):
-            raise _Skip(f"the experts read {n.name} besides x, the routing, the scores and their weights")
+            raise Skip(f"the experts read {n.name} besides x, the routing, the scores and their weights")
     stray = [(n, u) for n in region - {out} for u in n.users if u not in region]
     if stray:
-        raise _Skip(f"the region has more than one output: {stray[0][1].name} reads {stray[0][0].name}")
+        raise Skip(f"the region has more than one output: {stray[0][1].name} reads {stray[0][0].name}")
     layout = _probe_layout(graph, region, order, dict(x=x, ids=ids, scores=scores, w_gu=w_gu, w_d=w_d), H)
     E = int(_val(w_gu).shape[0])
     return dict(x=x, ids=ids, scores=scores, w_gu=w_gu, w_d=w_d, out=out, region=region, layout=layout,
@@ -213,7 +203,7 @@ def match_sorted_experts(graph: fx.Graph, topk: fx.Node) -> dict:
 def _scores(down_mm: fx.Node, out: fx.Node, shape) -> fx.Node:
     """The [T, k] route weights that scale the down projection's rows (through the sort's gather, a reshape, an
     unsqueeze, a cast) on the way to the result."""
-    inside = _descendants([down_mm])
+    inside = descendants(down_mm)
     node = down_mm
     while node is not out:
         users = [u for u in node.users if u in inside or u is out]
@@ -236,8 +226,8 @@ def _scores(down_mm: fx.Node, out: fx.Node, shape) -> fx.Node:
                     other = other.args[0]
                 else:
                     break
-            raise _Skip("the experts' outputs are scaled by something other than the top-k scores gathered by the sort")
-    raise _Skip("the experts' outputs are not scaled by their route's score (an unweighted combine)")
+            raise Skip("the experts' outputs are scaled by something other than the top-k scores gathered by the sort")
+    raise Skip("the experts' outputs are not scaled by their route's score (an unweighted combine)")
 
 
 def _layouts(gu_shape, d_shape, H) -> list[dict]:
@@ -278,11 +268,11 @@ def _reference(x, ids, scores, w1, w2, w3):
 def _probe_layout(graph, region, order, leaves, H) -> dict:
     """The one weight layout under which the region computes PipelinedLLEP's function on probe inputs."""
     ids_val, gu_val, d_val = _val(leaves["ids"]), _val(leaves["w_gu"]), _val(leaves["w_d"])
-    T, k = (_hint(d) for d in ids_val.shape)
-    E = _hint(gu_val.shape[0])
-    candidates = _layouts(tuple(_hint(d) for d in gu_val.shape), tuple(_hint(d) for d in d_val.shape), _hint(H))
+    T, k = (size_hint(d) for d in ids_val.shape)
+    E = size_hint(gu_val.shape[0])
+    candidates = _layouts(tuple(size_hint(d) for d in gu_val.shape), tuple(size_hint(d) for d in d_val.shape), size_hint(H))
     if not candidates:
-        raise _Skip(f"the grouped matmuls' weights {tuple(gu_val.shape)} / {tuple(d_val.shape)} are not gate+up "
+        raise Skip(f"the grouped matmuls' weights {tuple(gu_val.shape)} / {tuple(d_val.shape)} are not gate+up "
                     f"[E, 2I, H] and down [E, H, I] (transposed or not)")
     gen = torch.Generator().manual_seed(0)
     dtype = _val(leaves["x"]).dtype if _val(leaves["x"]).dtype in (torch.float32, torch.float64) else torch.float32
@@ -291,20 +281,20 @@ def _probe_layout(graph, region, order, leaves, H) -> dict:
     nodes = sorted(region, key=order.__getitem__)
     for ids in routings:
         env = {leaves["ids"]: ids.to(ids_val.dtype),
-               leaves["x"]: torch.randn(T, _hint(H), generator=gen, dtype=dtype),
+               leaves["x"]: torch.randn(T, size_hint(H), generator=gen, dtype=dtype),
                leaves["scores"]: torch.rand(T, k, generator=gen, dtype=dtype),
-               leaves["w_gu"]: torch.randn(tuple(_hint(d) for d in gu_val.shape), generator=gen, dtype=dtype)
-               / _hint(H) ** 0.5,
-               leaves["w_d"]: torch.randn(tuple(_hint(d) for d in d_val.shape), generator=gen, dtype=dtype)
-               / _hint(H) ** 0.5}
-        probe = _Probe(env, set(region))
+               leaves["w_gu"]: torch.randn(tuple(size_hint(d) for d in gu_val.shape), generator=gen, dtype=dtype)
+               / size_hint(H) ** 0.5,
+               leaves["w_d"]: torch.randn(tuple(size_hint(d) for d in d_val.shape), generator=gen, dtype=dtype)
+               / size_hint(H) ** 0.5}
+        probe = Probe(env, set(region))
         try:
             for n in nodes:  # in graph order: an in-place fill happens before its readers
                 probe(n)
-        except _Skip:
+        except Skip:
             raise
         except Exception as err:
-            raise _Skip(f"the experts could not be evaluated on a probe routing ({type(err).__name__}: {err})") \
+            raise Skip(f"the experts could not be evaluated on a probe routing ({type(err).__name__}: {err})") \
                 from None
         got = probe.env[nodes[-1]]  # the result: the region's last node
         args = (env[leaves["x"]], ids, env[leaves["scores"]])
@@ -313,11 +303,11 @@ def _probe_layout(graph, region, order, leaves, H) -> dict:
             return bool((got.double() - want).norm() <= 1e-5 * want.norm())
         candidates = [c for c in candidates if agrees(c)]
         if not candidates:
-            raise _Skip("the sorted grouped-matmul experts do not compute sum_s S[t, s] * SwiGLU_e(x[t]) with "
+            raise Skip("the sorted grouped-matmul experts do not compute sum_s S[t, s] * SwiGLU_e(x[t]) with "
                         "bias-free gate/up/down weights (probe routings): biases, another activation, a clamp, a "
                         "post-expert norm, or the scores applied another way")
     if len(candidates) != 1:
-        raise _Skip(f"the weights' layout is ambiguous on the probes ({candidates})")
+        raise Skip(f"the weights' layout is ambiguous on the probes ({candidates})")
     return candidates[0]
 
 
@@ -345,5 +335,5 @@ def rewrite_sorted_experts(gm: fx.GraphModule, m: dict, op_args) -> fx.Node:
         result = add(operator.getitem, fused, 0)
         result = add("view_as", result, x, kind="call_method")
     out.replace_all_uses_with(result, delete_user_cb=lambda user: user not in m["region"])
-    _erase_dead(graph, m["region"], set())
+    erase_dead(graph, m["region"], set())
     return fused
