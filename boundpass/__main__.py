@@ -13,7 +13,7 @@ import time
 
 from boundpass.config import OPTIMIZER_SLOTS, OPTIMIZER_STAGING_BYTES, PLAN_BUDGET, PLAN_DISPATCH_CAP, PLAN_VOCAB_BLOCK
 from boundpass.errors import BoundpassError
-from boundpass.plan_input import OPERATORS, CostModel, make_input
+from boundpass.plan_input import OPERATORS, CostModel, locate, make_input
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,8 +21,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="does this model fit per-rank memory at this launch (and what does)")
     p.add_argument("model", help="torchtitan model package with a model_registry (recipes/families.py): "
-                                 "deepseek_v3, qwen3, gpt_oss, kimi_k2_7, ...")
-    p.add_argument("flavor", help="a MoE flavor of its registry, e.g. 671B, 235B-A22B, 120b, Kimi-K2.5, debugmodel")
+                                 "deepseek_v3, qwen3, gpt_oss, kimi_k2_7, ...; or a Hugging Face transformers "
+                                 "config: hf:path/to/config.json, hf:MixtralConfig (recipes/hf.py)")
+    p.add_argument("flavor", nargs="?", default=None,
+                   help="a MoE flavor of its registry, e.g. 671B, 235B-A22B, 120b, Kimi-K2.5, debugmodel "
+                        "(none for a transformers config)")
     p.add_argument("--ranks", "-W", type=int, required=True, help="ranks W")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree E_p (divides W and E)")
     p.add_argument("--ring", "-P", type=int, default=None, help="Ring-DTP ring degree P (default W)")
@@ -79,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                   optimizer_bucket=args.optimizer_bucket,
                   optimizer_slots=args.optimizer_slots, sco_max_layers=args.sco_max_layers, routing=args.routing)
     try:  # everything that needs no model, before torch is imported
-        make_input(args.model, args.flavor, **launch)
+        source, model, flavor = locate(args.model, args.flavor)
+        make_input(model, flavor, **launch, source=source)
         cost = CostModel(flops=args.flops, link_intra=args.link_intra, link_inter=args.link_inter,
                          host_link=args.host_link, gpus_per_node=args.gpus_per_node)  # validated even without --search
     except BoundpassError as err:
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.quiet:
             print(f"[{time.perf_counter() - start:5.1f}s] {message}", file=sys.stderr, flush=True)
 
-    progress(f"importing torch and torchtitan ({args.model} {args.flavor})")
+    progress(f"importing torch and the model's library ({model} {flavor})")
     # The CLI's process (restored after the plan, for a caller of main()): most of what it builds lives until it
     # exits (modules, the model on meta, the graphs), so no automatic full collections, which walked all of that ~7
     # times a 671B plan (~0.8 s of CPU; young garbage is still collected, peak RSS measured the same); and the two
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         from boundpass.plan import as_json, plan
         block_trace.FORK_CAPTURES = True
         try:
-            result = plan(args.model, args.flavor, **launch, do_trace=not args.no_trace, solve=args.solve,
+            result = plan(model, flavor, **launch, source=source, do_trace=not args.no_trace, solve=args.solve,
                           search=cost if args.search else None, progress=progress)
         finally:
             block_trace.FORK_CAPTURES = False

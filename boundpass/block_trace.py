@@ -383,7 +383,7 @@ TRACED_FAMILIES = ("deepseek_v3", "qwen3", "qwen3_moe", "gpt_oss", "kimi_k2_7", 
 def untraced_reason(family: str, weight_bytes: int) -> str | None:
     """Why a family's blocks are not traced at this weight width (None: they are): the trace runs only a
     schedule torchtitan itself runs on one rank."""
-    if family not in TRACED_FAMILIES:
+    if family not in TRACED_FAMILIES and not family.startswith("hf:"):  # hf: HF's own layers (recipes/hf.py)
         return f"{family} is not a torchtitan family block_trace knows (TRACED_FAMILIES)"
     if family == "gpt_oss" and weight_bytes > 2:
         # torchtitan's gpt_oss experts return bf16 rows that its combine scatter-adds into an output of the
@@ -402,7 +402,9 @@ def _one_rank_attention(block: torch.nn.Module, attention_config) -> dict:
     """Stand-ins that make the block's attention the one-rank schedule the composed budget counts: the fused
     O(N) kernel (SeqToHeadAttention without a group: v zero-padded where the qk and v head dims differ)."""
     from boundpass.runtime.seq_to_head import SeqToHeadAttention
-    inner = block.attention.inner_attention
+    inner = getattr(block.attention, "inner_attention", None)
+    if inner is None:  # the attention kernel is not a module (HF's attention interface): traced as it runs
+        return {}
     if isinstance(inner, SeqToHeadAttention):
         # a fresh one for each trace: the op caches the shapes it checked (symbols of another trace's ShapeEnv)
         return {"attention.inner_attention": SeqToHeadAttention(inner.inner, None)}
@@ -562,11 +564,14 @@ def _first_blocks(net) -> list:
 
 
 def _capture_block(block, x, heads_config, *, routed_stand_in: bool) -> dict:
+    """A block's graphs. A block that names its parts otherwise than torchtitan's (a model source's view of
+    another library's layer, e.g. recipes/hf.py) says where its routed experts are (``boundpass_routed_path``)
+    and which submodules carry the sub-phase tags (``boundpass_tags``)."""
     stand_in = _one_rank_attention(block, heads_config)
     if routed_stand_in:
-        stand_in["moe.routed_experts"] = _StandIn()
+        stand_in[getattr(block, "boundpass_routed_path", "moe.routed_experts")] = _StandIn()
     return _capture(block, (x, None, None), symbolic_tokens=True, token_dim=1, loss_fn=None, kwargs={},
-                    tags=TORCHTITAN_TAGS, stand_in=stand_in)
+                    tags=getattr(block, "boundpass_tags", TORCHTITAN_TAGS), stand_in=stand_in)
 
 
 def _phases_of(kind: str, trace: BlockTrace, phases: tuple) -> list:

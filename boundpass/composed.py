@@ -99,6 +99,9 @@ class ModelShape:
     traced: tuple = ()
     traced_b: int = 0  # bytes per element of the weights / activations the blocks were traced at
     buffer_bytes: int = 0  # the model's buffers as built (RoPE tables, router statistics): persistent, not sharded
+    # bytes per token of what the model computes once per step and hands every block beside its hidden state (HF's
+    # rotary cos / sin and position ids; torchtitan's RoPE table is a buffer): live through forward and backward
+    shared_block_input_bytes: int = 0
     param_tensors: int = 0  # parameter tensors (torch AdamW keeps one fp32 step counter per tensor on the device)
 
     @property
@@ -360,6 +363,8 @@ def _terms(shape: ModelShape, launch: Launch) -> tuple:
             terms = tuple(t for t in terms if t[2] not in drop) + _traced_terms(blocks) + head
     if shape.buffer_bytes:
         terms += _buffer_term(shape.buffer_bytes)
+    if shape.shared_block_input_bytes:
+        terms += _shared_inputs_term(shape.shared_block_input_bytes)
     if shape.param_tensors and "offload_adamw" not in launch.operators:
         terms += _step_counter_term(shape.param_tensors)
     return terms
@@ -375,6 +380,15 @@ def _step_counter_term(tensors: int) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
+def _shared_inputs_term(per_token: int) -> tuple:
+    # every checkpointed block holds them as inputs for its recompute, so they live from the first block's forward to
+    # the last block's backward, the head's peak included
+    value = per_token * sym.N
+    return (("per-token inputs every block takes (position embeddings computed once per step, position ids)",
+             value, "transient", "a shorter context", _lambdify(value)),)
+
+
 def _buffer_term(nbytes: int) -> tuple:
     value = sympy.Integer(nbytes)
     return (("buffers as the model builds them (RoPE tables at max_seq_len, router statistics; not sharded)",

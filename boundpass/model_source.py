@@ -17,8 +17,10 @@ not where such a decoder comes from. A *model source* says that:
   loss()                         the training loss as the family's trainer runs it: loss(logits, labels, tokens)
 
 The torchtitan source is `boundpass.recipes.families.SOURCE` (recipes/families.py): the one place that knows
-torchtitan's package layout and registries. The core names it only as the default below, by import path, and
-imports it on first use; any other object with these methods can be passed as ``source=`` to `boundpass.plan`.
+torchtitan's package layout and registries. A Hugging Face transformers config (``"hf:<config.json path>"``,
+``"hf:<config class>"``, or a config object) is planned through `boundpass.recipes.hf.SOURCE` (recipes/hf.py).
+The core names both only here, by import path, and imports them on first use (`source_for`); any other object
+with these methods can be passed as ``source=`` to `boundpass.plan`.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ import importlib
 from typing import Any, Protocol
 
 DEFAULT_SOURCE = "boundpass.recipes.families:SOURCE"
+HF_SOURCE = "boundpass.recipes.hf:SOURCE"
+HF_PREFIX = "hf:"
 
 
 class ModelSource(Protocol):
@@ -40,13 +44,34 @@ class ModelSource(Protocol):
     def loss(self) -> Any: ...
 
 
-_default: ModelSource | None = None
+_loaded: dict[str, ModelSource] = {}
+
+
+def _load(path: str) -> ModelSource:
+    if path not in _loaded:
+        module, _, name = path.partition(":")
+        _loaded[path] = getattr(importlib.import_module(module), name)
+    return _loaded[path]
 
 
 def default_source() -> ModelSource:
     """The torchtitan source (imported on first use; it imports nothing heavy until asked for a config)."""
-    global _default
-    if _default is None:
-        module, _, name = DEFAULT_SOURCE.partition(":")
-        _default = getattr(importlib.import_module(module), name)
-    return _default
+    return _load(DEFAULT_SOURCE)
+
+
+def is_transformers_config(model: Any) -> bool:
+    """A transformers config object or class (read from its module's name: transformers is not imported)."""
+    cls = model if isinstance(model, type) else type(model)
+    return any(c.__module__.startswith("transformers.") and c.__name__ in ("PreTrainedConfig", "PretrainedConfig")
+               for c in cls.__mro__)
+
+
+def source_for(model: Any) -> tuple[ModelSource, str]:
+    """(the source that plans ``model``, its name there): "hf:..." names and transformers config objects the
+    transformers source (a config object registered under a name), anything else torchtitan's."""
+    if is_transformers_config(model):
+        source = _load(HF_SOURCE)
+        return source, source.register(model)
+    if isinstance(model, str) and model.startswith(HF_PREFIX):
+        return _load(HF_SOURCE), model
+    return default_source(), model

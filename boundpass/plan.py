@@ -25,7 +25,7 @@ from boundpass import composed, textwidth
 from boundpass.composed import Launch, ModelShape
 from boundpass.config import PLAN_BUDGET
 from boundpass.model_source import ModelSource, default_source
-from boundpass.plan_input import DTYPE_BYTES, OPERATORS, CostModel, PlanInput, make_input  # noqa: F401
+from boundpass.plan_input import DTYPE_BYTES, OPERATORS, CostModel, PlanInput, locate, make_input  # noqa: F401
 from boundpass.units import format_bytes, parse_bytes
 
 @dataclass
@@ -129,7 +129,15 @@ def model_config(model: str, flavor: str, *, seq_len: int | None = None, source:
 
 
 def _is_routed(name: str) -> bool:
-    return "routed_experts" in name
+    """A block parameter of its routed experts: torchtitan's moe.routed_experts, or experts directly under the
+    block's moe (HF's experts interface, through recipes/hf.py's view)."""
+    return "routed_experts" in name or name.startswith("moe.experts.")
+
+
+def _ffn_width(ffn: torch.nn.Module) -> int:
+    """The hidden width of a SwiGLU FFN: torchtitan's w1, HF's gate_proj."""
+    first = getattr(ffn, "w1", None) or getattr(ffn, "gate_proj")
+    return first.weight.shape[0]
 
 
 def model_shape(model: str, flavor: str, *, dtype_bytes: int = 4, trace: bool | None = None,
@@ -198,11 +206,12 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
             expert_params += count
             experts = max(experts, next(iter(routed.values())).shape[0])
             expert_hidden = max(expert_hidden, math.ceil(count / experts / (3 * H)))
-            shared = getattr(getattr(blk, "moe", None), "shared_experts", None)
+            moe_module = getattr(blk, "moe", None)
+            shared = getattr(moe_module, "shared_experts", None) or getattr(moe_module, "shared_expert", None)
             if shared is not None:
-                shared_hidden = max(shared_hidden, shared.w1.weight.shape[0])
+                shared_hidden = max(shared_hidden, _ffn_width(shared))
         elif getattr(blk, "feed_forward", None) is not None:
-            dense_hidden = max(dense_hidden, blk.feed_forward.w1.weight.shape[0])
+            dense_hidden = max(dense_hidden, _ffn_width(blk.feed_forward))
     from boundpass import block_trace
     weight_bytes = next(net.parameters()).element_size()
     if trace is None:  # a parallelized model (DTensor weights) is traced by its one-rank schedule only unsharded
@@ -227,6 +236,7 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
                       leading_dense_params=leading_dense, min_dense_block_params=min(dense_sizes, default=0),
                       min_moe_block_params=min(moe_sizes, default=0), traced=traced,
                       traced_b=weight_bytes if traced else 0, buffer_bytes=_buffer_bytes(net),
+                      shared_block_input_bytes=getattr(net, "shared_block_input_bytes", 0),
                       param_tensors=len(list(net.parameters())))
 
 
@@ -317,7 +327,7 @@ def _fuse_unequal_head_dims(block: torch.nn.Module, attention_config) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- plan
-def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None = None,
+def plan(model, flavor: str | None = None, *, ranks: int, ep: int = 1, ring: int | None = None,
          tokens_per_rank: int | None = None, context: int | None = None, global_batch: int = 1, budget=PLAN_BUDGET,
          host_budget=None, operators=OPERATORS, dtype: str = "bf16", dispatch_cap: int | None = None,
          dispatch_borrowed_slots: int | None = None, vocab_block: int | None = None,
@@ -326,6 +336,9 @@ def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None =
          search: CostModel | bool | None = None,
          progress=None, source: ModelSource | None = None, trace_blocks: bool | None = None) -> PlanResult:
     """Compose the per-rank budget of (model, flavor) at this launch, trace it, and say whether it fits.
+
+    model: a torchtitan family ("deepseek_v3", flavor one of its registry's), or a Hugging Face transformers config:
+    "hf:<path to config.json>", "hf:<config class name>" (its defaults) or a config object / class (flavor None).
 
     budget / host_budget: per-rank bytes ("139GiB"; host None = unlimited). operators: any of ring_dtp,
     pipelined_llep, sco, offload_adamw (empty = the baseline: full logits, standard EP, no offload, ZeRO-3).
@@ -342,6 +355,7 @@ def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None =
     per block kind at full scale).
     """
     start = time.perf_counter()
+    source, model, flavor = locate(model, flavor, source)
     inp = make_input(model, flavor, ranks=ranks, ep=ep, ring=ring, tokens_per_rank=tokens_per_rank,
                      context=context, global_batch=global_batch, budget=budget, host_budget=host_budget,
                      operators=operators, dtype=dtype, dispatch_cap=dispatch_cap,
@@ -364,7 +378,7 @@ def plan(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | None =
         traced, notes = trace(model, flavor, inp.tokens_per_rank, dtype_bytes=DTYPE_BYTES[dtype], progress=progress,
                               source=source)
         result.trace_notes += notes
-        _attach_trace(result, traced)
+        _attach_trace(result, traced, getattr(source, "name", "torchtitan"))
     if solve:
         if progress:
             progress("solving for the largest size that fits")
@@ -397,9 +411,10 @@ def block_terms_note(shape: ModelShape, launch: Launch, family: str) -> str:
     return f"block terms: hand-written ({reason or 'not traced'})"
 
 
-def _attach_trace(result: PlanResult, traced: dict) -> None:
+def _attach_trace(result: PlanResult, traced: dict, library: str = "torchtitan") -> None:
     """Put the traced figures beside the bounds: boundaries per term; a block and the head against the bound of
-    the same (reference) schedule on one rank (W = E_p = P = 1, no operator, balanced routing R = N·k)."""
+    the same (reference) schedule on one rank (W = E_p = P = 1, no operator, balanced routing R = N·k).
+    library: whose blocks and loss were traced (the model source's name)."""
     t, shape, inp = result.table, result.shape, result.inputs
     values = composed.symbol_values(shape, launch_of(inp), host_budget=t.host_budget)
     for x in t.terms:
@@ -409,15 +424,15 @@ def _attach_trace(result: PlanResult, traced: dict) -> None:
     one_rank = dataclasses.replace(launch_of(inp), ranks=1, ep=1, ring=1, operators=frozenset(), routing="balanced")
     ref = composed.compose(shape, one_rank, budget=t.budget)
     if "moe_block" in traced:
-        result.traced["[MoE block, one rank] reference bound | torchtitan block"] = (ref.layer_peak("moe"),
+        result.traced[f"[MoE block, one rank] reference bound | {library} block"] = (ref.layer_peak("moe"),
                                                                                     traced["moe_block"])
     if "dense_block" in traced:
-        result.traced["[dense block, one rank] reference bound | torchtitan block"] = (ref.layer_peak("dense"),
+        result.traced[f"[dense block, one rank] reference bound | {library} block"] = (ref.layer_peak("dense"),
                                                                                       traced["dense_block"])
-    result.traced["[head, one rank] full-logits bound | norm + lm_head + torchtitan loss"] = (ref.sum("head"),
+    result.traced[f"[head, one rank] full-logits bound | norm + lm_head + {library} loss"] = (ref.sum("head"),
                                                                                                traced["head"])
     result.trace_notes.append("[...] rows: at this N on one rank (W = E_p = P = 1, no operator, R = N k), the "
-                              "bound of the reference schedule beside torchtitan's own block / head traced forward "
+                              f"bound of the reference schedule beside the {library} block / head traced forward "
                               "+ backward under FakeTensorMode, weights and weight gradients left out")
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from boundpass.config import PLAN_BUDGET, config_from
 from boundpass.errors import BoundpassInputError
-from boundpass.model_source import ModelSource, default_source
+from boundpass.model_source import ModelSource, default_source, source_for
 
 # the bounded operators a launch can switch on (boundpass/composed.py composes their terms)
 OPERATORS = ("ring_dtp", "pipelined_llep", "sco", "offload_adamw")
@@ -57,6 +57,19 @@ def check_model(model: str, flavor: str, source: ModelSource | None = None) -> s
     if known is not None and flavor not in known:
         raise BoundpassInputError(f"unknown flavor {flavor!r} of {family}; known: {', '.join(known)}")
     return family
+
+
+def locate(model, flavor: str | None, source: ModelSource | None = None) -> tuple[ModelSource, str, str]:
+    """(source, model name there, flavor) of what `plan` was given: a torchtitan family and flavor, or a Hugging
+    Face config ("hf:..." or a config object), whose one flavor is taken when none is given."""
+    if source is None:
+        source, model = source_for(model)
+    if flavor is None:
+        known = source.flavors(source.resolve(model))
+        if not known or len(known) > 1:
+            raise BoundpassInputError(f"give the flavor of {model}" + (f"; known: {', '.join(known)}" if known else ""))
+        flavor = known[0]
+    return source, model, flavor
 
 
 def _positive_int(name: str, value) -> int:

@@ -141,7 +141,7 @@ def test_sco_on_hugging_face_decoder_layers_certified_to_the_byte():
                                    num_attention_heads=4, num_key_value_heads=2, use_cache=False,
                                    attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(cfg)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     plain = copy.deepcopy(model)
     step = boundpass.compile(model, budget="1GiB", sco_enable=True, host_budget="1GiB")
 
