@@ -53,11 +53,18 @@ class BoundedModule(nn.Module):
     def __init__(self, model: nn.Module, loss_fn, config: Config, *, state_terms, optimizer_plan, ring_group=None,
                  fullgraph: bool = True, dynamic=False, composed_table=None):
         super().__init__()
-        self.config = config                    # every knob (boundpass/config.py): read from here, never copied
+        # every knob (boundpass/config.py): read from here, never copied. Not `.config`: that name is the model's
+        # (an HF model's config, which HF's Trainer reads through this module; see __getattr__)
+        self.boundpass_config = config
         self.composed_table = composed_table  # the launch configuration's composed budget (None: not given)
         self.sco_plans: list = []               # SCO's plan, one per compiled graph
         self.model = model
+        # also an instance attribute: `self.model` then never reaches __getattr__ below, which Dynamo would trace
+        # into (its node paths would read __dict__._modules.model instead of model)
+        self.__dict__["model"] = model
         self.loss_fn = loss_fn
+        if isinstance(loss_fn, nn.Module):
+            self.__dict__["loss_fn"] = loss_fn
         self.budget = config.budget_bytes       # bytes (config.budget may be "60GiB")
         self.host_budget = config.host_budget_bytes
         self.state_terms = state_terms          # parameters, gradients, optimizer: fixed before any graph
@@ -81,13 +88,24 @@ class BoundedModule(nn.Module):
         self.last_report: ExplainReport | None = None  # the report of the graph that ran last (explain shows it)
         self._compiled = self._new_compiled()
 
+    def __getattr__(self, name: str):
+        """Attributes the compiled module does not have are the model's, as for torch.compile's OptimizedModule
+        (an HF model's config, generation_config, main_input_name, ... for code written against the model)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self._modules.get("model")
+            if model is None:
+                raise
+            return getattr(model, name)
+
     @property
     def inner(self) -> str:
-        return self.config.inner
+        return self.boundpass_config.inner
 
     @property
     def max_tokens_per_rank(self) -> int | None:
-        return self.config.max_tokens_per_rank
+        return self.boundpass_config.max_tokens_per_rank
 
     def _step(self, inputs, labels=None, *loss_args, **model_kwargs):
         """What is compiled with `loss_fn`: the model on `inputs`, then the loss outside it."""
@@ -187,7 +205,7 @@ class BoundedModule(nn.Module):
         # suppress_errors=True would make Dynamo swallow a budget error and run eagerly: force errors through.
         if self.certificates and self._grads_held():
             self.check_accumulation()
-        if self.not_certified and not self.config.allow_uncertified:
+        if self.not_certified and not self.boundpass_config.allow_uncertified:
             raise self.not_certified
         compiled = self._select_compiled(args, kwargs)
         reports, breaks = len(self.reports), _graph_breaks()
@@ -238,7 +256,7 @@ class BoundedModule(nn.Module):
         self.not_certified = NotCertifiedError(message, reasons=list(dict.fromkeys(reasons)), graphs=graphs)
         for report in reports:
             report.not_certified = self.not_certified
-        if not self.config.allow_uncertified:
+        if not self.boundpass_config.allow_uncertified:
             raise self.not_certified
 
     # ------------------------------------------------------------------------------------ backend
@@ -250,17 +268,17 @@ class BoundedModule(nn.Module):
             ring_size, ring_rank = dist.get_world_size(self.ring_group), dist.get_rank(self.ring_group)
             group_name = ring_dtp.group_name_of(self.ring_group)
         # training (Liger-Kernel's convention for HF models): a logits output only the caller reads is not made
-        drop = not self.config.vocab.keep_logits and self.model.training and torch.is_grad_enabled()
+        drop = not self.boundpass_config.vocab.keep_logits and self.model.training and torch.is_grad_enabled()
         vocab = VocabRewriteConfig(group_name=group_name, ring_size=ring_size, ring_rank=ring_rank, drop_logits=drop)
         # the rewritten ops compute in the dtype of what they are given; under autocast eager computes the projection
         # and the experts in autocast's dtype instead, so a rewrite would change the numerics: left as written
         autocast = _autocast_reason(gm)
         # passes: find -> match -> replace; the knobs they leave open (C, c, L_off) are the planner's
-        regions = [] if not self.config.vocab.enable else [SkippedPass("vocab", autocast)] if autocast else \
+        regions = [] if not self.boundpass_config.vocab.enable else [SkippedPass("vocab", autocast)] if autocast else \
             rewrite_vocab_regions(gm, vocab)
         report.regions.extend(regions)
-        dispatch_regions = [] if not self.config.dispatch.enable else [SkippedPass("dispatch", autocast)] if autocast \
-            else rewrite_dispatch_regions(gm, self.dispatch_root(), self.config.dispatch.borrowed_slots)
+        dispatch_regions = [] if not self.boundpass_config.dispatch.enable else [SkippedPass("dispatch", autocast)] if autocast \
+            else rewrite_dispatch_regions(gm, self.dispatch_root(), self.boundpass_config.dispatch.borrowed_slots)
         report.regions.extend(dispatch_regions)
         for region in dispatch_regions:  # later calls agree over these groups before compiling (forward)
             if region.rewritten and region.group_name and region.group_name not in self.ep_groups:
@@ -305,13 +323,13 @@ class BoundedModule(nn.Module):
 
     def _find_sco(self, gm: torch.fx.GraphModule, host_pool: int | None):
         """SCO's plan for this graph (boundpass/passes/sco_pass.py); per-block compile overrides it."""
-        plan = sco_pass.find_sco(gm, self.config.sco.enable, host_pool=host_pool)
+        plan = sco_pass.find_sco(gm, self.boundpass_config.sco.enable, host_pool=host_pool)
         self._cap_sco(plan, plan.most)
         return plan
 
     def _cap_sco(self, plan, most: int) -> None:
         """The most boundaries SCO may offload (``plan.most``): what the host pool holds, at most sco.max_layers."""
-        cap = self.config.sco.max_layers
+        cap = self.boundpass_config.sco.max_layers
         plan.most, plan.capped = (most, False) if cap is None or most <= cap else (cap, True)
 
     def _vocab_knobs(self, regions, ring_size: int) -> list[Knob]:
@@ -351,7 +369,7 @@ class BoundedModule(nn.Module):
         knee = max(knee_of(n, region) for n, region in shapes)
         return [Knob("vocab_block", sym.C, lo=lo, hi=hi, arg="block",
                      ops=(torch.ops.boundpass.ring_dtp_fwd.default, torch.ops.boundpass.ring_dtp_bwd.default),
-                     user=self.config.vocab.block, regions=rewritten, knee=knee)]
+                     user=self.boundpass_config.vocab.block, regions=rewritten, knee=knee)]
 
     def _dispatch_knobs(self, regions) -> list[Knob]:
         """Open the chunk cap c of every PipelinedLLEP op for the planner (one cap: layers run one at a time)."""
@@ -374,7 +392,7 @@ class BoundedModule(nn.Module):
                                                   costs=cost_model.costs_for(device))
         return [Knob("dispatch_cap", sym.c, lo=1, hi=tokens, arg="cap",
                      ops=(torch.ops.boundpass.pipelined_llep_fwd.default, torch.ops.boundpass.pipelined_llep_bwd.default),
-                     user=self.config.dispatch.cap, regions=rewritten, knee=max(knee_of(r) for r in rewritten))]
+                     user=self.boundpass_config.dispatch.cap, regions=rewritten, knee=max(knee_of(r) for r in rewritten))]
 
     def _grads_held(self) -> bool:
         return any(p.grad is not None for p in self.model.parameters())

@@ -228,7 +228,7 @@ class BoundpassTrainer(Trainer):
             # so the step's peak is the one the composition counts
             released = install_releasing_collectives(model) if self.fsdp_wrapped else 0
             self.blocks = CompiledBlocks(
-                model, list(model.layers.values()), dataclasses.replace(self.bounded.config, inner=self.block_inner),
+                model, list(model.layers.values()), dataclasses.replace(self.bounded.boundpass_config, inner=self.block_inner),
                 state_terms=self.bounded.state_terms, optimizer_plan=plan)
             self.blocks.check_tail()  # the backward's tail needs no graph: checked here, before step 1
             self.block_backend.target = self.blocks

@@ -266,7 +266,7 @@ def test_compile_with_a_config_is_compile_with_its_keywords():
         model.load_state_dict(base.state_dict())
         torch._dynamo.reset()
         step = boundpass.compile(model, config_from(**knobs)) if how == "config" else boundpass.compile(model, **knobs)
-        assert type(step.config) is Config and step.config.flat() == config_from(**knobs).flat()
+        assert type(step.boundpass_config) is Config and step.boundpass_config.flat() == config_from(**knobs).flat()
         runs[how] = _step(step, model, tok, labels)
     (loss_a, grads_a, report_a), (loss_b, grads_b, report_b) = runs["config"], runs["keywords"]
     assert torch.equal(loss_a, loss_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))

@@ -269,3 +269,42 @@ def test_eager_experts_loop_is_refused_with_the_way_forward():
     step = boundpass.compile(_mixtral_with("eager"), budget="1GiB", fullgraph=False)
     with pytest.raises(boundpass.NotCertifiedError, match="NOT CERTIFIED"):
         step(input_ids=tokens, labels=labels)
+
+
+def test_hf_trainer_drives_the_compiled_model_exactly():
+    """HF's Trainer (its AdamW, gradient clipping, scheduler) given boundpass.compile(model) instead of the model:
+    the compiled module answers the attributes the Trainer reads (model.config, ...) with the model's, the head and
+    experts are rewritten, and the losses it logs equal a Trainer run on the model itself; its evaluate (eval mode,
+    logits kept) too."""
+    import tempfile
+
+    class Batches(torch.utils.data.Dataset):
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            tokens, labels = _batch(i)
+            return {"input_ids": tokens[0], "labels": labels[0]}
+
+    def run(model):
+        args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=2,
+                                              report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
+                                              remove_unused_columns=False, label_names=["labels"], seed=0,
+                                              disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Batches(), eval_dataset=Batches())
+        trainer.train()
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        return losses, trainer.evaluate()["eval_loss"]
+
+    model = _model("mixtral")
+    plain = copy.deepcopy(model)
+    step = boundpass.compile(model, budget="1GiB")
+    assert step.config is model.config
+    losses, eval_loss = run(step)
+    ref_losses, ref_eval_loss = run(plain)
+    assert len(losses) == 3
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(eval_loss, ref_eval_loss, rtol=1e-5, atol=0)
+    training, evaluation = step.reports  # two graphs: the training step, the eval (no-grad) call
+    assert training.rewritten_of("vocab") and len(training.rewritten_of("dispatch")) == 2
+    assert "are also returned" in evaluation.skipped_of("vocab")[0].reason  # eval keeps the logits
