@@ -34,6 +34,7 @@ from boundpass.passes.vocab_pass import VocabRewriteConfig, rewrite_vocab_region
 from boundpass.planner import Knob, StepPlanner, infeasible, set_op_arg
 from boundpass.runtime import ring_dtp
 from boundpass.runtime.agreement import agree, fail_together, global_max_tokens
+from boundpass.runtime.groups import group_name_of
 from boundpass.step_peak import analyze_graphs, module_path
 from boundpass.units import format_bytes
 
@@ -266,7 +267,7 @@ class BoundedModule(nn.Module):
         ring_size, ring_rank, group_name = 1, 0, ""
         if self.ring_group is not None:
             ring_size, ring_rank = dist.get_world_size(self.ring_group), dist.get_rank(self.ring_group)
-            group_name = ring_dtp.group_name_of(self.ring_group)
+            group_name = group_name_of(self.ring_group)
         # training (Liger-Kernel's convention for HF models): a logits output only the caller reads is not made
         drop = not self.boundpass_config.vocab.keep_logits and self.model.training and torch.is_grad_enabled()
         vocab = VocabRewriteConfig(group_name=group_name, ring_size=ring_size, ring_rank=ring_rank, drop_logits=drop)

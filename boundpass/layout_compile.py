@@ -101,8 +101,8 @@ class RingDTPHeadBackend:
     def __init__(self, group, block: int = 0):
         import torch.distributed as dist
 
-        from boundpass.runtime import ring_dtp
-        self.group_name = ring_dtp.group_name_of(group)
+        from boundpass.runtime.groups import group_name_of
+        self.group_name = group_name_of(group)
         self.ring_size, self.ring_rank = dist.get_world_size(group), dist.get_rank(group)
         self.block = int(block or 0)
         self.regions: list = []  # every VocabRegion the pass found, in compile order

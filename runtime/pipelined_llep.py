@@ -28,6 +28,7 @@ from torch import Tensor
 from boundpass import symbols as sym
 from boundpass.errors import BoundpassInputError
 from boundpass.runtime.agreement import agree, check_devices, mixed_real_call
+from boundpass.runtime.groups import group_name_of  # noqa: F401  (also imported from here by the passes)
 from boundpass.runtime.llep_plan import DEFAULT_ALPHA, ChunkedRoutes, LLEPPlan, lendable_experts, plan_llep
 
 
@@ -707,11 +708,6 @@ def _backward(ctx, grad_out, grad_counts, grad_perm):
 
 
 pipelined_llep_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-def group_name_of(group) -> str:
-    """The name custom ops use to find a process group ('' = no EP group, E_p = 1)."""
-    return "" if group is None else group.group_name
 
 
 def pipelined_llep(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,

@@ -24,6 +24,7 @@ from torch import Tensor
 from boundpass import symbols as sym
 from boundpass.errors import BoundpassInputError
 from boundpass.runtime.agreement import agree, check_devices, mixed_real_call
+from boundpass.runtime.groups import group_name_of  # noqa: F401  (also imported from here by the passes)
 
 BRANCHES = ("auto", "activations", "weights")
 
@@ -375,13 +376,6 @@ def _backward(ctx, grad_loss, grad_lse):
 
 
 ring_dtp_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-def group_name_of(group) -> str:
-    """The name custom ops use to find a process group ('' = no ring, P = 1)."""
-    if group is None:
-        return ""
-    return group.group_name
 
 
 def ring_dtp_loss(h: Tensor, w_shard: Tensor, labels: Tensor, *, vocab_size: int, group=None, block: int = 0,

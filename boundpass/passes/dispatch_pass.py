@@ -35,7 +35,7 @@ from boundpass.passes.graph_edit import example_value as _val
 from boundpass.passes.graph_edit import node_adder
 # PipelinedLLEP planner defaults (LLEP's public defaults: docs/design.md §6); the cap c is set by the budget
 from boundpass.runtime.llep_plan import DEFAULT_ALPHA, DEFAULT_IMBALANCE, DEFAULT_MIN_PIECE
-from boundpass.runtime.pipelined_llep import group_name_of
+from boundpass.runtime.groups import group_name_of
 
 
 @dataclass

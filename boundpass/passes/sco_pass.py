@@ -11,8 +11,8 @@ Two stages, because the decision must come before any real compute and the rewri
    (``boundpass.planner``): it rewrites the partitioned graphs for a candidate count (``apply_count`` + stage 2)
    and measures the step peak of the rewritten graphs (``boundpass.step_peak``), the prefetched boundary the
    runtime holds between two reloads included (``held_intervals``).
-2. ``SCOPartitioner`` (AOTAutograd's ``partition_fn``; Inductor's ``config.custom_partitioner_fn``): runs the
-   stock partitioner, then finds each block's boundary in the joint graph (the region's one external,
+2. ``rewrite_partitioned`` (called by boundpass.compile's planning partitioner, after the stock partitioner, for
+   AOTAutograd and Inductor alike): finds each block's boundary in the joint graph (the region's one external,
    computed, floating input; regions are the ``ac_graph_id`` groups, in forward order) among the saved
    tensors and rewrites it:
       forward   x_l saved  ->  token_l = boundpass::sco_offload(x_l, ...) saved instead (kept layers: x_l stays
@@ -29,22 +29,17 @@ Runtime ops, host pool, prefetch and event log: ``boundpass.runtime.sco`` (Compi
 from __future__ import annotations
 
 import operator as _operator
-import uuid
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 from torch import Tensor
-from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from boundpass.bounds import BoundTerm
-from boundpass.errors import BoundpassInputError
 from boundpass.passes.graph_edit import descendants
 from boundpass.runtime import sco as sco_rt
 from boundpass.units import format_bytes
 
-SCO_CHOICES = ("auto", True, False)
-_PROCESS = uuid.uuid4().hex  # partitioner cache keys never match another process's graphs (their sco_id differ)
 ORDER_RELOADS = True  # False only in tests: the negative control that shows what the ordering prevents
 _ALIASING = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default, torch.ops.aten.detach.default}
 
@@ -272,25 +267,6 @@ def _boundary_device(gm) -> torch.device:
 
 
 # ------------------------------------------------------------------------------------- stage 2: rewrite
-class SCOPartitioner(CustomPartitionerFn):
-    """The stock partitioner, then the boundary offload/reload rewrite of ``plan`` (see the module docstring)."""
-
-    def __init__(self, plan: SCOPlan, base):
-        self.plan, self.base = plan, base
-        self._uuid = f"boundpass-sco-{_PROCESS}-{plan.runtime.sco_id}-{[r.offloaded for r in plan.regions]}"
-
-    def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs):
-        fw, bw = self.base(joint, joint_inputs, **kwargs)
-        rewrite_partitioned(self.plan, joint, fw, bw, kwargs["num_fwd_outputs"])
-        return fw, bw
-
-    def uuid(self):
-        return self._uuid
-
-    def __deepcopy__(self, memo):  # Inductor copies its config for the cache key; the plan and runtime are shared
-        return self
-
-
 def _val(node):
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
@@ -583,18 +559,3 @@ def eager_callable(graph: fx.GraphModule):
     return run
 
 
-def partition_fn(plan: SCOPlan | None, inner: str):
-    """The partition_fn to give aot_autograd (eager), or Inductor's custom_partitioner_fn; None: stock."""
-    if plan is None or plan.runtime is None:
-        return None
-    if inner == "inductor":
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-        plan.runtime.offload_waits = True  # Inductor reuses buffers in-graph: see CompiledSCO.offload_waits
-        return SCOPartitioner(plan, min_cut_rematerialization_partition)
-    from torch._functorch.partitioners import default_partition
-    return SCOPartitioner(plan, default_partition)
-
-
-def check_mode(sco) -> None:
-    if sco not in SCO_CHOICES or (sco is not True and sco is not False and sco != "auto"):
-        raise BoundpassInputError(f"sco must be one of {SCO_CHOICES}, got {sco!r}")
