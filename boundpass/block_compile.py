@@ -201,7 +201,7 @@ class CompiledBlocks(BoundedModule):
         """Every block graph shares one SCO runtime; the host pool takes a forward prefix of the blocks."""
         from boundpass.passes import sco_pass
         from boundpass.runtime import sco as sco_rt
-        if self.sco_runtime is None and self.config.sco.enable is not False:
+        if self.sco_runtime is None and self.boundpass_config.sco.enable is not False:
             runs = self.runs  # not self: the runtime is reachable from the compiled graphs (see _counting)
             self.sco_runtime = sco_rt.BlockSCO(self.num_blocks, 0, sco_pass._boundary_device(gm),
                                                current_block=lambda: len(runs) - 1)
@@ -209,7 +209,7 @@ class CompiledBlocks(BoundedModule):
         if isinstance(first, torch.Tensor) and first.is_floating_point():
             # the block's first argument: the trunk's hidden states, block i-1's output (see _block_rows)
             self.hidden = max(self.hidden, first.numel() * first.element_size())
-        plan = sco_pass.find_block_sco(gm, self.config.sco.enable, runtime=self.sco_runtime, most=0)
+        plan = sco_pass.find_block_sco(gm, self.boundpass_config.sco.enable, runtime=self.sco_runtime, most=0)
         if plan.eligible:
             self.boundary = max(self.boundary, plan.eligible[0].boundary_bytes)
             pool = host_pool if host_pool is not None else self.num_blocks * self.boundary

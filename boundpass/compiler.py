@@ -96,7 +96,7 @@ class BoundedModule(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             model = self._modules.get("model")
-            if model is None:
+            if model is None or name.startswith("_"):  # torch's own probes (_orig_mod, _fsdp_*, ...) stay ours
                 raise
             return getattr(model, name)
 

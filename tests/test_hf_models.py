@@ -64,11 +64,9 @@ def _batch(seed=0):
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v3"]
 
-def _exact_against_eager(model, batch=None, **knobs):
-    """boundpass.compile(model) against the model itself on one batch: the loss and every gradient; the report."""
-    plain = copy.deepcopy(model)
-    step = boundpass.compile(model, budget="1GiB", **knobs)
-    tokens, labels = batch if batch is not None else _batch()
+def _same_step(step, model, plain, batch):
+    """One step of the compiled model against the model itself (plain, its copy): the loss and every gradient."""
+    tokens, labels = batch
     out = step(input_ids=tokens, labels=labels)
     ref = plain(input_ids=tokens, labels=labels)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
@@ -76,6 +74,14 @@ def _exact_against_eager(model, batch=None, **knobs):
     ref.loss.backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    return out, ref
+
+
+def _exact_against_eager(model, batch=None, **knobs):
+    """boundpass.compile(model) against the model itself on one batch: the loss and every gradient; the report."""
+    plain = copy.deepcopy(model)
+    step = boundpass.compile(model, budget="1GiB", **knobs)
+    out, ref = _same_step(step, model, plain, batch if batch is not None else _batch())
     return out, ref, boundpass.explain(step)
 
 
@@ -228,13 +234,7 @@ def test_certified_both_ways_exact_and_refused_just_below_under_skewed_routing(f
     assert report.rewritten_of("vocab") and len(report.rewritten_of("dispatch")) == 2
 
     tokens, labels = _batch(7)
-    out = step(input_ids=tokens, labels=labels)
-    ref = plain(input_ids=tokens, labels=labels)
-    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
-    out.loss.backward()
-    ref.loss.backward()
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    _same_step(step, model, plain, (tokens, labels))
 
     least = cert.total_at(**{k.name: k.lo for k in cert.planner.knobs})
     tight = boundpass.compile(copy.deepcopy(plain), budget=least - 1)
