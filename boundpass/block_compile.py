@@ -121,8 +121,8 @@ class CompiledBlocks(BoundedModule):
         super().__init__(model, None, config, state_terms=state_terms, optimizer_plan=optimizer_plan,
                          fullgraph=False, dynamic=False)
         # OffloadStreamAdamW's bucket is fitted once, by the head's boundpass.compile (its owner); a block graph
-        # must not narrow it again from its own view of the optimizer phase (compiler._fit_offload_bucket skips an
-        # owner whose bucket is set)
+        # must not narrow it again from its own view of the optimizer phase (the planner fits it only for an owner
+        # whose bucket is not set)
         inner = list(getattr(getattr(optimizer_plan, "optimizer", None), "optimizers", []) or [])
         self.optimizer_bucket = next((o.bucket_params for o in inner if hasattr(o, "bucket_params")), None)
         self.num_blocks = len(blocks)

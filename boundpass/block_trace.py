@@ -615,7 +615,6 @@ def trace_torchtitan_head(net: torch.nn.Module, *, progress=None, loss_fn=None) 
     and the labels are counted, and the head's weight gradients as its backward writes them (the composed budget
     then leaves its grad_head term out: composed._traced_head). loss_fn: makes the loss (None: the default
     model source's, boundpass/model_source.py)."""
-    import boundpass.passes.vocab_pass  # noqa: F401  (registers Ring-DTP's workspace with the step analysis)
     weight = net.lm_head.weight
     h = torch.empty(1, 8, weight.shape[1], dtype=weight.dtype, device="meta", requires_grad=True)
     out = []

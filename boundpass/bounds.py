@@ -10,6 +10,16 @@ from boundpass import textwidth
 from boundpass.units import format_bytes
 
 
+def device_peak(persistent, *phases):
+    """The step law, the one place it is written: a step's device peak is its persistent state (parameters, buffers,
+    optimizer state) plus the largest of its phases, which never coexist (forward/backward with its activations,
+    the optimizer step with the gradients and its workspace, ...). Ints give an int; sympy sizes give the
+    expression (the dynamic-shape guard and the composed budget's formula in N)."""
+    if any(isinstance(x, sympy.Basic) and not x.is_number for x in (persistent, *phases)):
+        return persistent + sympy.Max(*phases)
+    return persistent + max(phases)
+
+
 @dataclass
 class BoundTerm:
     """One memory term of a training step on one rank (bytes)."""
@@ -40,7 +50,7 @@ class BudgetTable:
     @property
     def total(self) -> int:
         """Device bytes of the peak phase (bytes)."""
-        return self.sum("persistent") + max(self.sum("transient"), self.sum("step"))
+        return device_peak(self.sum("persistent"), self.sum("transient"), self.sum("step"))
 
     @property
     def host_total(self) -> int:
@@ -80,6 +90,32 @@ class BudgetTable:
             if i in formula_of:
                 out += textwidth.wrap(str(formula_of[i]), width=width, first="    = ", rest="      ")
         return "\n".join(out)
+
+
+@dataclass
+class Knob:
+    """A schedule parameter of the rewritten ops: its symbol in the workspace bounds and its range. The pass that
+    rewrote the ops opens it (``owner``), the planner chooses its value and writes it into every op node by schema
+    argument name (``arg``) and into the pass's region records (the attribute of the same name)."""
+    name: str                    # the boundpass.compile argument that overrides it
+    symbol: sympy.Symbol
+    lo: int
+    hi: int
+    arg: str                     # schema argument name on the ops below
+    ops: tuple                   # op overloads whose nodes carry it
+    user: int | None = None
+    value: int = 0
+    why: str = ""                # "knee" / "budget" / "user" ("widest": no time model, the budget allows hi)
+    widest_fitting: int | None = None  # what the budget alone allows (None: not even the narrowest)
+    knee: int | None = None      # the time model's knee (boundpass/cost_model.py); None: no model, the widest
+    regions: list = field(default_factory=list)   # pass region records, updated with the value
+    owner: str = ""              # the pass that opened it (its diagnosis names the fix)
+    agree_over: str = ""         # a process group's name whose ranks must run the same value ("": none)
+
+    @property
+    def attr(self) -> str:
+        """The region records' attribute that shows the value (the schema argument's name)."""
+        return self.arg
 
 
 def raise_infeasible(table: BudgetTable, binding: BoundTerm, *, detail: str = "") -> None:

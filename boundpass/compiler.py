@@ -6,19 +6,15 @@ the budget (planner.py; raises before any real compute) -> eager kernels ("aot_e
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import time
 import types
 import weakref
-import uuid
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import sympy
-from torch._dynamo.backends.common import aot_autograd
-from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from boundpass import inductor_peak
 from boundpass.aot_workarounds import saved_tensors_before_opaque, static_placeholders
@@ -27,18 +23,16 @@ from boundpass.bounds import BoundTerm, BudgetTable, blas_workspace_bytes, raise
 from boundpass.config import Config, config_from
 from boundpass.errors import BoundpassError, BoundpassInputError, NotCertifiedError
 from boundpass.explain import ExplainReport
+from boundpass.lowering import lower
 from boundpass.passes import sco_pass
-from boundpass.passes.dispatch_pass import rewrite_dispatch_regions
 from boundpass.passes.optimizer_swap import plan_optimizer
-from boundpass.passes.vocab_pass import VocabRewriteConfig, rewrite_vocab_regions
-from boundpass.planner import Knob, StepPlanner, infeasible, set_op_arg
-from boundpass.runtime import ring_dtp
-from boundpass.runtime.agreement import agree, fail_together, global_max_tokens
+from boundpass.passes.pipeline import PassContext, diagnose, run_passes
+from boundpass.planner import Knob, StepPlanner, infeasible
+from boundpass.runtime.agreement import agree, fail_together
 from boundpass.runtime.groups import group_name_of
 from boundpass.step_peak import analyze_graphs, module_path
 from boundpass.units import format_bytes
 
-MIN_VOCAB_BLOCK = 128  # narrower strips only add per-strip overhead; below this, change P or N instead
 
 
 class BoundedModule(nn.Module):
@@ -71,7 +65,7 @@ class BoundedModule(nn.Module):
         self.state_terms = state_terms          # parameters, gradients, optimizer: fixed before any graph
         self.optimizer_plan = optimizer_plan
         self.optimizer = optimizer_plan.optimizer if optimizer_plan else None  # the one to step
-        # β fixed for this module (the user's, or one a trunk's owner fitted): None lets _fit_offload_bucket narrow it
+        # β fixed for this module (the user's, or one a trunk's owner fitted): None lets the planner narrow it (StepPlanner.fit_offload_bucket)
         self.optimizer_bucket = config.optimizer.bucket
         self.ring_group = ring_group
         self.fullgraph = fullgraph
@@ -269,58 +263,34 @@ class BoundedModule(nn.Module):
             ring_size, ring_rank = dist.get_world_size(self.ring_group), dist.get_rank(self.ring_group)
             group_name = group_name_of(self.ring_group)
         # training (Liger-Kernel's convention for HF models): a logits output only the caller reads is not made
-        drop = not self.boundpass_config.vocab.keep_logits and self.model.training and torch.is_grad_enabled()
-        vocab = VocabRewriteConfig(group_name=group_name, ring_size=ring_size, ring_rank=ring_rank, drop_logits=drop)
-        # the rewritten ops compute in the dtype of what they are given; under autocast eager computes the projection
-        # and the experts in autocast's dtype instead, so a rewrite would change the numerics: left as written
-        autocast = _autocast_reason(gm)
-        # passes: find -> match -> replace; the knobs they leave open (C, c, L_off) are the planner's
-        regions = [] if not self.boundpass_config.vocab.enable else [SkippedPass("vocab", autocast)] if autocast else \
-            rewrite_vocab_regions(gm, vocab)
-        report.regions.extend(regions)
-        dispatch_regions = [] if not self.boundpass_config.dispatch.enable else [SkippedPass("dispatch", autocast)] if autocast \
-            else rewrite_dispatch_regions(gm, self.dispatch_root(), self.boundpass_config.dispatch.borrowed_slots)
-        report.regions.extend(dispatch_regions)
-        for region in dispatch_regions:  # later calls agree over these groups before compiling (forward)
-            if region.rewritten and region.group_name and region.group_name not in self.ep_groups:
-                self.ep_groups.append(region.group_name)
+        ctx = PassContext(config=self.boundpass_config, ring_group=self.ring_group, group_name=group_name,
+                          ring_size=ring_size, ring_rank=ring_rank,
+                          drop_logits=not self.boundpass_config.vocab.keep_logits and self.model.training
+                          and torch.is_grad_enabled(),
+                          dispatch_root=self.dispatch_root(), max_tokens_per_rank=self.max_tokens_per_rank,
+                          ring_n_max=self.ring_n_max, autocast=_autocast_reason(gm))
+        run = run_passes(gm, ctx)  # find -> match -> rewrite; the knobs they leave open (C, c) are the planner's
+        self.ring_n_max = ctx.ring_n_max
+        report.regions.extend(run.regions)
+        for knob in run.knobs:  # later calls agree over these groups before compiling (forward)
+            if knob.agree_over and knob.agree_over not in self.ep_groups:
+                self.ep_groups.append(knob.agree_over)
         report.optimizer = self.optimizer_plan
         report.composed = self.composed_table
-        knobs = self._vocab_knobs(regions, ring_size) + self._dispatch_knobs(dispatch_regions)
+        knobs = run.knobs
         optimizer_host = sum(t.value for t in self.state_terms if t.counted and t.kind == "host")
         host_pool = None if self.host_budget is None else max(self.host_budget - optimizer_host, 0)
         sco_plan = report.sco = self._find_sco(gm, host_pool)
         self.sco_plans.append(sco_plan)
         gm.recompile()
         partitioner = _PlanningPartitioner(self, report, knobs, sco_plan, gm)
-        with torch._functorch.config.patch(enable_autograd_cache=False):  # a cache hit would skip the planner
-            if self.inner == "inductor":
-                from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-                plan_fn = _InductorPartitioner(partitioner)
-                # the budget is checked on the kernels Inductor emits (after fusion), once both graphs are lowered
-                # fx_graph_cache off: its key pickles the graphs, whose boundpass op arguments hold cyclic runtime
-                # objects; it never hit ("Failed to pickle cache key"), and on a deep checkpointed graph with SCO the
-                # pickler's RecursionError was fatal. Inductor's kernel cache (compiled C++) is unaffected.
-                patches = {"custom_partitioner_fn": plan_fn, "fx_graph_cache": False}
-
-                def inner_compile(graph, inputs, **kw):  # an inference graph is never partitioned: plan it here
-                    if kw.get("is_inference"):
-                        partitioner.plan_inference(graph, kw.get("static_input_idxs") or ())
-                    return compile_fx_inner(graph, inputs, **kw)
-                with inductor_peak.recording() as schedules:
-                    compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
-                partitioner.finish_inductor(schedules)
-                return compiled
-
-            def eager(graph, inputs):
-                return sco_pass.eager_callable(graph)  # boxed: saved tensors die at their last use
-
-            def inference(graph, inputs):  # no backward (no_grad / eval): no partition, so the planner runs here
-                partitioner.plan_inference(graph, _static_input_indices())
-                return sco_pass.eager_callable(graph)
-            # aot_autograd is required even for eager kernels: torchtitan's MoE mutates a buffer in forward.
-            return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partitioner,
-                                inference_compiler=inference)(gm, example_inputs)
+        if self.inner != "inductor":
+            return lower(gm, example_inputs, "aot_eager", partitioner, on_inference=partitioner.plan_inference)
+        # Inductor: the budget is checked on the kernels it emits (after fusion), once both graphs are lowered
+        with inductor_peak.recording() as schedules:
+            compiled = lower(gm, example_inputs, "inductor", partitioner, on_inference=partitioner.plan_inference)
+        partitioner.finish_inductor(schedules)
+        return compiled
 
     def _find_sco(self, gm: torch.fx.GraphModule, host_pool: int | None):
         """SCO's plan for this graph (boundpass/passes/sco_pass.py); per-block compile overrides it."""
@@ -332,68 +302,6 @@ class BoundedModule(nn.Module):
         """The most boundaries SCO may offload (``plan.most``): what the host pool holds, at most sco.max_layers."""
         cap = self.boundpass_config.sco.max_layers
         plan.most, plan.capped = (most, False) if cap is None or most <= cap else (cap, True)
-
-    def _vocab_knobs(self, regions, ring_size: int) -> list[Knob]:
-        """Set each vocab op's branch from N_max (a launch fact) and open its strip width C for the planner."""
-        rewritten = [r for r in regions if r.rewritten]
-        if not rewritten:
-            return []
-        hi, shapes = 0, []
-        for region in rewritten:
-            tokens_here = _concrete(_as_expr(region.tokens), _shape_env(region.op_node))
-            # the branch must agree over the ring: chosen from the ring's largest N (one all-reduce), not this rank's;
-            # every rank compiles at the same call (forward), so the all-reduce runs even with max_tokens_per_rank and
-            # a rank over it makes every rank raise the same error (a lone raise would leave its peers waiting)
-            ring_max = global_max_tokens(tokens_here, self.ring_group)
-            max_tokens = self.max_tokens_per_rank or ring_max
-            if ring_size > 1:
-                self.ring_n_max = max(self.ring_n_max, max_tokens)
-            if max_tokens < ring_max:
-                raise BoundpassInputError(f"max_tokens_per_rank={max_tokens} but a rank of the ring holds {ring_max} "
-                                          f"tokens at the vocab projection ({region.module_path}; this rank "
-                                          f"{tokens_here}): raise max_tokens_per_rank on every rank")
-            region.branch = ring_dtp.choose_branch(max_tokens, region.vocab, ring_size)
-            set_op_arg(region.op_node, "branch", region.branch)
-            hi = max(hi, -(-region.vocab // ring_size))
-            shapes.append((tokens_here if region.branch == "weights" else max_tokens, region))
-        lo = min(MIN_VOCAB_BLOCK, hi)
-        # the knee of the op's modelled time over C (boundpass/cost_model.py): the planner goes no wider
-        from boundpass import cost_model
-
-        def knee_of(tokens: int, region) -> int:
-            val = region.op_node.args[0].meta.get("val") if region.op_node is not None and region.op_node.args else None
-            b = (region.dtype or torch.float32).itemsize
-            return cost_model.ring_dtp_knee(lo=lo, hi=hi, N=max(1, int(tokens)), H=region.hidden, V=region.vocab,
-                                            P=ring_size, b=b, b_acc=max(b, 4),
-                                            costs=cost_model.costs_for(getattr(getattr(val, "device", None), "type",
-                                                                               "cpu")))
-        knee = max(knee_of(n, region) for n, region in shapes)
-        return [Knob("vocab_block", sym.C, lo=lo, hi=hi, arg="block",
-                     ops=(torch.ops.boundpass.ring_dtp_fwd.default, torch.ops.boundpass.ring_dtp_bwd.default),
-                     user=self.boundpass_config.vocab.block, regions=rewritten, knee=knee)]
-
-    def _dispatch_knobs(self, regions) -> list[Knob]:
-        """Open the chunk cap c of every PipelinedLLEP op for the planner (one cap: layers run one at a time)."""
-        rewritten = [r for r in regions if r.rewritten]
-        if not rewritten:
-            return []
-        tokens = max(_concrete(_as_expr(r.tokens), _shape_env(r.op_node)) for r in rewritten)
-        # c and the chunk count must agree over the EP group: its range comes from the group's largest N
-        tokens = max(self.max_tokens_per_rank or 0, global_max_tokens(tokens, rewritten[0].group_name))
-        # the knee of the op's modelled time over c (boundpass/cost_model.py): the planner goes no wider. It is a
-        # function of launch shapes and the group's largest N only, so every rank of the EP group gets the same c
-        from boundpass import cost_model
-
-        def knee_of(region) -> int:
-            val = region.op_node.args[0].meta.get("val") if region.op_node is not None and region.op_node.args else None
-            device = getattr(getattr(val, "device", None), "type", "cpu")
-            return cost_model.pipelined_llep_knee(lo=1, hi=max(1, int(tokens)), N=max(1, int(tokens)), H=region.hidden,
-                                                  I=region.inter, E=region.experts, E_p=region.ep_size, k=region.top_k,
-                                                  b=(region.dtype or torch.float32).itemsize,
-                                                  costs=cost_model.costs_for(device))
-        return [Knob("dispatch_cap", sym.c, lo=1, hi=tokens, arg="cap",
-                     ops=(torch.ops.boundpass.pipelined_llep_fwd.default, torch.ops.boundpass.pipelined_llep_bwd.default),
-                     user=self.boundpass_config.dispatch.cap, regions=rewritten, knee=max(knee_of(r) for r in rewritten))]
 
     def _grads_held(self) -> bool:
         return any(p.grad is not None for p in self.model.parameters())
@@ -487,7 +395,6 @@ class _PlanningPartitioner:
         planner = StepPlanner(budget=owner.budget, host_budget=owner.host_budget, state_terms=owner.state_terms,
                               knobs=self.knobs, symbol_values=backed, carry=carry)
         count = 0 if plan.mode != True else plan.most  # noqa: E712 (sco may be the string "auto")
-        trials = {}
         fw, bw, peak = attempt(count)
         planner.caller = _int_or_hint(peak.caller_bytes, backed)
         grad_terms = [t.value for t in owner.state_terms if t.name == "gradients"]
@@ -497,23 +404,12 @@ class _PlanningPartitioner:
             planner.grad_excess = max(0, _int_or_hint(peak.gradient_bytes, backed) - sum(grad_terms))
         if owner._grads_held():  # compiled in the middle of gradient accumulation: certify that step
             planner.held_grads = sum(grad_terms) + planner.grad_excess
-        _fit_offload_bucket(owner, planner)
-        trials[count] = planner.total(peak.evaluate(planner.values())[0])
-        if plan.mode == "auto" and plan.most and not planner.fits(peak, planner.values()):
-            # the fewest boundaries that make the narrowest schedule fit; a linear scan, because the peak is not
-            # monotone in L_off: offloading the last boundary makes backward reload it at once (with a prefetch)
-            count = None
-            for trial_count in range(1, plan.most + 1):
-                _, _, trial = attempt(trial_count)
-                trials[trial_count] = planner.total(trial.evaluate(planner.values())[0])
-                if trials[trial_count] <= owner.budget:
-                    count = trial_count
-                    break
-            count = count if count is not None else min(trials, key=trials.get)
+        if owner.optimizer_bucket is None:  # the user's (or a trunk owner's) beta stays
+            planner.fit_offload_bucket(owner.optimizer_plan)
+        count, trials, scanned = planner.choose_sco_count(plan, count, peak, lambda n: attempt(n)[2])
+        if scanned:  # the graphs of the count chosen (the scan left the last count tried in them)
             fw, bw, peak = attempt(count)
-        planner.choose(peak)
-        _agree_on_caps(self.knobs)
-        values = planner.values(**{k.name: k.value for k in self.knobs})
+        values = planner.choose(peak)
         # per-block SCO: the host pool of every block is one row of the composition (block_compile.carry_terms)
         extra = [sco_pass.host_term(plan)] if plan.offloaded and not plan.dynamic else []
         cert = planner.certify(peak, values, extra_terms=extra, sco_count=plan.offloaded)
@@ -522,7 +418,7 @@ class _PlanningPartitioner:
         cert.planning_s = time.perf_counter() - begun          # partitions, SCO rewrites, walks, knob search
         self.report.table, self.report.certificate = cert.table, cert
         owner.certificates.append(cert)
-        self._write_knobs(fw, bw)
+        planner.write_knobs(fw, bw)
         self.report.graph_code = self.gm.print_readable(print_output=False)
         self.report.forward_code = fw.print_readable(print_output=False)
         self.report.backward_code = bw.print_readable(print_output=False)
@@ -534,19 +430,6 @@ class _PlanningPartitioner:
             self._check(cert, peak, self.pending)
         # Inductor: checked in finish_inductor, on the schedule it emits for both graphs (still before any compute)
         return fw, bw
-
-    def _write_knobs(self, *graphs: torch.fx.GraphModule) -> None:
-        """The planner's choice written into every graph (and the regions explain shows) by argument name."""
-        for knob in self.knobs:
-            for graph in graphs:
-                for node in graph.graph.nodes:
-                    if node.op == "call_function" and node.target in knob.ops:
-                        set_op_arg(node, knob.arg, knob.value)
-            for region in knob.regions:
-                set_op_arg(region.op_node, knob.arg, knob.value)
-                setattr(region, knob.attr, knob.value)
-        for graph in graphs:
-            graph.recompile()
 
     def plan_inference(self, graph: torch.fx.GraphModule, static_indices) -> None:
         """Certify and check a call without a backward (``torch.no_grad()``, eval): one graph, no SCO (nothing is
@@ -572,9 +455,7 @@ class _PlanningPartitioner:
                               carry=0 if owner.fullgraph else sum(owner.saved_of_earlier_graphs))
         if owner._grads_held():
             planner.held_grads = sum(t.value for t in owner.state_terms if t.name == "gradients")
-        planner.choose(peak)
-        _agree_on_caps(self.knobs)
-        values = planner.values(**{k.name: k.value for k in self.knobs})
+        values = planner.choose(peak)
         cert = planner.certify(peak, values, extra_terms=[])
         cert.inference = True
         cert.analysis_s = analysis
@@ -582,7 +463,7 @@ class _PlanningPartitioner:
         self.report.table, self.report.certificate = cert.table, cert
         self.report.inference = True
         owner.certificates.append(cert)
-        self._write_knobs(graph)
+        planner.write_knobs(graph)
         self.report.graph_code = self.gm.print_readable(print_output=False)
         self.report.forward_code = graph.print_readable(print_output=False)
         self.report.forward_graph = graph
@@ -653,67 +534,8 @@ class _PlanningPartitioner:
         if not cert.table.fits():
             _raise_step_infeasible(owner, cert, self.knobs, self.sco_plan)
         if p.shape_env is not None:  # a dynamic N must not grow past what was checked: guard on the budget
-            inputs = _input_symbols(p.fw)  # only sizes the caller controls are guarded; others take their value
-            total = planner._sum("persistent") + sympy.Max(p.carry + peak.peak_expr().xreplace(
-                {k.symbol: k.value for k in self.knobs}), planner._sum("step") + planner.caller)
-            total = total.xreplace({s: v for s, v in p.backed.items() if s not in inputs})
-            if total.free_symbols:
-                p.shape_env.evaluate_expr(sympy.Le(total, owner.budget))
+            planner.guard(peak, p.shape_env, inputs=_input_symbols(p.fw), backed=p.backed)
         owner.saved_of_earlier_graphs.append(_int_or_hint(peak.saved_bytes, p.backed))
-
-
-class _InductorPartitioner(CustomPartitionerFn):
-    """Inductor's custom_partitioner_fn around the planning partitioner (its uuid keeps caches apart)."""
-
-    def __init__(self, inner: _PlanningPartitioner):
-        self.inner = inner
-        self._uuid = f"boundpass-plan-{uuid.uuid4().hex}"
-
-    def __call__(self, joint, joint_inputs, **kwargs):
-        return self.inner(joint, joint_inputs, **kwargs)
-
-    def uuid(self):
-        return self._uuid
-
-    def __deepcopy__(self, memo):  # Inductor copies its config for the cache key; the planner is shared
-        return self
-
-
-def _agree_on_caps(knobs: list[Knob]) -> None:
-    """Every EP rank runs the same chunk schedule: the narrowest cap any rank's budget allows (one all-reduce)."""
-    for knob in knobs:
-        if knob.name != "dispatch_cap" or not knob.regions:
-            continue
-        group = knob.regions[0].group_name
-        agreed = -global_max_tokens(-knob.value, group)  # max of the negatives: the minimum over the group
-        if agreed != knob.value:
-            knob.value, knob.why = agreed, "narrowest over the EP group"
-
-
-def _fit_offload_bucket(owner: "BoundedModule", planner: StepPlanner) -> None:
-    """OffloadStreamAdamW's bucket beta once the graph shows what the optimizer phase leaves (the batch the caller
-    holds through the step included): min(the widest that fits now, the knee), never wider than compile() chose
-    (``optimizer_swap.narrow_bucket``, docs/knobs.md); the user's wins."""
-    from boundpass.passes.optimizer_swap import narrow_bucket
-    from boundpass.runtime import offload_adamw as oa
-    plan = owner.optimizer_plan
-    if plan is None or not plan.offloaded or owner.optimizer_bucket is not None:
-        return
-    inner = list(getattr(plan.optimizer, "optimizers", [plan.optimizer]))
-    staging = [t for t in owner.state_terms if t.name.startswith("optimizer staging")]
-    if len(inner) != 1 or len(staging) != 1 or not isinstance(inner[0], oa.OffloadStreamAdamW):
-        return
-    opt, term = inner[0], staging[0]
-    room = owner.budget - planner._sum("persistent") - (planner._sum("step") - term.value) - planner.caller
-    values = oa.bound_values(b=4, Theta=opt.numel, beta=1, S=opt.staging_slots)
-    per_element = sym.evaluate(term.formula, values)
-    widest = max(1, room // per_element)
-    knob = next((k for k in getattr(plan, "knobs", []) if k.name == "optimizer_bucket"), None)
-    beta = narrow_bucket(knob, widest) if knob is not None else min(opt.bucket_params, widest)
-    if beta != opt.bucket_params:
-        opt.bucket_params = beta
-        term.value = sym.evaluate(term.formula, {**values, sym.beta: beta})
-        term.name = f"optimizer staging (OffloadStreamAdamW, beta={beta}, S={opt.staging_slots})"
 
 
 def _signature(args, model_kwargs) -> int:
@@ -731,19 +553,6 @@ def _signature(args, model_kwargs) -> int:
         return type(x).__qualname__
     text = describe(tuple(args)) + describe(dict(model_kwargs))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
-
-
-@dataclasses.dataclass
-class SkippedPass:
-    """A pass not run on a graph at all, and why (explain lists it as a skipped region)."""
-    kind: str
-    reason: str
-    module_path: str = ""
-    rewritten: bool = False
-    tokens: object = None
-
-    def describe(self) -> str:
-        return f"SKIPPED   {self.kind:<8} (every region): {self.reason}"
 
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -809,13 +618,6 @@ def _graph_breaks():
     return Counter(torch._dynamo.utils.counters["graph_break"])
 
 
-def _static_input_indices() -> tuple:
-    """The parameter / buffer inputs of the graph AOTAutograd is compiling (its inference compiler is not told)."""
-    ctx = torch._guards.TracingContext.try_get()
-    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
-    return tuple(getattr(meta, "static_input_indices", None) or ())
-
-
 def _graph_shape_env(gm):
     for node in gm.graph.nodes:
         val = node.meta.get("val")
@@ -871,20 +673,6 @@ def _int_or_hint(expr, backed: dict) -> int:
     return int(out) if out.is_number else 0
 
 
-def _dispatch_fix(region, tokens) -> str:
-    """What to change when the PipelinedLLEP op binds even at c = 1: the tokens, the EP degree, and, while LLEP may
-    lend this rank other ranks' experts, fewer borrowed-expert slots (each holds an expert's weights and gradients)."""
-    fix = (f"reduce tokens per rank N (now {tokens}) or raise the budget: even c=1 token per source per chunk does not "
-           "fit beside the rest of the step (more EP ranks shrink the experts each rank holds)")
-    slots = region.borrowed_slots if region is not None else 0
-    if slots > 0:
-        from boundpass.runtime.pipelined_llep import expert_bytes
-        slot_bytes = 2 * expert_bytes(H=region.hidden, I=region.inter, b=(region.dtype or torch.float32).itemsize)
-        fix += (f"; or lend fewer borrowed-expert slots (dispatch_borrowed_slots, now {slots}: "
-                f"{format_bytes(slot_bytes)} each)")
-    return fix
-
-
 def _raise_step_infeasible(owner: "BoundedModule", cert, knobs: list[Knob], plan) -> None:
     """Name the knob that would help most at the peak's program point (never one that cannot help)."""
     table, point = cert.table, cert.point
@@ -900,16 +688,12 @@ def _raise_step_infeasible(owner: "BoundedModule", cert, knobs: list[Knob], plan
     for knob in knobs:
         if not any(target == str(op) for op in knob.ops):
             continue
-        tokens = knob.regions[0].tokens if knob.regions else "?"
         if knob.user is not None and knob.widest_fitting is not None:
             infeasible(cert, knob=f"use {knob.name} <= {knob.widest_fitting} (now {knob.user})",
                        name=f"{knob.name}={knob.user}{where}")
-        if knob.name == "vocab_block":
-            infeasible(cert, knob="increase the ring size P (boundpass.compile(..., ring_group=<group of more ranks>)) "
-                       f"or reduce tokens per rank N (now {tokens}); the narrowest strip C={knob.lo} does not fit",
-                       detail=f"at C={knob.value}", name=f"vocab (Ring-DTP, C={knob.value}){where}")
-        infeasible(cert, knob=_dispatch_fix(knob.regions[0] if knob.regions else None, tokens),
-                   detail=f"at c={knob.value}", name=f"dispatch (PipelinedLLEP, c={knob.value}){where}")
+        diagnosis = diagnose(knob, where)
+        if diagnosis is not None:
+            infeasible(cert, knob=diagnosis.fix, detail=diagnosis.detail, name=diagnosis.name)
     saved = sum(n for s, n in cert.peak.live_at(point, cert.values, top=10**6) if s.kind == "saved") if point else 0
     if plan.eligible and saved and (plan.mode is False or plan.most < len(plan.eligible)):
         # more offload can only help when boundaries are still on the device that the host pool could take
@@ -974,24 +758,6 @@ def _state_terms(model: nn.Module, optimizer, *, budget: int, host_budget, knobs
     if table.total > budget:
         raise_infeasible(table, _binding_state_term(table, budget))
     return terms, plan
-
-
-def _as_expr(value):
-    return value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(int(value))
-
-
-def _shape_env(node):
-    val = node.meta.get("example_value") if node is not None else None
-    if isinstance(val, (tuple, list)):
-        val = val[0]
-    mode = getattr(val, "fake_mode", None)
-    return getattr(mode, "shape_env", None)
-
-
-def _concrete(expr, shape_env) -> int:
-    if expr.free_symbols and shape_env is not None:
-        expr = expr.xreplace(shape_env.backed_var_to_val)
-    return int(expr)
 
 
 def compile(model: nn.Module, config: Config | None = None, *, loss_fn=None, ring_group=None, optimizer=None,

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import sympy
 
 from boundpass import symbols as sym
-from boundpass.bounds import BoundTerm, BudgetTable, raise_infeasible
+from boundpass.bounds import BoundTerm, BudgetTable, device_peak, raise_infeasible
 from boundpass.config import OPTIMIZER_SLOTS, PLAN_DISPATCH_CAP, PLAN_VOCAB_BLOCK
 from boundpass.errors import BoundpassInputError
 from boundpass.plan_input import OPERATORS  # noqa: F401  (defined where the CLI reads it without torch)
@@ -211,7 +211,7 @@ class ComposedBudget(BudgetTable):
 
     @property
     def total(self) -> int:
-        return self.sum("persistent") + max(self.phases().values())
+        return device_peak(self.sum("persistent"), *self.phases().values())
 
     def binding(self) -> BoundTerm:
         """The term to name when the budget is missed: the largest host term if the host is over, else the
@@ -744,7 +744,7 @@ def total_formula(shape: ModelShape, launch: Launch, *, host_budget: int | None 
         parts[kind] = parts.get(kind, sympy.Integer(0)) + expr
     p = lambda kind: parts.get(kind, sympy.Integer(0))  # noqa: E731
     phases = [value for alts in _phase_alternatives(p, set(parts)).values() for value, _ in alts]
-    return p("persistent") + sympy.Max(*phases)
+    return device_peak(p("persistent"), *phases)
 
 
 def largest_tokens_per_rank(shape: ModelShape, launch: Launch, *, budget: int, host_budget: int | None = None,

@@ -14,7 +14,7 @@ derives from it. What it adds to torch's model:
   model frees every graph input at its last read;
 - the forward's saved outputs carry into the backward's inputs by the partitioner's names (both graphs are
   lowered at compile time: ``force_non_lazy_backward_lowering``), tangents live to backward's end;
-- a boundpass custom op (a FallbackKernel) adds its declared workspace (``step_peak.WORKSPACE``), and SCO's
+- a boundpass custom op (a FallbackKernel) adds its declared workspace (``boundpass.runtime.contracts``), and SCO's
   held prefetch intervals are placed on the kernels their FX nodes were lowered into.
 
 The result is a ``step_peak.GraphPeak`` (program points = scheduler nodes), so the planner, explain and the
@@ -29,7 +29,9 @@ import sympy
 import torch
 import torch.fx as fx
 
-from boundpass.step_peak import WORKSPACE, GraphPeak, Held, Storage, _Walk, as_expr, module_path
+from boundpass.runtime import contracts
+from boundpass.runtime.contracts import as_expr
+from boundpass.step_peak import GraphPeak, Held, Storage, _Walk, module_path, op_bound
 
 
 @dataclass
@@ -162,7 +164,7 @@ def _record(sched) -> Schedule:
                 origins |= {o.name for o in (getattr(sub.node, "origins", ()) or ())}
         step = Step(snode.get_name(), target, path, origins, {d.name for d in snode.read_writes.reads})
         op = getattr(ir_node, "op_overload", None)
-        if isinstance(ir_node, ir.FallbackKernel) and op in WORKSPACE:
+        if isinstance(ir_node, ir.FallbackKernel) and contracts.has_bound(op):
             step.target = str(op)
             step.workspace_op = op
             step.workspace_node = next((o for o in ir_node.origins if o.target is op), None)
@@ -237,7 +239,7 @@ def _walk(live: _Walk, sched: Schedule, phase: str, *, input_keys: dict, input_b
             # graph inputs it reads, parameters included: the op's bound counts them, persistent state holds them
             io += sum((input_bytes[input_keys[n]] for n in step.reads if n in input_keys), sympy.Integer(0))
             io += sum((b.nbytes for b in by_start.get(i, ())), sympy.Integer(0))
-            workspace = sympy.Max(0, WORKSPACE[step.workspace_op](step.workspace_node, ctx) - io)
+            workspace = sympy.Max(0, op_bound(step.workspace_node, ctx) - io)
         live.record(phase, step.name, step.target, step.path, workspace)
         for name in by_end.get(i, ()):
             key = keys.get(name) or input_keys.get(name)

@@ -19,7 +19,10 @@ import functools
 import torch
 import torch.nn as nn
 
+from boundpass.config import Config, DispatchConfig
 from boundpass.errors import BoundpassInputError
+from boundpass.lowering import lower
+from boundpass.passes.pipeline import PassContext, run_passes
 
 
 class DispatchBlocks:
@@ -45,22 +48,17 @@ class DispatchBlocks:
         self.regions: list = []                     # every DispatchRegion the pass found, in compile order
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        from boundpass.passes.dispatch_pass import _graphs, rewrite_dispatch_regions
-        from boundpass.planner import set_op_arg
-
-        regions = rewrite_dispatch_regions(gm, self._root(), self.borrowed_slots)
+        from boundpass.passes.dispatch_pass import DispatchPass
+        ctx = PassContext(config=Config(dispatch=DispatchConfig(borrowed_slots=self.borrowed_slots)),
+                          dispatch_root=self._root(), fixed={"dispatch_cap": self.cap})
+        regions = run_passes(gm, ctx, [DispatchPass()], plan_knobs=False).regions
         skipped = [r for r in regions if not r.rewritten]
         if skipped:
             raise BoundpassInputError("boundpass per-block compile: PipelinedLLEP was asked for, but the dispatch "
                                       "pass skipped " + "; ".join(f"{r.module_path}: {r.reason}" for r in skipped))
-        for region in regions:
-            region.cap = self.cap
-            set_op_arg(region.op_node, "cap", self.cap)
-        for graph_module in _graphs(gm):
-            graph_module.recompile()
         self.graphs += 1
         self.regions.extend(regions)
-        return _lower(gm, example_inputs, self.inner)
+        return lower(gm, example_inputs, self.inner, functools.partial(_partition, inductor=self.inner == "inductor"))
 
     def rewritten_paths(self, prefix: str = "layers") -> list[str]:
         """Per block, the model path of each routed-experts module whose region the pass rewrote (``layers.1.moe.
@@ -108,9 +106,10 @@ class RingDTPHeadBackend:
         self.regions: list = []  # every VocabRegion the pass found, in compile order
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        from boundpass.passes.vocab_pass import VocabRewriteConfig, rewrite_vocab_regions
-        regions = rewrite_vocab_regions(gm, VocabRewriteConfig(group_name=self.group_name, ring_size=self.ring_size,
-                                                               ring_rank=self.ring_rank, block=self.block))
+        from boundpass.passes.vocab_pass import VocabPass
+        ctx = PassContext(config=Config(), group_name=self.group_name, ring_size=self.ring_size,
+                          ring_rank=self.ring_rank, fixed={"vocab_block": self.block})
+        regions = run_passes(gm, ctx, [VocabPass()], plan_knobs=False).regions
         self.regions.extend(regions)
         rewritten = [r for r in regions if r.rewritten]
         if len(rewritten) != 1 or len(regions) != 1:
@@ -124,7 +123,7 @@ class RingDTPHeadBackend:
         for region in rewritten:
             region.block, region.branch = self.block, "auto (per step, from the ring's largest N)"
             region.module_path = "lm_head"  # the head step's projection (its graph has no module around it)
-        return _lower(gm, example_inputs, "aot_eager")
+        return lower(gm, example_inputs, "aot_eager", functools.partial(_partition, inductor=False))
 
     def __repr__(self) -> str:
         return f"boundpass.RingDTPHeadBackend(P={self.ring_size}, C={self.block or 'whole shard'})"
@@ -139,28 +138,3 @@ def _partition(joint, joint_inputs, *, inductor: bool, **kwargs):
     fw, bw = (min_cut_rematerialization_partition if inductor else default_partition)(joint, joint_inputs, **kwargs)
     saved_tensors_before_opaque(fw, bw, kwargs["num_fwd_outputs"])
     return fw, bw
-
-
-def _lower(gm, example_inputs, inner: str):
-    from torch._dynamo.backends.common import aot_autograd
-
-    from boundpass.passes import sco_pass
-    if inner == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-        from torch._inductor.custom_graph_pass import CustomPartitionerFn
-
-        class _Partitioner(CustomPartitionerFn):
-            def __call__(self, joint, joint_inputs, **kwargs):
-                return _partition(joint, joint_inputs, inductor=True, **kwargs)
-
-            def uuid(self):
-                return "boundpass-dispatch-blocks"
-        # fx_graph_cache off: its key pickles the graph, whose PipelinedLLEP arguments hold runtime objects
-        return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": _Partitioner(),
-                                                              "fx_graph_cache": False})
-
-    def eager(graph, inputs):
-        return sco_pass.eager_callable(graph)  # boxed: saved tensors die at their last use
-    # aot_autograd even for eager kernels: torchtitan's MoE mutates a buffer in forward
-    return aot_autograd(fw_compiler=eager, bw_compiler=eager,
-                        partition_fn=functools.partial(_partition, inductor=False))(gm, example_inputs)

@@ -21,41 +21,11 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
-from boundpass.bounds import BoundTerm, BudgetTable, largest_fitting
+from boundpass.bounds import BoundTerm, BudgetTable, Knob, device_peak, largest_fitting  # noqa: F401
+from boundpass.passes.graph_edit import set_op_arg  # noqa: F401  (the knob write-back)
 from boundpass.errors import InfeasibleBudgetError
 from boundpass.step_peak import GraphPeak, ProgramPoint, render_point
 from boundpass.units import format_bytes
-
-
-@dataclass
-class Knob:
-    """A schedule parameter of the rewritten ops: its symbol in the workspace bounds and its range."""
-    name: str                    # the boundpass.compile argument that overrides it
-    symbol: sympy.Symbol
-    lo: int
-    hi: int
-    arg: str                     # schema argument name on the ops below
-    ops: tuple                   # op overloads whose nodes carry it
-    user: int | None = None
-    value: int = 0
-    why: str = ""                # "knee" / "budget" / "user" ("widest": no time model, the budget allows hi)
-    widest_fitting: int | None = None  # what the budget alone allows (None: not even the narrowest)
-    knee: int | None = None      # the time model's knee (boundpass/cost_model.py); None: no model, the widest
-    regions: list = field(default_factory=list)   # pass region records, updated with the value
-
-    @property
-    def attr(self) -> str:
-        return "block" if self.arg == "block" else "cap"
-
-
-def set_op_arg(node: torch.fx.Node, name: str, value) -> None:
-    """Set an op node's argument by its schema name (positional or keyword)."""
-    names = [a.name for a in node.target._schema.arguments]
-    index = names.index(name)
-    if index < len(node.args):
-        node.update_arg(index, value)
-    else:
-        node.update_kwarg(name, value)
 
 
 @dataclass
@@ -109,10 +79,16 @@ class StepPlanner:
     def _sum(self, kind: str) -> int:
         return sum(t.value for t in self.state_terms if t.counted and t.kind == kind)
 
-    def total(self, graph_bytes: int) -> int:
-        """Device peak of the step (bytes) when the graph's own peak is ``graph_bytes``."""
-        return self._sum("persistent") + max(self.carry + self.held_grads + graph_bytes,
-                                             self._sum("step") + self.caller + self.grad_excess)
+    def optimizer_phase(self) -> int:
+        """Device bytes above the persistent state while the optimizer steps: gradients, its workspace, the batch
+        the caller holds through the step, gradient storage beyond the parameters' bytes."""
+        return self._sum("step") + self.caller + self.grad_excess
+
+    def total(self, graph_bytes):
+        """Device peak of the step (bytes) when the graph's own peak is ``graph_bytes`` (an int, or a sympy
+        expression in the graph's sizes: then the peak as an expression, for the dynamic-shape guard)."""
+        return device_peak(self._sum("persistent"), self.carry + self.held_grads + graph_bytes,
+                           self.optimizer_phase())
 
     def values(self, **knob_values) -> dict:
         out = dict(self.symbol_values)
@@ -154,7 +130,83 @@ class StepPlanner:
                 knob.why = "widest" if knob.knee is None and best == knob.hi else "budget"
         for knob in self.knobs:
             knob.value = chosen[knob.name]
-        return self.values(**chosen)
+        self.agree()
+        return self.values(**{k.name: k.value for k in self.knobs})
+
+    def choose_sco_count(self, plan, count: int, peak: GraphPeak, attempt) -> tuple[int, dict, bool]:
+        """SCO's offload count L_off: ``count`` (sco_enable=True: every boundary the host pool holds; False: none),
+        or under sco_enable="auto", when the narrowest schedule does not fit with none offloaded, the fewest
+        boundaries that make it fit (else the count whose peak is least). A linear scan, because the peak is not
+        monotone in L_off: offloading the last boundary makes backward reload it at once (with a prefetch).
+        ``attempt(n)`` rewrites the graphs for n boundaries and returns their peak. Returns (count, device peak at
+        the narrowest knobs per count tried, whether the scan ran: the graphs then hold the last count tried)."""
+        trials = {count: self.total(peak.evaluate(self.values())[0])}
+        if plan.mode != "auto" or not plan.most or self.fits(peak, self.values()):
+            return count, trials, False
+        chosen = None
+        for trial_count in range(1, plan.most + 1):
+            trials[trial_count] = self.total(attempt(trial_count).evaluate(self.values())[0])
+            if trials[trial_count] <= self.budget:
+                chosen = trial_count
+                break
+        return (chosen if chosen is not None else min(trials, key=trials.get)), trials, True
+
+    def fit_offload_bucket(self, optimizer_plan) -> None:
+        """OffloadStreamAdamW's bucket beta once the graph shows what the optimizer phase leaves (the batch the caller
+        holds through the step included): min(the widest that fits now, the knee), never wider than compile() chose
+        (``optimizer_swap.narrow_bucket``, docs/knobs.md)."""
+        from boundpass import symbols as sym
+        from boundpass.passes.optimizer_swap import narrow_bucket
+        from boundpass.runtime import offload_adamw as oa
+        if optimizer_plan is None or not optimizer_plan.offloaded:
+            return
+        inner = list(getattr(optimizer_plan.optimizer, "optimizers", [optimizer_plan.optimizer]))
+        staging = [t for t in self.state_terms if t.name.startswith("optimizer staging")]
+        if len(inner) != 1 or len(staging) != 1 or not isinstance(inner[0], oa.OffloadStreamAdamW):
+            return
+        opt, term = inner[0], staging[0]
+        room = self.budget - self._sum("persistent") - (self.optimizer_phase() - term.value)
+        values = oa.bound_values(b=4, Theta=opt.numel, beta=1, S=opt.staging_slots)
+        widest = max(1, room // sym.evaluate(term.formula, values))
+        knob = next((k for k in getattr(optimizer_plan, "knobs", []) if k.name == "optimizer_bucket"), None)
+        beta = narrow_bucket(knob, widest) if knob is not None else min(opt.bucket_params, widest)
+        if beta != opt.bucket_params:
+            opt.bucket_params = beta
+            term.value = sym.evaluate(term.formula, {**values, sym.beta: beta})
+            term.name = f"optimizer staging (OffloadStreamAdamW, beta={beta}, S={opt.staging_slots})"
+
+    def agree(self) -> None:
+        """Every rank of a knob's group runs the same schedule: the narrowest value any rank's budget allows (one
+        all-reduce per knob that names a group)."""
+        from boundpass.runtime.agreement import global_max_tokens
+        for knob in self.knobs:
+            if not knob.agree_over:
+                continue
+            agreed = -global_max_tokens(-knob.value, knob.agree_over)  # max of the negatives: the group's minimum
+            if agreed != knob.value:
+                knob.value, knob.why = agreed, "narrowest over the group"
+
+    def write_knobs(self, *graphs: torch.fx.GraphModule) -> None:
+        """The chosen values written into every graph's op nodes (and the regions explain shows) by argument name."""
+        for knob in self.knobs:
+            for graph in graphs:
+                for node in graph.graph.nodes:
+                    if node.op == "call_function" and node.target in knob.ops:
+                        set_op_arg(node, knob.arg, knob.value)
+            for region in knob.regions:
+                set_op_arg(region.op_node, knob.arg, knob.value)
+                setattr(region, knob.attr, knob.value)
+        for graph in graphs:
+            graph.recompile()
+
+    def guard(self, peak: GraphPeak, shape_env, *, inputs: set, backed: dict) -> None:
+        """A dynamic size the caller controls (``inputs``) must not grow past what was checked: the step's peak as
+        an expression in those sizes, guarded on the budget in Dynamo's shape environment (a larger call
+        recompiles and is checked again); every other size at its value."""
+        total = sympy.sympify(self.total(peak.peak_expr().xreplace({k.symbol: k.value for k in self.knobs})))
+        total = total.xreplace({s: v for s, v in backed.items() if s not in inputs})
+        if total.free_symbols:
+            shape_env.evaluate_expr(sympy.Le(total, self.budget))
 
     def certify(self, peak: GraphPeak, values: dict, *, extra_terms: list[BoundTerm], sco_count: int = 0
                 ) -> StepCertificate:

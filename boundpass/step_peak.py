@@ -27,16 +27,10 @@ import torch
 import torch.fx as fx
 from torch._inductor.fx_passes.memory_estimator import GraphAliasTracker, StorageKey
 
+from boundpass.runtime import contracts
+from boundpass.runtime.contracts import as_expr  # noqa: F401  (the passes' size expressions)
 from boundpass.units import format_bytes
 
-# op overload -> fn(node, ctx) -> sympy bytes of the op's whole bound (its inputs, outputs and workspace); the walk
-# subtracts the node's own input and output storages. Registered by the passes that emit the ops.
-WORKSPACE: dict[object, Callable[[fx.Node, dict], sympy.Expr]] = {}
-
-
-def register_workspace(op, fn: Callable[[fx.Node, dict], sympy.Expr]) -> None:
-    """Declare the peak bytes of a custom op (as a sympy bound over its node) for the step analysis."""
-    WORKSPACE[op] = fn
 
 
 @dataclass
@@ -171,21 +165,16 @@ def _int(expr, values: dict) -> int:
     return int(sympy.ceiling(out))
 
 
-def as_expr(n) -> sympy.Expr:
-    """A byte count (int or SymInt) as a sympy expression."""
-    return n.node.expr if isinstance(n, torch.SymInt) else sympy.Integer(int(n))
-
-
 def module_path(node: fx.Node) -> str:
-    """The module a node came from (nn_module_stack's innermost entry), or '' (e.g. AOT-made nodes)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        fwd = node.meta.get("fwd_nn_module_stack") or {}
-        stack = fwd
+    """The module a node came from (nn_module_stack's innermost entry, or the forward's for a node AOTAutograd made
+    in the backward) as a dotted path from the compiled model, or '' (a node of no module)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
     if not stack:
         return ""
-    path = list(stack.values())[-1][0]
-    return str(path).replace("L['self'].", "").replace("L['self']", "")
+    path = str(list(stack.values())[-1][0])
+    for prefix in ("L['self']._model.", "L['self'].", "G['model'].", "L['model']."):
+        path = path.replace(prefix, "")
+    return path.replace("L['self']", "").replace("['", ".").replace("']", "")
 
 
 def _describe(node: fx.Node) -> tuple[str, str]:
@@ -294,31 +283,25 @@ def _walk_graph(walk: _Walk, graph: fx.Graph, phase: str, *, counted: Callable[[
     return alias
 
 
-def _boundpass_op(target) -> bool:
-    schema = getattr(target, "_schema", None)
-    return schema is not None and schema.name.startswith("boundpass::")
-
-
-def _register_pass_workspaces() -> None:
-    """The passes register their ops' workspaces when imported. `import boundpass` no longer imports them (the plan
-    CLI starts without torch), so a walk that meets a boundpass op imports them here rather than count it as 0."""
-    import boundpass.passes.dispatch_pass  # noqa: F401
-    import boundpass.passes.vocab_pass  # noqa: F401
+def op_bound(node: fx.Node, ctx: dict) -> sympy.Expr | None:
+    """The whole device bound a boundpass op declares at this node (boundpass.runtime.contracts), or None."""
+    if not contracts.has_bound(node.target):
+        return None
+    args = contracts.call_arguments(node.target, node.args, node.kwargs,
+                                    lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
+    return contracts.device_bound(node.target, args, ctx)
 
 
 def _workspace(node: fx.Node, alias: GraphAliasTracker, ctx: dict) -> sympy.Expr:
     """A boundpass custom op's bound minus the storages of its own inputs and outputs (never below 0)."""
-    fn = WORKSPACE.get(node.target)
-    if fn is None and _boundpass_op(node.target):
-        _register_pass_workspaces()
-        fn = WORKSPACE.get(node.target)
-    if fn is None:
+    bound = op_bound(node, ctx)
+    if bound is None:
         return sympy.Integer(0)
     io = set(alias.get_storage_uses(node)) | set(alias.node_to_output_storages.get(node, ()))
     for user in node.users:  # tuple outputs are read through getitem nodes
         io |= set(alias.node_to_output_storages.get(user, ()))
     io_bytes = sum((_storage_bytes(k) for k in io), sympy.Integer(0))
-    return sympy.Max(0, fn(node, ctx) - io_bytes)
+    return sympy.Max(0, bound - io_bytes)
 
 
 def analyze_graphs(fw: fx.GraphModule, bw: fx.GraphModule | None, *, static_inputs: set[int],

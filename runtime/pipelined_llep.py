@@ -27,6 +27,7 @@ from torch import Tensor
 
 from boundpass import symbols as sym
 from boundpass.errors import BoundpassInputError
+from boundpass.runtime import contracts
 from boundpass.runtime.agreement import agree, check_devices, mixed_real_call
 from boundpass.runtime.groups import group_name_of  # noqa: F401  (also imported from here by the passes)
 from boundpass.runtime.llep_plan import DEFAULT_ALPHA, ChunkedRoutes, LLEPPlan, lendable_experts, plan_llep
@@ -844,3 +845,31 @@ def bound_values(dtype: torch.dtype, *, N: int, H: int, I: int, E: int, E_p: int
             sym.s_b: E // E_p if s_b is None else s_b, sym.R: R or 0,
             sym.b: torch.empty((), dtype=dtype).element_size(),
             sym.b_acc: torch.empty((), dtype=acc).element_size(), sym.b_idx: 8}
+
+
+# ------------------------------------------------------------------------------------- memory contract
+def _device_bound(a: dict, ctx: dict) -> sympy.Expr:
+    """PipelinedLLEP's bound (inputs, own experts, outputs, workspace) at one call, its forward's at the forward and
+    its backward's at the backward (the step analysis subtracts the call's own inputs and outputs); cap c symbolic.
+    Charging the backward's bound at the forward counted, in a checkpointed block's recompute, the expert-weight
+    gradients and input gradients the backward has not made yet."""
+    forward = "grad_out" not in a
+    x, ids, w1 = a["x"], a["topk_ids"], a["w1"]
+    e, inter, hidden = (int(d) for d in w1.shape)
+    ep, k = _Group(a["group_name"]).size, int(ids.shape[-1])
+    slots = a["max_borrowed"]
+    if slots < 0:  # max_borrowed -1: no limit, a helper can borrow every expert of the other ranks
+        slots = borrowed_slot_count(slots, e, ep)
+    values = bound_values(x.dtype, N=1, H=hidden, I=inter, E=e * ep, E_p=ep, k=k, s_b=slots)
+    values[sym.N] = contracts.as_expr(x.shape[0])
+    values.pop(sym.c)
+    values.pop(sym.R)
+    mixed = torch.promote_types(x.dtype, torch.float32) != x.dtype
+    bound = contracts.cached_bound(pipelined_llep_bound, mixed_precision=mixed,
+                                   narrow_compute=a["compute_dtype"] != x.dtype, count_own_weights=True,
+                                   part="forward" if forward else "backward")
+    return contracts.substitute(bound, values)
+
+
+contracts.register_bound(torch.ops.boundpass.pipelined_llep_fwd.default, _device_bound)
+contracts.register_bound(torch.ops.boundpass.pipelined_llep_bwd.default, _device_bound)

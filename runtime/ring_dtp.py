@@ -23,6 +23,7 @@ from torch import Tensor
 
 from boundpass import symbols as sym
 from boundpass.errors import BoundpassInputError
+from boundpass.runtime import contracts
 from boundpass.runtime.agreement import agree, check_devices, mixed_real_call
 from boundpass.runtime.groups import group_name_of  # noqa: F401  (also imported from here by the passes)
 
@@ -481,3 +482,39 @@ def bound_values(dtype: torch.dtype, *, N: int, H: int, V: int, P: int = 1, C: i
     return {sym.N: N, sym.N_max: N_max or N, sym.H: H, sym.V: V, sym.P: P, sym.C: C or -(-V // P),
             sym.b: torch.empty((), dtype=dtype).element_size(), sym.b_acc: torch.empty((), dtype=acc).element_size(),
             sym.b_idx: 8}
+
+
+# ------------------------------------------------------------------------------------- memory contract
+def _ring_size(group_name: str) -> int:
+    if not group_name:
+        return 1
+    return dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
+
+
+def _device_bound(a: dict, ctx: dict) -> sympy.Expr:
+    """Ring-DTP's whole bound (inputs, outputs, workspace) at one forward or backward call; strip width C symbolic."""
+    h, w = a["h"], a["w"]
+    ring = _ring_size(a["group_name"])
+    tokens = contracts.as_expr(h.shape[0])
+    # the ring's largest N: at least this rank's (symbolic under dynamic shapes, so the budget guard sees it grow)
+    declared = ctx.get("max_tokens_per_rank")
+    n_max = tokens if not declared else sympy.Max(int(declared), tokens)
+    branch = a["branch"]
+    if branch == "auto":
+        branch = choose_branch(int(n_max) if sympy.sympify(n_max).is_number else 1 << 62, a["vocab_size"], ring)
+    mixed = torch.promote_types(h.dtype, torch.float32) != h.dtype
+    values = bound_values(h.dtype, N=1, H=int(w.shape[1]), V=a["vocab_size"], P=ring)
+    values.update({sym.N: tokens, sym.N_max: n_max})
+    values.pop(sym.C)
+    bound = contracts.substitute(contracts.cached_bound(ring_dtp_bound, branch=branch, mixed_precision=mixed,
+                                                        count_weight_shard=True), values)
+    grad_loss = a.get("grad_loss")
+    if isinstance(grad_loss, torch.Tensor) and grad_loss.dim() == 1:
+        # grad_loss is [1 + N]: the lse output is differentiated (a z-loss); its per-token scale is live in
+        # backward and travels with the batch (docs/ring_dtp.md), which ring_dtp_bound does not count
+        bound = bound + (1 + min(2, ring - 1)) * n_max * _acc_dtype(h.dtype).itemsize
+    return bound
+
+
+contracts.register_bound(torch.ops.boundpass.ring_dtp_fwd.default, _device_bound)
+contracts.register_bound(torch.ops.boundpass.ring_dtp_bwd.default, _device_bound)

@@ -410,7 +410,7 @@ def test_an_infeasible_dispatch_names_the_borrowed_slots_it_holds():
     """When the PipelinedLLEP op binds even at c = 1, the fix names dispatch_borrowed_slots and one slot's bytes while
     the op lends slots (EP > 1), and not on one EP rank (0 slots: fewer cannot help)."""
     import torch.fx as fx
-    from boundpass.compiler import _dispatch_fix
+    from boundpass.passes.dispatch_pass import dispatch_fix as _dispatch_fix
     from boundpass.passes.dispatch_pass import DispatchRegion
 
     def region(slots):

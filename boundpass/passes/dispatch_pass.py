@@ -32,10 +32,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from boundpass.passes.graph_edit import example_value as _val
-from boundpass.passes.graph_edit import node_adder
+from boundpass.passes.graph_edit import concrete_size, node_adder, op_arg, set_op_arg
 # PipelinedLLEP planner defaults (LLEP's public defaults: docs/design.md §6); the cap c is set by the budget
+from boundpass import symbols as sym
+from boundpass.bounds import Knob
 from boundpass.runtime.llep_plan import DEFAULT_ALPHA, DEFAULT_IMBALANCE, DEFAULT_MIN_PIECE
 from boundpass.runtime.groups import group_name_of
+from boundpass.units import format_bytes
 
 
 @dataclass
@@ -62,7 +65,7 @@ class DispatchRegion:
     @property
     def borrowed_slots(self) -> int:
         """s_b, the borrowed-expert slots the op was given (dispatch.borrowed_slots; _op_args)."""
-        return self.op_node.args[11] if self.op_node is not None else 0
+        return op_arg(self.op_node, "max_borrowed") if self.op_node is not None else 0
 
     def describe(self) -> str:
         if not self.rewritten:
@@ -474,52 +477,66 @@ def _rewrite_one(gm, key, module, nodes, borrowed_slots: int | None = None) -> D
                           dtype=x_val.dtype, compute_dtype=compute_dtype, op_node=fused)
 
 
+# ------------------------------------------------------------------------------------------------ the pass
+class DispatchPass:
+    """routed experts => PipelinedLLEP (boundpass.passes.pipeline's protocol); its knob: the chunk cap c."""
+    name = "dispatch"
 
-# ------------------------------------------------------------------------------- step-peak workspace
-def pipelined_llep_peak(node: fx.Node, ctx: dict):
-    """PipelinedLLEP's bound (inputs, own experts, outputs, workspace) of the op at this node, its forward's at the
-    forward node and its backward's at the backward node (the walk subtracts the node's own inputs and outputs);
-    cap c symbolic. Charging the backward's bound at the forward node counted, in a checkpointed block's recompute,
-    the expert-weight gradients and input gradients the backward has not made yet (qwen3 debug at 4 ranks: the
-    block graph's peak was the recompute's forward node, 135 MiB)."""
-    from boundpass import symbols as sym
-    from boundpass.runtime.pipelined_llep import _Group, borrowed_slot_count, bound_values, pipelined_llep_bound
-    from boundpass.step_peak import as_expr
-    forward = node.target is torch.ops.boundpass.pipelined_llep_fwd.default
-    x, ids, w1 = (node.args[0], node.args[1], node.args[3]) if forward else (node.args[1], node.args[2], node.args[4])
-    group_name = node.args[6] if forward else node.args[9]  # backward: (grad, x, ids, scores, w1-3, counts, perm, ...)
-    slots = node.args[11] if forward else node.args[14]
-    compute_dtype = node.args[14] if forward else node.args[16]
-    x_val, ids_val, w1_val = x.meta["val"], ids.meta["val"], w1.meta["val"]
-    e, inter, hidden = (int(d) for d in w1_val.shape)
-    ep, k = _Group(group_name).size, int(ids_val.shape[-1])
-    if slots < 0:  # max_borrowed -1: no limit, a helper can borrow every expert of the other ranks
-        slots = borrowed_slot_count(slots, e, ep)
-    values = bound_values(x_val.dtype, N=1, H=hidden, I=inter, E=e * ep, E_p=ep, k=k, s_b=slots)
-    values[sym.N] = as_expr(x_val.shape[0])
-    values.pop(sym.c)
-    values.pop(sym.R)
-    mixed = torch.promote_types(x_val.dtype, torch.float32) != x_val.dtype
-    bound = _cached_bound(pipelined_llep_bound, mixed_precision=mixed, narrow_compute=compute_dtype != x_val.dtype,
-                          count_own_weights=True, part="forward" if forward else "backward")
-    return _cached_xreplace(bound, tuple(sorted(values.items(), key=lambda kv: kv[0].name)))
+    def enabled(self, config) -> bool:
+        return config.dispatch.enable
+
+    def rewrite(self, gm: fx.GraphModule, ctx) -> list[DispatchRegion]:
+        regions = rewrite_dispatch_regions(gm, ctx.dispatch_root, ctx.config.dispatch.borrowed_slots)
+        if "dispatch_cap" in ctx.fixed:  # a layout's cap (its composed budget counted it): nothing to plan
+            for region in regions:
+                if region.rewritten:
+                    region.cap = ctx.fixed["dispatch_cap"]
+                    set_op_arg(region.op_node, "cap", region.cap)
+            for graph_module in _graphs(gm):
+                graph_module.recompile()
+        return regions
+
+    def knobs(self, regions: list, ctx) -> list[Knob]:
+        """Open the chunk cap c of every PipelinedLLEP op for the planner (one cap: layers run one at a time)."""
+        from boundpass import cost_model
+        from boundpass.runtime.agreement import global_max_tokens
+        rewritten = [r for r in regions if r.rewritten]
+        if not rewritten:
+            return []
+        tokens = max(concrete_size(r.tokens, r.op_node) for r in rewritten)
+        # c and the chunk count must agree over the EP group: its range comes from the group's largest N
+        tokens = max(ctx.max_tokens_per_rank or 0, global_max_tokens(tokens, rewritten[0].group_name))
+
+        def knee_of(region) -> int:
+            # the knee of the op's modelled time over c: a function of launch shapes and the group's largest N only,
+            # so every rank of the EP group gets the same c
+            val = region.op_node.args[0].meta.get("val") if region.op_node is not None and region.op_node.args else None
+            device = getattr(getattr(val, "device", None), "type", "cpu")
+            return cost_model.pipelined_llep_knee(lo=1, hi=max(1, int(tokens)), N=max(1, int(tokens)), H=region.hidden,
+                                                  I=region.inter, E=region.experts, E_p=region.ep_size, k=region.top_k,
+                                                  b=(region.dtype or torch.float32).itemsize,
+                                                  costs=cost_model.costs_for(device))
+        return [Knob("dispatch_cap", sym.c, lo=1, hi=tokens, arg="cap",
+                     ops=(torch.ops.boundpass.pipelined_llep_fwd.default, torch.ops.boundpass.pipelined_llep_bwd.default),
+                     user=ctx.config.dispatch.cap, regions=rewritten, knee=max(knee_of(r) for r in rewritten),
+                     owner=self.name, agree_over=rewritten[0].group_name)]
+
+    def diagnose(self, knob: Knob, where: str):
+        from boundpass.passes.pipeline import Diagnosis
+        tokens = knob.regions[0].tokens if knob.regions else "?"
+        return Diagnosis(fix=dispatch_fix(knob.regions[0] if knob.regions else None, tokens),
+                         detail=f"at c={knob.value}", name=f"dispatch (PipelinedLLEP, c={knob.value}){where}")
 
 
-@functools.lru_cache(maxsize=None)
-def _cached_bound(fn, **flags):
-    """An op's sympy bound for these flags, built once (building it costs ~0.1 s; a graph has one per layer)."""
-    return fn(**flags)
-
-
-@functools.lru_cache(maxsize=None)
-def _cached_xreplace(expr, items: tuple):
-    return expr.xreplace(dict(items))
-
-
-def _register_workspace() -> None:
-    from boundpass.step_peak import register_workspace
-    register_workspace(torch.ops.boundpass.pipelined_llep_fwd.default, pipelined_llep_peak)
-    register_workspace(torch.ops.boundpass.pipelined_llep_bwd.default, pipelined_llep_peak)
-
-
-_register_workspace()
+def dispatch_fix(region, tokens) -> str:
+    """What to change when the PipelinedLLEP op binds even at c = 1: the tokens, the EP degree, and, while LLEP may
+    lend this rank other ranks' experts, fewer borrowed-expert slots (each holds an expert's weights and gradients)."""
+    fix = (f"reduce tokens per rank N (now {tokens}) or raise the budget: even c=1 token per source per chunk does not "
+           "fit beside the rest of the step (more EP ranks shrink the experts each rank holds)")
+    slots = region.borrowed_slots if region is not None else 0
+    if slots > 0:
+        from boundpass.runtime.pipelined_llep import expert_bytes
+        slot_bytes = 2 * expert_bytes(H=region.hidden, I=region.inter, b=(region.dtype or torch.float32).itemsize)
+        fix += (f"; or lend fewer borrowed-expert slots (dispatch_borrowed_slots, now {slots}: "
+                f"{format_bytes(slot_bytes)} each)")
+    return fix

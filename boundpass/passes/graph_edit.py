@@ -52,3 +52,36 @@ def descendants(*nodes: fx.Node) -> set:
             out.add(node)
             stack.extend(node.users)
     return out
+
+
+def set_op_arg(node: fx.Node, name: str, value) -> None:
+    """Set an op node's argument by its schema name (positional or keyword)."""
+    index = [a.name for a in node.target._schema.arguments].index(name)
+    if index < len(node.args):
+        node.update_arg(index, value)
+    else:
+        node.update_kwarg(name, value)
+
+
+def op_arg(node: fx.Node, name: str):
+    """An op node's argument by its schema name (positional or keyword, else the schema's default)."""
+    for index, arg in enumerate(node.target._schema.arguments):
+        if arg.name == name:
+            if index < len(node.args):
+                return node.args[index]
+            return node.kwargs.get(name, arg.default_value)
+    raise KeyError(f"{node.target} has no argument {name!r}")
+
+
+def concrete_size(size, node: fx.Node | None) -> int:
+    """A size a pass recorded (int or SymInt) at its value in the shape environment of ``node``'s graph."""
+    import sympy
+    import torch
+    expr = size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+    val = node.meta.get("example_value") if node is not None else None
+    if isinstance(val, (tuple, list)):
+        val = val[0]
+    shape_env = getattr(getattr(val, "fake_mode", None), "shape_env", None)
+    if expr.free_symbols and shape_env is not None:
+        expr = expr.xreplace(shape_env.backed_var_to_val)
+    return int(expr)

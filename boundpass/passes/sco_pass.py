@@ -38,6 +38,7 @@ from torch import Tensor
 from boundpass.bounds import BoundTerm
 from boundpass.passes.graph_edit import descendants
 from boundpass.runtime import sco as sco_rt
+from boundpass.step_peak import module_path
 from boundpass.units import format_bytes
 
 ORDER_RELOADS = True  # False only in tests: the negative control that shows what the ordering prevents
@@ -112,11 +113,6 @@ class SCOPlan:
 
 
 # ------------------------------------------------------------------------------------------ stage 1: plan
-def _module_path(node: fx.Node) -> str:
-    from boundpass.passes.vocab_pass import _module_path as path
-    return path(node)
-
-
 def _is_param_placeholder(node) -> bool:
     return isinstance(node, fx.Node) and node.op == "placeholder" and ("_parameters_" in node.name
                                                                        or "_buffers_" in node.name)
@@ -133,7 +129,7 @@ def find_checkpoint_regions(gm: fx.GraphModule, *, input_boundary: bool = False)
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not torch.ops.higher_order.tag_activation_checkpoint:
             continue
-        path = _module_path(node)
+        path = module_path(node) or "<top level>"
         operands = [a for a in node.args[1:] if isinstance(a, fx.Node)
                     and isinstance(a.meta.get("example_value"), Tensor) and not _is_param_placeholder(a)]
         region = SCORegion(layer=-1, module_path=path)

@@ -29,8 +29,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from boundpass.passes.graph_edit import example_value as _val
-from boundpass.passes.graph_edit import sweep_dead_nodes
+from boundpass.passes.graph_edit import concrete_size, set_op_arg, sweep_dead_nodes
+from boundpass import symbols as sym
+from boundpass.bounds import Knob
+from boundpass.errors import BoundpassInputError
 from boundpass.runtime import ring_dtp
+from boundpass.step_peak import module_path
 
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 _NLL_SIGNATURE = inspect.signature(F.nll_loss)
@@ -79,16 +83,6 @@ class VocabRewriteConfig:
     block: int = 0
     branch: str = "auto"
     drop_logits: bool = False  # logits returned beside the loss become None in the output (Config vocab.keep_logits)
-
-
-def _module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return "<top level>"
-    path = list(stack.values())[-1][0]
-    for prefix in ("L['self'].", "G['model'].", "L['model'].", "L['self']._model."):
-        path = path.replace(prefix, "")
-    return path.replace("L['self']", "<model>").replace("['", ".").replace("']", "")
 
 
 # ------------------------------------------------------------------------------------------ node shapes
@@ -757,7 +751,7 @@ def _resolve(match: _Match, config: "VocabRewriteConfig | None" = None):
             reason = ("the output projection has a bias (not supported by Ring-DTP)" if _bias_add(base) else
                       f"{match.loss} input does not come from a vocab projection (linear, matmul with a 2-D weight "
                       f"or einsum '...h,vh->...v'; found {getattr(base, 'target', base)})")
-    path = _module_path(proj.node if proj is not None else match.anchor)  # the projection's module, if found
+    path = module_path(proj.node if proj is not None else match.anchor) or "<top level>"  # the projection's module, if found
     if reason:
         return proj, chain, path, reason
     w = _val(proj.weight)
@@ -977,50 +971,66 @@ def _rewrite(gm, match: _Match, proj: _Projection, chain, config, path, form, ga
 
 
 # ------------------------------------------------------------------------------- step-peak workspace
-def _ring_size(group_name: str) -> int:
-    if not group_name:
-        return 1
-    import torch.distributed as dist
-    return dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
 
 
-def ring_dtp_peak(node: fx.Node, ctx: dict):
-    """Ring-DTP's whole bound (inputs, outputs, workspace) at one fwd/bwd node; strip width C stays symbolic."""
-    import sympy
-    from boundpass import symbols as sym
-    from boundpass.step_peak import as_expr
-    forward = node.target is torch.ops.boundpass.ring_dtp_fwd.default
-    h, w = (node.args[0], node.args[1]) if forward else (node.args[1], node.args[2])
-    rest = node.args[3:] if forward else node.args[5:]
-    vocab, group_name, branch = rest[0], rest[1], rest[4]
-    h_val, w_val = h.meta["val"], w.meta["val"]
-    ring = _ring_size(group_name)
-    tokens = as_expr(h_val.shape[0])
-    # the ring's largest N: at least this rank's (symbolic under dynamic shapes, so the budget guard sees it grow)
-    declared = ctx.get("max_tokens_per_rank")
-    n_max = tokens if not declared else sympy.Max(int(declared), tokens)
-    if branch == "auto":
-        branch = ring_dtp.choose_branch(int(n_max) if sympy.sympify(n_max).is_number else 1 << 62, vocab, ring)
-    mixed = torch.promote_types(h_val.dtype, torch.float32) != h_val.dtype
-    values = ring_dtp.bound_values(h_val.dtype, N=1, H=int(w_val.shape[1]), V=vocab, P=ring)
-    values.update({sym.N: tokens, sym.N_max: n_max})
-    values.pop(sym.C)
-    from boundpass.passes.dispatch_pass import _cached_bound, _cached_xreplace
-    bound = _cached_bound(ring_dtp.ring_dtp_bound, branch=branch, mixed_precision=mixed, count_weight_shard=True)
-    bound = _cached_xreplace(bound, tuple(sorted(values.items(), key=lambda kv: kv[0].name)))
-    grad_loss = node.args[0].meta.get("val") if not forward else None
-    if isinstance(grad_loss, torch.Tensor) and grad_loss.dim() == 1:
-        # grad_loss is [1 + N]: the lse output is differentiated (a z-loss); its per-token scale is live in
-        # backward and travels with the batch (docs/ring_dtp.md), which ring_dtp_bound does not count
-        acc_bytes = torch.promote_types(h_val.dtype, torch.float32).itemsize
-        bound = bound + (1 + min(2, ring - 1)) * n_max * acc_bytes
-    return bound
+# ------------------------------------------------------------------------------------------------ the pass
+MIN_VOCAB_BLOCK = 128  # narrower strips only add per-strip overhead; below this, change P or N instead
 
 
-def _register_workspace() -> None:
-    from boundpass.step_peak import register_workspace
-    register_workspace(torch.ops.boundpass.ring_dtp_fwd.default, ring_dtp_peak)
-    register_workspace(torch.ops.boundpass.ring_dtp_bwd.default, ring_dtp_peak)
+class VocabPass:
+    """projection -> cross-entropy => Ring-DTP (boundpass.passes.pipeline's protocol); its knob: the strip width C."""
+    name = "vocab"
 
+    def enabled(self, config) -> bool:
+        return config.vocab.enable
 
-_register_workspace()
+    def rewrite(self, gm: fx.GraphModule, ctx) -> list[VocabRegion]:
+        return rewrite_vocab_regions(gm, VocabRewriteConfig(
+            group_name=ctx.group_name, ring_size=ctx.ring_size, ring_rank=ctx.ring_rank, drop_logits=ctx.drop_logits,
+            block=ctx.fixed.get("vocab_block", 0)))
+
+    def knobs(self, regions: list, ctx) -> list[Knob]:
+        """Set each op's branch from N_max (a launch fact) and open its strip width C for the planner."""
+        from boundpass import cost_model
+        from boundpass.runtime.agreement import global_max_tokens
+        rewritten = [r for r in regions if r.rewritten]
+        if not rewritten:
+            return []
+        hi, shapes = 0, []
+        for region in rewritten:
+            tokens_here = concrete_size(region.tokens, region.op_node)
+            # the branch must agree over the ring: chosen from the ring's largest N (one all-reduce), not this rank's;
+            # every rank compiles at the same call (forward), so the all-reduce runs even with max_tokens_per_rank and
+            # a rank over it makes every rank raise the same error (a lone raise would leave its peers waiting)
+            ring_max = global_max_tokens(tokens_here, ctx.ring_group)
+            max_tokens = ctx.max_tokens_per_rank or ring_max
+            if ctx.ring_size > 1:
+                ctx.ring_n_max = max(ctx.ring_n_max, max_tokens)
+            if max_tokens < ring_max:
+                raise BoundpassInputError(f"max_tokens_per_rank={max_tokens} but a rank of the ring holds {ring_max} "
+                                          f"tokens at the vocab projection ({region.module_path}; this rank "
+                                          f"{tokens_here}): raise max_tokens_per_rank on every rank")
+            region.branch = ring_dtp.choose_branch(max_tokens, region.vocab, ctx.ring_size)
+            set_op_arg(region.op_node, "branch", region.branch)
+            hi = max(hi, -(-region.vocab // ctx.ring_size))
+            shapes.append((tokens_here if region.branch == "weights" else max_tokens, region))
+        lo = min(MIN_VOCAB_BLOCK, hi)
+
+        def knee_of(tokens: int, region) -> int:  # the planner goes no wider than the knee of the op's time model
+            val = region.op_node.args[0].meta.get("val") if region.op_node is not None and region.op_node.args else None
+            b = (region.dtype or torch.float32).itemsize
+            return cost_model.ring_dtp_knee(lo=lo, hi=hi, N=max(1, int(tokens)), H=region.hidden, V=region.vocab,
+                                            P=ctx.ring_size, b=b, b_acc=max(b, 4),
+                                            costs=cost_model.costs_for(getattr(getattr(val, "device", None), "type",
+                                                                               "cpu")))
+        return [Knob("vocab_block", sym.C, lo=lo, hi=hi, arg="block",
+                     ops=(torch.ops.boundpass.ring_dtp_fwd.default, torch.ops.boundpass.ring_dtp_bwd.default),
+                     user=ctx.config.vocab.block, regions=rewritten, knee=max(knee_of(n, r) for n, r in shapes),
+                     owner=self.name)]
+
+    def diagnose(self, knob: Knob, where: str):
+        from boundpass.passes.pipeline import Diagnosis
+        tokens = knob.regions[0].tokens if knob.regions else "?"
+        return Diagnosis(fix="increase the ring size P (boundpass.compile(..., ring_group=<group of more ranks>)) "
+                             f"or reduce tokens per rank N (now {tokens}); the narrowest strip C={knob.lo} does not fit",
+                         detail=f"at C={knob.value}", name=f"vocab (Ring-DTP, C={knob.value}){where}")

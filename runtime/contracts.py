@@ -1,0 +1,76 @@
+"""The memory contract of each bounded op, registered by the op's own module beside its fake kernel.
+
+A runtime module that defines a ``boundpass::`` custom op registers, next to its ``register_fake``, the function
+that gives the op's whole device bound (its inputs, outputs and workspace) at one call site::
+
+    contracts.register_bound(torch.ops.boundpass.ring_dtp_fwd.default, _ring_dtp_device_bound)
+
+The function takes the call's arguments by their schema names (tensor arguments as their fake values, sizes
+possibly symbolic) and the launch facts of the compile (``ctx``: e.g. ``max_tokens_per_rank``), and returns
+sympy bytes in the shared vocabulary (``boundpass.symbols``) with the op's knob left symbolic. The step analysis
+(``boundpass.measure.step_peak``) reads the registry at every op node and subtracts the storages of the node's
+own inputs and outputs, which it already counts.
+
+This module is a leaf: torch and sympy only. An op can be in a graph only once its module was imported, so the
+registry is complete for every graph without any import done for its side effect.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import sympy
+import torch
+
+_BOUNDS: dict = {}
+
+
+def register_bound(op, fn: Callable[[dict, dict], sympy.Expr]) -> None:
+    """Declare ``fn(args_by_schema_name, ctx) -> sympy bytes`` as op overload ``op``'s whole device bound."""
+    _BOUNDS[op] = fn
+
+
+def has_bound(op) -> bool:
+    return op in _BOUNDS
+
+
+def call_arguments(op, args: tuple, kwargs: dict, value_of: Callable) -> dict:
+    """The call's arguments by schema name, defaults filled in; ``value_of`` maps a graph value (an FX node) to
+    what the bound reads (its fake tensor)."""
+    out = {}
+    for i, schema_arg in enumerate(op._schema.arguments):
+        if i < len(args):
+            raw = args[i]
+        elif schema_arg.name in kwargs:
+            raw = kwargs[schema_arg.name]
+        else:
+            raw = schema_arg.default_value
+        out[schema_arg.name] = [value_of(a) for a in raw] if isinstance(raw, (list, tuple)) else value_of(raw)
+    return out
+
+
+def device_bound(op, args: dict, ctx: dict) -> sympy.Expr | None:
+    """The op's registered bound at this call (None: the op declares none)."""
+    fn = _BOUNDS.get(op)
+    return None if fn is None else fn(args, ctx)
+
+
+def as_expr(n) -> sympy.Expr:
+    """A size (int or SymInt) as a sympy expression."""
+    return n.node.expr if isinstance(n, torch.SymInt) else sympy.Integer(int(n))
+
+
+@functools.lru_cache(maxsize=None)
+def cached_bound(fn, **flags) -> sympy.Expr:
+    """An op's sympy bound for these flags, built once (building one costs ~0.1 s; a graph has one per layer)."""
+    return fn(**flags)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_xreplace(expr, items: tuple) -> sympy.Expr:
+    return expr.xreplace(dict(items))
+
+
+def substitute(expr: sympy.Expr, values: dict) -> sympy.Expr:
+    """``expr.xreplace(values)``, memoised (one substitution per distinct layer shape)."""
+    return _cached_xreplace(expr, tuple(sorted(values.items(), key=lambda kv: kv[0].name)))
