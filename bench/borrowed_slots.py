@@ -4,7 +4,7 @@ On 2 gloo ranks (real tensors, fp32, the scaled shape of bench/dispatch.py: T = 
 E = 16 experts, e = 8 per rank, k = 4, c = 103), for s_b in 0, 1, 2, 4, 8 (8 = e, LLEP's default) under three
 routings that make LLEP relocate (Zipf over all experts; "hot rank": every token's k experts drawn among EP rank 0's;
 adversarial: every token to experts 0..k-1), per rank:
-  - the live-storage peak of one forward + backward of the op (boundpass.memtrack) beside its sympy bound at that s_b;
+  - the live-storage peak of one forward + backward of the op (boundpass.measure.memtrack) beside its sympy bound at that s_b;
   - the experts the plan lent each rank, and the most rows any rank computes (the load LLEP balances);
   - the median step time (round-robin over the s_b values, barrier-synchronised), as a ratio to s_b = e.
 Every s_b is checked against standard EP (outputs and gradients) before it is timed.
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from bench.common import fmt_bytes, interleaved_medians, markdown_table, publish, run_metadata
 from bench.dispatch import PLAN, autograd_step, counts_of, live_peak, rank_tensors, routing_ids
-from boundpass import symbols as sym
+from boundpass.core import symbols as sym
 from boundpass.runtime.llep_plan import ChunkedRoutes, plan_llep
 from boundpass.runtime.pipelined_llep import bound_values, pipelined_llep_bound
 
@@ -108,7 +108,7 @@ def render(data: dict) -> str:
              f"2 gloo ranks, real tensors, fp32; T = {cfg['T']:,} tokens/rank, H = I = {cfg['H']}, E = {cfg['E']} "
              f"(e = {e}), k = {cfg['k']}, c = {cfg['cap']}, min_piece = {cfg['min_piece']}; medians of "
              f"{cfg['repeats']} interleaved runs (rank 0's clock, barrier-synchronised). Peak: live storages of one "
-             "forward + backward of the op beyond its inputs (boundpass.memtrack), the worse rank. Bound: the op's "
+             "forward + backward of the op beyond its inputs (boundpass.measure.memtrack), the worse rank. Bound: the op's "
              "sympy bound at that s_b. Rows: routes each rank computes after LLEP's plan (max / mean: 1.00 is "
              f"balanced). Time ratio: against s_b = e = {e} (LLEP's default), rank 0.", ""]
     headers = ["routing", "s_b", "borrowed (per rank)", "rows max / mean", "peak", "bound", "bound / peak",

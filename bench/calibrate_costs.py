@@ -1,4 +1,4 @@
-"""Recalibrate boundpass/cost_model.py's constants on this machine's device (issue 18; docs/knobs.md).
+"""Recalibrate boundpass/bound/cost_model.py's constants on this machine's device (issue 18; docs/knobs.md).
 
 Times one Ring-DTP forward + backward (the custom op, P = 1, fp32) at several strip widths C, fits ``launch_s``
 and the streaming rates with ``cost_model.calibrate`` (out-of-cache strips: ``bandwidth``; strips that fit
@@ -25,7 +25,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from boundpass import cost_model
+from boundpass.bound import cost_model
 from boundpass.runtime.ring_dtp import ring_dtp_loss
 
 GPU = dict(N=8192, H=2048, V=65536, Cs=(256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536), repeats=5)

@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from bench.common import (fmt_bytes, fmt_seconds, interleaved_medians, interleaved_samples, markdown_table, publish, run_metadata,
                           targets_section)
-from boundpass import symbols as sym
-from boundpass.memtrack import LiveStorageTracker
+from boundpass.core import symbols as sym
+from boundpass.measure.memtrack import LiveStorageTracker
 from boundpass.runtime.llep_plan import ChunkedRoutes, plan_llep
 from boundpass.runtime.pipelined_llep import (bound_values, llep, llep_bound, num_chunks, pipelined_llep,
                                               pipelined_llep_backward, pipelined_llep_bound, pipelined_llep_forward,
@@ -253,7 +253,7 @@ def run_real(cfg: dict) -> list[dict]:
 def simulate_rank(rank: int, counts: list[list[int]], cfg: dict) -> dict:
     """Peaks of rank ``rank`` under FakeTensorMode + fake PG: standard EP (as LLEP's fallback plan, see render),
     LLEP, PipelinedLLEP strided and consecutive."""
-    from boundpass.simulate import simulated_rank
+    from boundpass.measure.simulate import simulated_rank
 
     P, T, H, I, E, k, dt = cfg["P"], cfg["T"], cfg["H"], cfg["I"], cfg["E"], cfg["k"], cfg["dtype"]
     e = E // P
@@ -463,8 +463,8 @@ def render(data: dict) -> str:
 
 
 def curve_section(sec: dict, cfg: dict) -> list[str]:
-    """Time against c (strided), per routing, with the measured knee (boundpass.cost_model.knee on the curve)."""
-    from boundpass import cost_model
+    """Time against c (strided), per routing, with the measured knee (boundpass.bound.cost_model.knee on the curve)."""
+    from boundpass.bound import cost_model
 
     caps = [str(c) for c in cfg["curve"]]
     rows = []
@@ -494,7 +494,7 @@ def curve_section(sec: dict, cfg: dict) -> list[str]:
 
 def knee_point(sec: dict, cfg: dict) -> tuple[int, int]:
     """(the curve's c nearest the time model's knee, the widest c on the curve)."""
-    from boundpass import cost_model
+    from boundpass.bound import cost_model
     model = cost_model.pipelined_llep_knee(lo=1, hi=cfg["T"], N=cfg["T"], H=cfg["H"], I=cfg["I"], E=cfg["E"],
                                            E_p=sec["world"], k=cfg["k"])
     caps = sorted(int(c) for c in cfg["curve"])
@@ -580,7 +580,7 @@ KNEE_QUICK = dict(KNEE, T=256, H=64, I=64, E=8, k=2, min_piece=8, repeats=3, pai
 def knee_rank(rank: int, world: int, cfg: dict) -> dict:
     """(On each gloo rank) per routing: the c curve (interleaved medians) and the model's knee against c = T as
     paired rounds; the knee is cost_model's with the constants compile would use (costs_for('cpu'))."""
-    from boundpass import cost_model
+    from boundpass.bound import cost_model
 
     T = cfg["T"]
     knee_c = cost_model.pipelined_llep_knee(lo=1, hi=T, N=T, H=cfg["H"], I=cfg["I"], E=cfg["E"], E_p=world,
@@ -603,7 +603,7 @@ def knee_main(quick: bool) -> dict:
     """The c curve on 2 and 4 ranks, the time model fitted to it, and the model's knee against the widest c."""
     import statistics
 
-    from boundpass import cost_model
+    from boundpass.bound import cost_model
     from boundpass.testing.distributed import run_on_ranks
 
     cfg = KNEE_QUICK if quick else KNEE
@@ -641,7 +641,7 @@ def knee_main(quick: bool) -> dict:
 
 
 def render_knee(data: dict) -> str:
-    from boundpass import cost_model
+    from boundpass.bound import cost_model
 
     meta, cfg = data["meta"], data["config"]
     used, fit = data["costs_used"], data["costs_fitted"]

@@ -44,7 +44,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from bench.common import fmt_bytes, fmt_seconds, markdown_table, publish, run_metadata, targets_section
 from boundpass.testing.distributed import run_on_ranks
-from boundpass.units import parse_bytes
+from boundpass.core.units import parse_bytes
 
 CURVE_TOL = 1e-4     # relative, per step; why: tests/test_recipe.py module docstring
 TARGET_REACH = 4.0
@@ -262,9 +262,9 @@ def _reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens,
     warnings.filterwarnings("ignore")
     import torch
     from torchtitan.tools.logging import init_logger
-    from boundpass.errors import InfeasibleBudgetError
+    from boundpass.core.errors import InfeasibleBudgetError
     from boundpass.recipes.train import _config_manager_class
-    from boundpass.units import format_bytes
+    from boundpass.core.units import format_bytes
     init_logger()
     import logging
     logging.getLogger().setLevel(logging.WARNING)

@@ -30,7 +30,7 @@ start=$SECONDS
 # (budget: 320 s here + 120 s for the optimizer + start-up stays under the 8 minutes)
 vocab_rc=0
 timeout 320 python3 bench/gpu_vocab.py "$@" || vocab_rc=$?  # a failure here must not skip what follows
-# cost model (issue 18, docs/knobs.md): Ring-DTP's time against C, the fitted constants of boundpass/cost_model.py
+# cost model (issue 18, docs/knobs.md): Ring-DTP's time against C, the fitted constants of boundpass/bound/cost_model.py
 # written to $OUT/costs.json (BOUNDPASS_COSTS=that file makes compile use them); ~30 s, never fails the run
 timeout 90 python3 bench/calibrate_costs.py "$@" || echo "gpu_check: calibrate_costs failed (rc $?)" >&2
 # OffloadStreamAdamW: exactness on CUDA, link floor, (β, S) sweep vs serial CPU Adam; saves after each row. Its

@@ -4,7 +4,7 @@ On every visible GPU (one rank each; NCCL when there are two or more, up to 4; o
 relocates and the comparison is the chunked schedule's cost against one-shot dispatch), the routings of
 bench/dispatch.py (balanced, Zipf, adversarial); per schedule: torch.cuda.max_memory_allocated above what was
 allocated before the forward + backward, and the median CUDA-synchronised time of REPEATS steps; then
-PipelinedLLEP (strided) against the chunk cap c, the curve boundpass/cost_model.py's dispatch knee is
+PipelinedLLEP (strided) against the chunk cap c, the curve boundpass/bound/cost_model.py's dispatch knee is
 calibrated from on a GPU (its knee: the smallest c within KNEE_TOLERANCE of the best time): with two or more GPUs,
 `cost_model.calibrate_dispatch` fits the all-to-all latency and rate to it and merges them into $OUT/costs.json
 as {"cuda": {"collective_s": ..., "alltoall_bandwidth": ...}} (BOUNDPASS_COSTS=that file makes compile's c knee
@@ -116,7 +116,7 @@ def rank_main(rank: int, world: int, cfg: dict, dry: bool) -> dict:
 
 
 def render(res: dict, world: int, cfg: dict) -> str:
-    from boundpass import cost_model
+    from boundpass.bound import cost_model
 
     md = [f"# Expert dispatch on {res['device']}: {world} rank(s), T={cfg['T']}/rank, H={cfg['H']}, I={cfg['I']}, "
           f"E={cfg['E']}, k={cfg['k']}, c={cfg['cap']}, {str(cfg['dtype']).replace('torch.', '')}", ""]
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
 
 def fit_dispatch_costs(res: dict, world: int, cfg: dict) -> dict:
     """The all-to-all latency and rate fitted to the measured c curves ({} on one GPU: no all-to-all to fit)."""
-    from boundpass import cost_model
+    from boundpass.bound import cost_model
 
     curves = [(world, {int(c): t for c, t in row["curve_seconds"].items()}) for row in res["routings"].values()
               if len(row["curve_seconds"]) >= 3]

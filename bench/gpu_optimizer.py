@@ -7,7 +7,7 @@
 3. step: bf16 working weights, Θ parameters on one GPU; OffloadStreamAdamW at a few (β, S), the serial
    CPU-Adam offload (ZeRO-Offload's shape, bench/optimizer.py), DeepSpeed CPU Adam in that shape if importable,
    and torch AdamW fused with everything on the device; torch.cuda.max_memory_allocated vs the bound.
-4. knee (issue 18, docs/knobs.md): the step time against β at S = 2 beside boundpass/cost_model.py's model, the
+4. knee (issue 18, docs/knobs.md): the step time against β at S = 2 beside boundpass/bound/cost_model.py's model, the
    measured knee and the model's at the default and at the measured link rate; the measured link rate is merged
    into $OUT/costs.json as {"cuda": {"link_bandwidth": ...}} (BOUNDPASS_COSTS=that file: compile's β and S knee
    use it) with the curve under "optimizer".
@@ -51,7 +51,7 @@ class _SourceLayout(importlib.abc.MetaPathFinder):
 sys.meta_path.append(_SourceLayout())
 from bench import common  # noqa: E402
 from bench.optimizer import HYPER, SerialCpuAdamOffload  # noqa: E402
-from boundpass import symbols as sym  # noqa: E402
+from boundpass.core import symbols as sym  # noqa: E402
 from boundpass.runtime.offload_adamw import OffloadStreamAdamW, bound_values, offload_adamw_bound  # noqa: E402
 
 SHAPES_EXACT = [(37, 100), (4097,), (64, 64), (3,), (5, 7)]
@@ -157,7 +157,7 @@ def step_times(device, theta: int, configs, rows: list, save) -> None:
 
 def optimizer_knee(device, theta: int, rows: list, link: dict) -> dict:
     """The measured β curve at S = 2 beside cost_model's, the knees, and the link rate for costs.json."""
-    from boundpass import cost_model as cm
+    from boundpass.bound import cost_model as cm
     tensors = -(-theta // (1 << 24))        # _model's tensors of up to 2^24 elements
     base = cm.costs_for(device.type)
     fitted = cm.calibrate_optimizer({}, Theta=theta, tensors=tensors, b=2, base=base,

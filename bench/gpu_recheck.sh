@@ -11,7 +11,7 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out="${OUT:-bench/out}"; mkdir -p "$out"
 python3 - <<'PY' | tee "$out/blas_workspace.txt"
 import torch
-from boundpass.bounds import blas_workspace_bytes
+from boundpass.bound.bounds import blas_workspace_bytes
 print("torch", torch.__version__, torch.cuda.get_device_name())
 for name in ("_cuda_getCublasWorkspaceSize", "_cuda_getCublasLtWorkspaceSize"):
     f = getattr(torch._C, name, None)

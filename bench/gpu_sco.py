@@ -37,7 +37,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from bench.common import (REPO_ROOT, fmt_bytes, fmt_seconds, markdown_table, median_step_seconds, run_metadata,
                           synchronize)
-from boundpass import symbols as sym
+from boundpass.core import symbols as sym
 from boundpass.runtime.sco import (apply_sco, bound_values, sco_compiled_device_bound, sco_device_bound,
                                    sco_host_bound)
 

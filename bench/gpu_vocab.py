@@ -25,7 +25,7 @@ import torch
 
 from bench.common import REPO_ROOT, fmt_bytes, fmt_seconds, markdown_table, median_step_seconds, run_metadata
 from bench.vocab import LABELS, assert_same, make_inputs, make_step
-from boundpass import symbols as sym
+from boundpass.core import symbols as sym
 from boundpass.runtime.ring_dtp import bound_values, choose_branch, reference_bound, ring_dtp_bound
 
 # (N, H, V, dtype, Ring-DTP strip C, with Inductor). C = V/8: a strip holds as many logits as one of the
@@ -56,7 +56,7 @@ def peak_device_bytes(step, device: torch.device) -> int | None:
 def bound(schedule: str, *, N: int, H: int, V: int, C: int, dtype, device=None) -> int | None:
     """The runtime's sympy bound (bytes, inputs included) for Ring-DTP and the standard schedule, plus the cuBLAS /
     cuBLASLt workspaces torch keeps once a matmul ran (in max_memory_allocated, not the op's: 64 MiB on an H200)."""
-    from boundpass.bounds import blas_workspace_bytes
+    from boundpass.bound.bounds import blas_workspace_bytes
     mixed = dtype != torch.float32
     values = bound_values(dtype, N=N, H=H, V=V, P=1, C=C)
     workspace = blas_workspace_bytes(device) if device is not None else 0

@@ -21,7 +21,7 @@ workspaces and collective buffers included; the composed bound is checked agains
 the live storages of tensors (LiveStorageTracker: no C++-internal buffers; it compares the layouts like for like).
 Step time: median of
 ``repeats`` steps after one warm-up, barrier before each clock read; tokens/s = global tokens / step time.
-For MoP the composed per-rank budget (boundpass.composed: standard EP at worst-case routing and full logits,
+For MoP the composed per-rank budget (boundpass.bound.composed: standard EP at worst-case routing and full logits,
 or PipelinedLLEP + Ring-DTP for MoP+ops; AdamW on the device) is shown next to the measurement.
 
 Writes docs/results/mop.json and mop.md.
@@ -57,11 +57,10 @@ def _local(t):
 def _bench_rank(rank, world, layout, seqs, repeats, vocab=VOCAB, skew=False):
     """Per sequence length: (peak bytes, median step s, composed bound or None) of this rank."""
     import statistics
-    import importlib
     import warnings as _w
     _w.filterwarnings("ignore")
     import torch.distributed as dist
-    from boundpass.memtrack import LiveStorageTracker
+    from boundpass.measure.memtrack import LiveStorageTracker
     from boundpass.testing.whole_step import allocator_peak_of
     from boundpass.recipes.mop import build_model, mop_config, mop_loss, parallelize_mop, shard_batch
     from boundpass.testing.routing import route_all_to
@@ -74,7 +73,8 @@ def _bench_rank(rank, world, layout, seqs, repeats, vocab=VOCAB, skew=False):
     model = build_model(cfg)
     if skew:
         route_all_to(model, (0, 1, 2))
-    composed, plan = importlib.import_module("boundpass.composed"), importlib.import_module("boundpass.plan")
+    from boundpass.bound import composed
+    from boundpass.planning import full_scale as plan
     shape = plan.shape_of_module(model, name="deepseek_v3 debugmodel", top_k=3,
                                  heads_config=cfg.model_spec.model.layers[0].attention)
     parallelize_mop(model, cfg, world=world, ac_config=FullAC.Config(), sequence_to_head=mop, pipelined_llep=ops,

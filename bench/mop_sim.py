@@ -16,8 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import fmt_bytes, markdown_table, publish, run_metadata, targets_section  # noqa: E402
-from boundpass.composed import OPERATORS  # noqa: E402
-from boundpass.plan import plan  # noqa: E402
+from boundpass.bound.composed import OPERATORS  # noqa: E402
+from boundpass.planning.full_scale import plan  # noqa: E402
 
 MODEL, FLAVOR, RANKS, EP = "gpt_oss", "120b", 16, 8
 CONTEXTS = (131_072, 524_288, 1_048_576)

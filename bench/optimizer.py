@@ -13,7 +13,7 @@ link the offload schedules are built to saturate does not exist. Bytes come from
 against a live-storage tracker (transient = peak during one step minus what was live before it).
 
 Knee section (issue 18, docs/knobs.md; one thread): the step's time against the bucket β (medians, round-robin),
-boundpass/cost_model.py's model beside it and both knees; then, at a loose and at a tight budget side by side
+boundpass/bound/cost_model.py's model beside it and both knees; then, at a loose and at a tight budget side by side
 in one run, OffloadStreamAdamW at the planner's choice (``optimizer_swap.choose_knobs``, the rule
 boundpass.compile applies) against torch AdamW (the baseline), the widest β the budget allows, and the old rule
 (S = 2, the widest β): device bytes, measured transient, median step time.
@@ -40,9 +40,9 @@ import torch
 
 from bench.common import (RESULTS_DIR, fmt_bytes, fmt_seconds, interleaved_medians, markdown_table, run_metadata,
                           write_results)
-from boundpass import cost_model as cm
-from boundpass import symbols as sym
-from boundpass.memtrack import LiveStorageTracker
+from boundpass.bound import cost_model as cm
+from boundpass.core import symbols as sym
+from boundpass.measure.memtrack import LiveStorageTracker
 from boundpass.runtime.offload_adamw import (OffloadStreamAdamW, bound_values, offload_adamw_bound,
                                              offload_adamw_host_bound, reference_adamw_bound)
 
@@ -388,7 +388,7 @@ ratios within a run are what to read). Section wall time {k['wall_seconds']:.0f}
 {curve}
 
 Knee (the smallest β within {cm.KNEE_TOLERANCE:.0%} of the best): **measured {k['measured_knee']:,}**, model
-{k['model_knee'][0]:,} (S = {k['model_knee'][1]}; `boundpass/cost_model.py`, {k['costs']}). Fitted to the
+{k['model_knee'][0]:,} (S = {k['model_knee'][1]}; `boundpass/bound/cost_model.py`, {k['costs']}). Fitted to the
 in-cache points (`cost_model.calibrate_optimizer`; not written into the defaults): {k['fitted']['launch_s'] * 1e6:.1f} µs
 per op, slot rate {k['fitted']['cache_bandwidth'] / 1e9:.0f} GB/s, knee {k['fitted_knee'][0]:,}. Narrow buckets
 pay per bucket (16 ops each); slots that outgrow the cache pay memory rate on the update's eight passes.

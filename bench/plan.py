@@ -53,8 +53,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from bench.common import (fmt_bytes, fmt_seconds, markdown_table, publish, run_metadata, targets_section,
                           write_results)
-from boundpass.composed import OPERATORS
-from boundpass.plan import plan
+from boundpass.bound.composed import OPERATORS
+from boundpass.planning.full_scale import plan
 from boundpass.recipes import families
 
 TIMED_LAUNCH = dict(ranks=64, ep=8, context=1 << 17, budget="139GiB", host_budget="256GiB")

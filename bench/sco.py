@@ -37,7 +37,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from bench.common import (fmt_bytes, fmt_seconds, interleaved_medians, markdown_table, publish, run_metadata,
                           targets_section)
-from boundpass import symbols as sym
+from boundpass.core import symbols as sym
 from boundpass.runtime import apply_sco
 from boundpass.runtime.sco import bound_values, sco_device_bound, sco_host_bound
 

@@ -12,7 +12,7 @@ Sections: P = 1 and P = 2 gloo ranks on real CPU tensors (measured), and P = 8 a
 fake tensors (simulated). Writes docs/results/vocab.json and vocab.md.
 
 Knee section (issue 18; docs/knobs.md): the Ring-DTP step's time against its strip width C at N = 4,096,
-H = 128, V = 65,536 (measured beside boundpass/cost_model.py's curve and knee), and a small LM (loss outside the
+H = 128, V = 65,536 (measured beside boundpass/bound/cost_model.py's curve and knee), and a small LM (loss outside the
 model via ``loss_fn=``) through ``boundpass.compile`` at a loose and a tight budget against Inductor + its
 auto-chunker and eager: peak RSS of one step in a fresh process, median step time. Writes
 docs/results/vocab_knee.json and vocab_knee.md.
@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from bench.common import (REPO_ROOT, fmt_bytes, fmt_seconds, markdown_table, interleaved_medians, run_metadata,
                           publish, targets_section)
-from boundpass import symbols as sym
-from boundpass.memtrack import LiveStorageTracker, rss_peak_in_subprocess
+from boundpass.core import symbols as sym
+from boundpass.measure.memtrack import LiveStorageTracker, rss_peak_in_subprocess
 from boundpass.runtime.ring_dtp import (bound_values, choose_branch, reference_bound, reference_loss,
                                         ring_dtp_backward, ring_dtp_bound, ring_dtp_forward, ring_dtp_loss,
                                         vocab_shard_range)
@@ -345,7 +345,7 @@ def run_p2(sizes: list[dict], repeats: int) -> list[dict]:
 # ------------------------------------------------------------------------ P = 8 simulated (fake tensors)
 def run_simulated(P: int, H: int, V: int, Ns: tuple, C_narrow: int) -> dict:
     """Per-rank live-storage peak of rank 0 under FakeTensorMode + the fake process group, with bounds."""
-    from boundpass.simulate import simulated_rank
+    from boundpass.measure.simulate import simulated_rank
 
     variants = [("standard", 0), ("token_chunked", 0), ("ring_dtp", 0), ("ring_dtp", C_narrow)]
     rows = []
@@ -452,7 +452,7 @@ def knee_child_setup(config: dict):
 def run_knee(cfg: dict, scratch: Path) -> dict:
     """The C curve (measured and modelled), and the small LM at a loose and a tight budget vs the auto-chunker."""
     import boundpass
-    from boundpass import cost_model
+    from boundpass.bound import cost_model
     from torch._inductor import config as inductor_config, metrics
 
     shape = cfg["shape"]
@@ -558,7 +558,7 @@ def render_knee(data: dict) -> str:
           "The rule and its constants: docs/knobs.md.", "",
           f"## Ring-DTP step (forward + backward) against C: N={z['N']}, H={z['H']}, V={z['V']}", "",
           f"The op alone, P = 1, {k.get('threads', '?')} thread(s) (`torch.get_num_threads()`); loss, dh and dW equal the standard "
-          f"schedule's at every C (asserted). Model: `boundpass/cost_model.py` ({k['costs_line']}).", ""]
+          f"schedule's at every C (asserted). Model: `boundpass/bound/cost_model.py` ({k['costs_line']}).", ""]
     best = min(r["seconds"] for r in k["curve"])
     mbest = min(r["model_seconds"] for r in k["curve"])
     rows = [[str(r["C"]), fmt_bytes(r["strip_bytes"]), fmt_seconds(r["seconds"]), f"{r['seconds'] / best:.2f}",

@@ -1,6 +1,6 @@
 """`python -m boundpass plan ...`: the composed per-rank budget of a torchtitan MoE model, before launch.
 
-Arguments are parsed and validated (boundpass/plan_input.py) before torch or torchtitan is imported, so a bad one
+Arguments are parsed and validated (boundpass/core/plan_input.py) before torch or torchtitan is imported, so a bad one
 is refused at once; while the plan runs, a progress line per model build and traced block goes to stderr.
 """
 from __future__ import annotations
@@ -11,9 +11,9 @@ import os
 import sys
 import time
 
-from boundpass.config import OPTIMIZER_SLOTS, OPTIMIZER_STAGING_BYTES, PLAN_BUDGET, PLAN_DISPATCH_CAP, PLAN_VOCAB_BLOCK
-from boundpass.errors import BoundpassError
-from boundpass.plan_input import OPERATORS, CostModel, locate, make_input
+from boundpass.core.config import OPTIMIZER_SLOTS, OPTIMIZER_STAGING_BYTES, PLAN_BUDGET, PLAN_DISPATCH_CAP, PLAN_VOCAB_BLOCK
+from boundpass.core.errors import BoundpassError
+from boundpass.core.plan_input import OPERATORS, CostModel, locate, make_input
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--operators", default=",".join(OPERATORS),
                    help=f"comma-separated subset of {','.join(OPERATORS)}; 'none' = the baseline")
     p.add_argument("--dtype", default="bf16", help="bf16 (default) or fp32")
-    # boundpass.Config's knobs, --<section>-<field> (docs/config.md); default None: the value boundpass/config.py
+    # boundpass.Config's knobs, --<section>-<field> (docs/config.md); default None: the value boundpass/core/config.py
     # defines for a knob no planner chooses (composed.Launch.resolved)
     p.add_argument("--dispatch-cap", type=int, default=None,
                    help=f"PipelinedLLEP chunk cap c (tokens per source per chunk; default {PLAN_DISPATCH_CAP})")
@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--formulas", action="store_true", help="also each term's sympy formula (under its row)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
     p.add_argument("--verbose", action="store_true",
-                   help="also show the upstream warnings boundpass filters (boundpass/quiet.py)")
+                   help="also show the upstream warnings boundpass filters (boundpass/core/quiet.py)")
     return parser
 
 
@@ -104,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     gc.set_threshold(*thresholds[:2], 1 << 30)
     try:
         if not args.verbose:
-            from boundpass.quiet import filter_upstream_warnings
+            from boundpass.core.quiet import filter_upstream_warnings
             filter_upstream_warnings()
-        from boundpass import block_trace
-        from boundpass.plan import as_json, plan
+        from boundpass.planning import block_trace
+        from boundpass.planning.full_scale import as_json, plan
         block_trace.FORK_CAPTURES = True
         try:
             result = plan(model, flavor, **launch, source=source, do_trace=not args.no_trace, solve=args.solve,

@@ -167,3 +167,10 @@ def _set_pg_timeouts_cpu(timeout: timedelta, parallel_dims) -> None:
     groups = [mesh.get_group() for mesh in parallel_dims.get_all_one_dimensional_meshes().values()] + [None]
     for group in groups:
         distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def apply_cpu_device_fix() -> None:
+    """Make torchtitan see "cpu" as its device type when no CUDA device exists (call before importing it)."""
+    if not torch.cuda.is_available():
+        import torch._utils as torch_utils
+        torch_utils._get_available_device_type = lambda: "cpu"

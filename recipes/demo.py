@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 import boundpass
-from boundpass.memtrack import rss_peak_in_subprocess
-from boundpass.quiet import filter_upstream_warnings
+from boundpass.measure.memtrack import rss_peak_in_subprocess
+from boundpass.core.quiet import filter_upstream_warnings
 from boundpass.recipes.models import build_debug_moe, torchtitan_loss
-from boundpass.units import format_bytes
+from boundpass.core.units import format_bytes
 
 _STEP_RSS_SNIPPET = """
 import torch, boundpass
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     parser.add_argument("--infeasible-budget", default="900MiB", help="a budget to show the fail-fast error")
     parser.add_argument("--skip-rss", action="store_true", help="skip the peak-RSS measurement subprocesses")
     parser.add_argument("--verbose", action="store_true",
-                        help="also show the upstream warnings boundpass filters (boundpass/quiet.py)")
+                        help="also show the upstream warnings boundpass filters (boundpass/core/quiet.py)")
     args = parser.parse_args(argv)
     if not args.verbose:
         filter_upstream_warnings()

@@ -1,5 +1,5 @@
 """torchtitan's model families for boundpass.plan, found from torchtitan's own registries: the torchtitan model
-source (the interface is boundpass/model_source.py; this module is its only torchtitan implementation).
+source (the interface is boundpass/core/model_source.py; this module is its only torchtitan implementation).
 
 Discovery rule (torchtitan 0.3.0's layout; nothing is imported to find a name):
 - a family is a package ``torchtitan.models.<name>`` whose ``__init__.py`` defines ``model_registry(flavor, ...)``
@@ -27,7 +27,7 @@ import importlib
 import importlib.util
 from pathlib import Path
 
-from boundpass.errors import BoundpassInputError
+from boundpass.core.errors import BoundpassInputError
 
 # The recipes' debug trainer configs (a torchtitan config_registry function each), by the name the recipes and
 # their trainer configs use (recipes/config_registry.py: qwen3_moe_debug_mop, ...): recipe name -> (package, fn).
@@ -108,7 +108,7 @@ def flavors(model: str) -> tuple[str, ...] | None:
 
 
 def _package(family: str):
-    from boundpass.recipes.models import apply_cpu_device_fix
+    from boundpass.recipes.cpu_support import apply_cpu_device_fix
     apply_cpu_device_fix()
     try:
         with _inductor_config_not_read():
@@ -271,7 +271,7 @@ def debug_moe_flavor(model: str) -> str:
 
 
 class _Source:
-    """boundpass.model_source.ModelSource over torchtitan's registries (this module's functions)."""
+    """boundpass.core.model_source.ModelSource over torchtitan's registries (this module's functions)."""
     name = "torchtitan"
     resolve = staticmethod(resolve)
     flavors = staticmethod(flavors)

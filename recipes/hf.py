@@ -1,4 +1,4 @@
-"""Hugging Face transformers MoE configs as a model source of `boundpass.plan` (boundpass/model_source.py).
+"""Hugging Face transformers MoE configs as a model source of `boundpass.plan` (boundpass/core/model_source.py).
 
 `plan` reads a torchtitan-shaped decoder: an embedding, ``layers`` of blocks with ``attention`` and ``moe`` /
 ``feed_forward``, a final norm and an lm_head. An HF causal LM has the same parts under other names
@@ -20,19 +20,19 @@ import functools
 import json
 from pathlib import Path
 
-from boundpass.errors import BoundpassInputError
+from boundpass.core.errors import BoundpassInputError
 
 PREFIX = "hf:"
 FLAVOR = "default"
 # the routed experts inside a block's MoE module (HF's experts interface: use_experts_implementation)
 ROUTED_PATH = "moe.experts"
-# the parts block_trace's sub-phases are read from (boundpass/block_trace.py: _split): HF's attention kernel is a
+# the parts block_trace's sub-phases are read from (boundpass/planning/block_trace.py: _split): HF's attention kernel is a
 # function (the attention interface), not a module, so the attention's backward runs to the block's end
 TAGS = {"attention": "attention", "attention.o_proj": "wo", "feed_forward": "ffn", "moe": "ffn"}
 
 
 class HFSource:
-    """boundpass.model_source.ModelSource over transformers configs. Configs given as objects are held by
+    """boundpass.core.model_source.ModelSource over transformers configs. Configs given as objects are held by
     name ("hf:<class name>#<n>") so that PlanInput.model stays a string."""
     name = "transformers"
 

@@ -13,15 +13,9 @@ import importlib
 import torch
 
 from boundpass.recipes import families
+from boundpass.recipes.cpu_support import apply_cpu_device_fix  # noqa: F401  (also imported from here)
 # name: (torchtitan package, config-registry function): the recipes' debug trainer configs (recipes/families.py)
 from boundpass.recipes.families import RECIPE_CONFIGS as MODELS
-
-
-def apply_cpu_device_fix() -> None:
-    """Make torchtitan see "cpu" as its device type when no CUDA device exists (call before importing it)."""
-    if not torch.cuda.is_available():
-        import torch._utils as torch_utils
-        torch_utils._get_available_device_type = lambda: "cpu"
 
 
 def _recipe_name(name: str) -> str:

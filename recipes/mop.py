@@ -10,7 +10,7 @@ One rank set of W ranks, overlapping sub-groups (docs/design.md §2, docs/mop.md
   parallelism over the "ep" sub-mesh (E_p ranks) and FSDP over "efsdp" (W/E_p); all built by torchtitan's
   own ``parallelize_fn`` of the model (``parallelize_deepseekv3``, ...) from ParallelDims;
 - expert dispatch (``pipelined_llep=True``): torchtitan's per-block compile hands every TransformerBlock graph to
-  boundpass's dispatch pass (``boundpass.layout_compile.DispatchBlocks``), which rewrites each routed-experts region
+  boundpass's dispatch pass (``boundpass.backend.layout_compile.DispatchBlocks``), which rewrites each routed-experts region
   into the PipelinedLLEP op (``boundpass::pipelined_llep_fwd``) over the EP sub-group, chunk cap c, in place of
   torchtitan's all-to-all dispatcher: its peak no longer depends on the routing; the model's forwards stay
   torchtitan's;
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from boundpass.config import PLAN_DISPATCH_CAP, DispatchConfig, VocabConfig
-from boundpass.errors import BoundpassInputError
+from boundpass.core.config import PLAN_DISPATCH_CAP, DispatchConfig, VocabConfig
+from boundpass.core.errors import BoundpassInputError
 from boundpass.recipes.models import MODELS, apply_cpu_device_fix, debug_moe_config
 from boundpass.runtime.ring_dtp import ring_dtp_loss
 from boundpass.runtime.seq_to_head import SeqToHeadAttention, check_head_counts, shard_positions, shard_sequence
@@ -54,7 +54,7 @@ __all__ = ["mop_config", "build_model", "apply_seq_to_head", "apply_pipelined_ll
 class MoPOptions:
     """Which parts of the layout are on. The defaults are the plain layout (torchtitan's EP dispatcher and
     full-logits head); ``pipelined_llep`` / ``ring_dtp`` switch the two bounded operators on. ``dispatch_cap`` and
-    ``vocab_block`` are boundpass.Config's knobs by the same names, validated by it (boundpass/config.py)."""
+    ``vocab_block`` are boundpass.Config's knobs by the same names, validated by it (boundpass/core/config.py)."""
     sequence_to_head: bool = True
     pipelined_llep: bool = False
     dispatch_cap: int | None = None  # PipelinedLLEP chunk cap c (None: config.PLAN_DISPATCH_CAP, no planner here)
@@ -79,7 +79,7 @@ class MoPState:
     lm_head: torch.nn.Module | None = None
     dispatch_backend: object = None  # the per-block compile backend giving PipelinedLLEP (DispatchBlocks), if on
     head_backend: object = None      # the head step's backend giving Ring-DTP (RingDTPHeadBackend), set by mop_loss
-    released: int = 0                # FSDP2 groups on boundpass.gloo_release's collectives
+    released: int = 0                # FSDP2 groups on boundpass.backend.gloo_release's collectives
 
     @property
     def dispatch(self) -> list[str]:
@@ -157,7 +157,7 @@ def apply_seq_to_head(model: torch.nn.Module, group) -> None:
 def apply_pipelined_llep(model: torch.nn.Module, cap: int, inner: str = "aot_eager",
                          borrowed_slots: int | None = None):
     """The backend that gives every MoE block's routed experts PipelinedLLEP through the dispatch pass: a
-    ``boundpass.layout_compile.DispatchBlocks`` for torchtitan's per-block compile (``prepare_mop`` hands it to the
+    ``boundpass.backend.layout_compile.DispatchBlocks`` for torchtitan's per-block compile (``prepare_mop`` hands it to the
     parallelize function as ``--compile.backend``). No forward is replaced: the module tree, its parameters, names and
     FSDP2/EP sharding stay torchtitan's, and each block graph's routed-experts region (the dispatcher's all-to-all +
     grouped experts + combine) becomes one ``boundpass::pipelined_llep_fwd`` over the EP group torchtitan wires into the
@@ -170,7 +170,7 @@ def apply_pipelined_llep(model: torch.nn.Module, cap: int, inner: str = "aot_eag
     """
     from torchtitan.models.common.moe import RoutedExperts
 
-    from boundpass.layout_compile import DispatchBlocks
+    from boundpass.backend.layout_compile import DispatchBlocks
     from boundpass.passes.dispatch_pass import unsupported_reason
 
     for path, module in model.named_modules():
@@ -274,13 +274,13 @@ def finish_mop(model: torch.nn.Module, dims, state: MoPState) -> None:
     if state.lm_head is not None:
         model.lm_head = _shard_lm_head(state.lm_head, dims.get_mesh("fsdp"))
         state.lm_head = None
-    from boundpass.gloo_release import install_releasing_collectives
+    from boundpass.backend.gloo_release import install_releasing_collectives
     # a gloo worker thread keeps a finished collective's buffers alive until it is next scheduled (timing dependent):
     # the reduce-scatter's clone of its input (measured at torch's allocator on 4 ranks, bench/mop.py, L = 2,048,
     # fp32: 266 MiB against a composed budget of 252 MiB, which counts one reduce-scatter input and no clone) and
     # each unit's all-gather output after its copy-out (test_mop's shape with the CPU busy: up to 1.080x the budget in 12
     # of 96 steps). The layout installs the collectives whose buffers die when FSDP2 is done with them (bitwise the
-    # same values; gloo groups only): boundpass/gloo_release.py.
+    # same values; gloo groups only): boundpass/backend/gloo_release.py.
     state.released = install_releasing_collectives(model)
 
 
@@ -330,13 +330,13 @@ def mop_loss(model: torch.nn.Module, dims=None, *, vocab_block: int | None = Non
 
     Ring-DTP comes from the vocab pass: the head step is written as the standard schedule (the vocab-sharded weight
     all-gathered over the ring, lm_head's projection, the cross-entropy summed over this rank's tokens) and compiled
-    with ``boundpass.layout_compile.RingDTPHeadBackend``, which rewrites gather + projection + loss into
+    with ``boundpass.backend.layout_compile.RingDTPHeadBackend``, which rewrites gather + projection + loss into
     ``boundpass::ring_dtp_fwd`` on this rank's shard: no rank gathers the weight or forms [N, V] logits. It compiles
     at the first call, on every rank together (every rank of the ring calls the loss each step)."""
     import torch.distributed._functional_collectives as funcol
     import torch.nn.functional as F
 
-    from boundpass.layout_compile import RingDTPHeadBackend
+    from boundpass.backend.layout_compile import RingDTPHeadBackend
     from boundpass.recipes.models import torchtitan_loss
 
     head = getattr(model, "lm_head", None)

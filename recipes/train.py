@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from boundpass.quiet import filter_upstream_warnings
+from boundpass.core.quiet import filter_upstream_warnings
 from boundpass.recipes import cpu_support
 
 
@@ -40,7 +40,7 @@ def build_in_process(argv: list[str]):
     initialised, optimizer, dataloader); nothing is trained. The caller closes it. See `train_in_process`."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     cpu_support.apply_runtime_shims()
-    filter_upstream_warnings(log_records=False)  # each one with its reason: boundpass/quiet.py
+    filter_upstream_warnings(log_records=False)  # each one with its reason: boundpass/core/quiet.py
     import torch
     from torchtitan.tools.logging import init_logger
 
@@ -79,7 +79,7 @@ def train_in_process(argv: list[str]):
 def main() -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the datasets are local files: never reach the network
     shims = cpu_support.apply_runtime_shims()
-    filter_upstream_warnings(log_records=False)  # each one with its reason: boundpass/quiet.py
+    filter_upstream_warnings(log_records=False)  # each one with its reason: boundpass/core/quiet.py
     import torchtitan.train as tt_train
     from torchtitan.tools.logging import init_logger, logger
 

@@ -40,9 +40,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from boundpass.config import Config
-from boundpass.errors import BoundpassError, BoundpassInputError, InfeasibleBudgetError
-from boundpass.units import format_bytes
+from boundpass.core.config import Config
+from boundpass.core.errors import BoundpassError, BoundpassInputError, InfeasibleBudgetError
+from boundpass.core.units import format_bytes
 
 from torchtitan.components.checkpointer import LR_SCHEDULER
 from torchtitan.components.loss import ChunkedLossWrapper
@@ -67,7 +67,7 @@ class BoundpassConfig(Config):
     blocks: bool = True
     """Compile every TransformerBlock through boundpass (torchtitan's per-block compile with boundpass as its backend:
     dispatch -> PipelinedLLEP, checkpoint boundaries -> SCO, each block graph checked against the whole step's
-    budget; boundpass/block_compile.py). On whenever the head is captured (FSDP2, or --compile.enable); with
+    budget; boundpass/backend/block_compile.py). On whenever the head is captured (FSDP2, or --compile.enable); with
     --compile.enable the blocks are lowered as --compile.backend asks, without it as --boundpass.inner asks.
     `--boundpass.no-blocks`: the trunk runs as torchtitan runs it (and the budget leaves its activations out)."""
     measure_peak: bool = False
@@ -221,10 +221,10 @@ class BoundpassTrainer(Trainer):
                                          optimizer=self.optimizers, fullgraph=True)
         plan = self.bounded.optimizer_plan
         if self.block_backend is not None:
-            from boundpass.block_compile import CompiledBlocks
-            from boundpass.gloo_release import install_releasing_collectives
+            from boundpass.backend.block_compile import CompiledBlocks
+            from boundpass.backend.gloo_release import install_releasing_collectives
             # gloo's worker threads keep finished collectives' buffers alive (timing dependent): the reduce-scatter's
-            # clone and the all-gather's output are freed when FSDP2 is done with them instead (boundpass/gloo_release.py),
+            # clone and the all-gather's output are freed when FSDP2 is done with them instead (boundpass/backend/gloo_release.py),
             # so the step's peak is the one the composition counts
             released = install_releasing_collectives(model) if self.fsdp_wrapped else 0
             self.blocks = CompiledBlocks(
@@ -235,7 +235,7 @@ class BoundpassTrainer(Trainer):
             self.bounded.trunk = self.blocks  # the head runs with every block's saved tensors held
             logger.info(f"[boundpass] blocks: {self.block_compile_note}; {self.blocks.num_blocks} blocks, "
                         f"{len(self.blocks.units)} FSDP2 units"
-                        + (f"; {released} FSDP2 group(s) on boundpass.gloo_release's collectives "
+                        + (f"; {released} FSDP2 group(s) on boundpass.backend.gloo_release's collectives "
                            f"(gloo: no buffer left to its worker threads)" if released else ""))
         if plan is not None and list(self.optimizers.optimizers) != before:
             self._repoint_at_swapped_optimizers()
@@ -325,7 +325,7 @@ class BoundpassTrainer(Trainer):
                     f"{dispatch}, "
                     f"head={'Ring-DTP from the vocab pass (the head step compiles at step 1)' if state.options.ring_dtp else 'FSDP2 lm_head'}"
                     f", optimizer {'OffloadStreamAdamW (host state)' if self.mop_offload else 'on the device'}"
-                    + (f", {state.released} FSDP2 group(s) on boundpass.gloo_release's collectives"
+                    + (f", {state.released} FSDP2 group(s) on boundpass.backend.gloo_release's collectives"
                        if state.released else "")
                     + "; boundpass.compile off" + (f"; composed budget {format_bytes(self.mop_budget.total)} of "
                                                    f"{config.boundpass.budget}" if self.mop_budget else ""))
@@ -334,10 +334,8 @@ class BoundpassTrainer(Trainer):
         """OffloadStreamAdamW in place of the container's AdamWs (state on the host, stepped in buckets of β on
         the device): what the composed budget's offload_adamw operator counts. Same container object; the LR
         schedulers hold the old optimizers, so they are rebuilt and the checkpointer re-pointed."""
-        import importlib
-
-        oa = importlib.import_module("boundpass.runtime.offload_adamw")
-        # the budgeted β when checked, else the knobs (None: OffloadStreamAdamW's defaults, from boundpass/config.py)
+        from boundpass.runtime import offload_adamw as oa
+        # the budgeted β when checked, else the knobs (None: OffloadStreamAdamW's defaults, from boundpass/core/config.py)
         oa.offload_optimizers_container(self.optimizers, bucket_params=self.mop_bucket or bp.optimizer.bucket,
                                         staging_slots=bp.optimizer.slots)
         self._repoint_at_swapped_optimizers()
@@ -653,15 +651,13 @@ def check_mop_launch(config: Trainer.Config, world: int) -> None:
 
 def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
     """(composed per-rank budget of this MoP launch, OffloadStreamAdamW bucket β or None, whether AdamW's state goes
-    to the host), read off the model built on meta (boundpass.composed; `--boundpass.optimizer.offload` auto / True
+    to the host), read off the model built on meta (boundpass.bound.composed; `--boundpass.optimizer.offload` auto / True
     / False decides the offload_adamw operator as boundpass.compile does); InfeasibleBudgetError naming the binding
     term when it does not fit. Measured against torch's allocator and the live-storage tracker: docs/recipe.md."""
-    import importlib
-
-    from boundpass.bounds import largest_fitting
-    # the modules: `boundpass.plan` is also the name of a function boundpass re-exports
-    composed, plan = importlib.import_module("boundpass.composed"), importlib.import_module("boundpass.plan")
-    oa = importlib.import_module("boundpass.runtime.offload_adamw")
+    from boundpass.bound import composed
+    from boundpass.bound.bounds import largest_fitting
+    from boundpass.planning import full_scale as plan
+    from boundpass.runtime import offload_adamw as oa
 
     bp, training = config.boundpass, config.training
     layers = config.model_spec.model.layers

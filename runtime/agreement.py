@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from boundpass.errors import BoundpassInputError
+from boundpass.core.errors import BoundpassInputError
 
 # dtype <-> small int: a fixed table (the same on every rank because it is the same code)
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
@@ -180,7 +180,7 @@ def fail_together(op: str, groups: Sequence, error: BaseException | None, *, num
 
 
 def _fail_together(op, groups, error, numbers) -> None:
-    from boundpass.errors import PeerRefusedError
+    from boundpass.core.errors import PeerRefusedError
     kind = 0 if error is None else next((i for i, name in enumerate(_KINDS) if i and any(
         c.__name__ == name for c in type(error).__mro__)), len(_KINDS) - 1)
     failed = []
@@ -196,7 +196,7 @@ def _fail_together(op, groups, error, numbers) -> None:
     if error is not None:
         raise error
     if failed:
-        from boundpass.units import format_bytes
+        from boundpass.core.units import format_bytes
         listed = "; ".join(f"rank {r}: {_KINDS[row[0]]}" + (f" (peak {format_bytes(row[1])} over its budget "
                                                             f"{format_bytes(row[2])})" if row[0] == 1 else "")
                            for r, row in dict(failed).items())

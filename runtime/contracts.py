@@ -7,7 +7,7 @@ that gives the op's whole device bound (its inputs, outputs and workspace) at on
 
 The function takes the call's arguments by their schema names (tensor arguments as their fake values, sizes
 possibly symbolic) and the launch facts of the compile (``ctx``: e.g. ``max_tokens_per_rank``), and returns
-sympy bytes in the shared vocabulary (``boundpass.symbols``) with the op's knob left symbolic. The step analysis
+sympy bytes in the shared vocabulary (``boundpass.core.symbols``) with the op's knob left symbolic. The step analysis
 (``boundpass.measure.step_peak``) reads the registry at every op node and subtracts the storages of the node's
 own inputs and outputs, which it already counts.
 

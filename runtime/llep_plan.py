@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from boundpass.errors import BoundpassInputError
+from boundpass.core.errors import BoundpassInputError
 
 
 # LLEP's planner defaults (the public LLEP planner's): the capacity factor alpha, the smallest helper piece, the

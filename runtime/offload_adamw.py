@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from boundpass import symbols as sym
-from boundpass.config import OPTIMIZER_SLOTS, OPTIMIZER_STAGING_BYTES
-from boundpass.errors import BoundpassInputError
+from boundpass.core import symbols as sym
+from boundpass.core.config import OPTIMIZER_SLOTS, OPTIMIZER_STAGING_BYTES
+from boundpass.core.errors import BoundpassInputError
 
 __all__ = ["OffloadStreamAdamW", "DEFAULT_STAGING_BYTES", "DEFAULT_SLOTS", "DEFAULT_BUCKET", "default_bucket",
            "offload_adamw_bound", "offload_adamw_staging_bound", "offload_adamw_host_bound",
@@ -38,7 +38,7 @@ _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 # staging's device bytes during step(), offload_adamw_staging_bound() = 16·S·β. 512 MiB = S = 2 slots of
 # β = 2^24 elements: the widest bucket boundpass.compile chooses (a wider one only adds staging bytes), and a
 # transient small beside the 16·Θ bytes torch AdamW keeps resident for a model large enough to need offloading
-# (Θ ≥ 2^25). Both are defined once, in boundpass/config.py (optimizer.slots / optimizer.bucket left at None); every
+# (Θ ≥ 2^25). Both are defined once, in boundpass/core/config.py (optimizer.slots / optimizer.bucket left at None); every
 # other default of β (plan, the composed budget, the MoP recipe) is derived from them here.
 DEFAULT_STAGING_BYTES = OPTIMIZER_STAGING_BYTES
 DEFAULT_SLOTS = OPTIMIZER_SLOTS  # S: one bucket's copies overlap the next bucket's update (CUDA streams)

@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from boundpass import symbols as sym
-from boundpass.errors import BoundpassInputError
+from boundpass.core import symbols as sym
+from boundpass.core.errors import BoundpassInputError
 from boundpass.runtime import contracts
 from boundpass.runtime.agreement import agree, check_devices, mixed_real_call
 from boundpass.runtime.groups import group_name_of  # noqa: F401  (also imported from here by the passes)

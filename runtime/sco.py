@@ -33,8 +33,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from boundpass import symbols as sym
-from boundpass.errors import BoundpassInputError
+from boundpass.core import symbols as sym
+from boundpass.core.errors import BoundpassInputError
 
 __all__ = ["apply_sco", "SCOHandle", "SCOEvent", "planned_offloaded_layers", "sco_device_bound", "sco_host_bound",
            "bound_values"]
@@ -404,7 +404,7 @@ class CompiledSCO(SCOHandle):
 
 
 class BlockSCO(CompiledSCO):
-    """SCO across the block graphs of a per-block compile (torchtitan's ``apply_compile``; boundpass/block_compile.py).
+    """SCO across the block graphs of a per-block compile (torchtitan's ``apply_compile``; boundpass/backend/block_compile.py).
 
     Each block graph's boundary is its own input (the previous block's output, which the caller drops once the block
     has run), and one graph serves every block of the same structure, so which block runs — and whether its boundary

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from boundpass import symbols as sym
-from boundpass.errors import BoundpassInputError
+from boundpass.core import symbols as sym
+from boundpass.core.errors import BoundpassInputError
 
 __all__ = ["seq_to_head_attention", "SeqToHeadAttention", "seq_to_head_bound", "check_head_counts", "check_local_shapes",
            "shard_positions", "shard_sequence", "sdpa_blnh"]
@@ -309,11 +309,11 @@ def seq_to_head_bound(*, count_io: bool = True, part: str = "peak", caller_keeps
     and split outputs, autograd's incoming gradient; measured), so once the forward returns the padded copy
     replaces the original, and at W > 1 the caller's q/k/v are gone by backward (the exchange copied them; they
     count in the forward only). Measured on deepseek_v3's MLA (qk 192, v 128), equal head dims and GQA
-    (tests/test_seq_to_head.py); the composed budget (boundpass/composed.py) uses False.
+    (tests/test_seq_to_head.py); the composed budget (boundpass/bound/composed.py) uses False.
 
     ``part="saved"``: what one attention keeps from its forward until its backward (the kernel's q/k/v and
     output, log-sum-exp; the caller's output): what is live beside the rest of the block (its FFN) while that
-    runs forward and backward under activation recomputation (boundpass/composed.py composes the two parts).
+    runs forward and backward under activation recomputation (boundpass/bound/composed.py composes the two parts).
     Under the same assumption the caller's q/k/v are not held then at W > 1 (the exchange copied them).
     """
     if part not in ("peak", "saved"):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from boundpass.errors import BoundpassInputError
+from boundpass.core.errors import BoundpassInputError
 from boundpass.runtime.agreement import global_max_tokens
 from boundpass.runtime.ring_dtp import reference_loss, ring_dtp_loss, vocab_shard_range
 from boundpass.testing.distributed import run_on_ranks
@@ -293,7 +293,7 @@ def _cli(*extra):
 @pytest.mark.parametrize("flag,value", [("--flops", "0"), ("--link-inter", "0"), ("--link-intra", "-1"),
                                         ("--host-link", "nan"), ("--flops", "inf"), ("--gpus-per-node", "0")])
 def test_cost_model_inputs_validated(flag, value):
-    from boundpass.plan import CostModel
+    from boundpass.planning.full_scale import CostModel
     name = flag[2:].replace("-", "_")
     with pytest.raises(BoundpassInputError, match=flag[2:]):
         CostModel(**{name: int(value) if name == "gpus_per_node" else float(value)})

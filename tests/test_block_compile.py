@@ -1,4 +1,4 @@
-"""boundpass as the backend of torchtitan's per-block compile (boundpass/block_compile.py, recipes/trainer.py).
+"""boundpass as the backend of torchtitan's per-block compile (boundpass/backend/block_compile.py, recipes/trainer.py).
 
 The trainer test runs torchtitan's own Trainer on 2 gloo ranks, deepseek_v3 debug at EP = 2 + FSDP2 with
 ``--compile.enable`` (torchtitan's apply_compile, lowered by aot_eager here: Inductor's cold-cache C++ builds of
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from boundpass.aot_workarounds import saved_tensors_before_opaque
+from boundpass.backend.aot_workarounds import saved_tensors_before_opaque
 from boundpass.testing.distributed import run_on_ranks
 
 
@@ -85,7 +85,7 @@ def test_static_inputs_follow_a_subclass_past_its_opaque_mesh():
     descriptor and, without descriptors, by counting past opaque placeholders (placeholder 2 was missed: the
     qwen3 debug block graph counted its third expert weight twice)."""
     from torch._functorch._aot_autograd.descriptors import PlainAOTInput, SubclassGetAttrAOTInput
-    from boundpass.aot_workarounds import static_placeholders
+    from boundpass.backend.aot_workarounds import static_placeholders
     _register_opaque()
 
     def joint(with_desc):
@@ -130,7 +130,7 @@ def _losses(path):
 def _per_block_run(rank, world, tmp, assets):
     os.environ["BOUNDPASS_ASSETS"] = assets
     from boundpass.recipes.train import build_in_process
-    from boundpass import aot_workarounds
+    from boundpass.backend import aot_workarounds
     from boundpass.testing.routing import route_all_to
 
     stock = os.path.join(tmp, "stock.jsonl")
@@ -229,7 +229,7 @@ def test_per_block_compile_at_ep2_fsdp2(tmp_path, assets):
 
 def _sound_and_tight(peaks, certified, tight: float = 1.10) -> None:
     """Every steady step (step >= 2) at most the certified peak, which is at most 1.10x the worst of them. The
-    reduce-scatter goes through boundpass.gloo_release (no gloo clone left to a worker thread's timing),
+    reduce-scatter goes through boundpass.backend.gloo_release (no gloo clone left to a worker thread's timing),
     so the steady steps measure the same within a few KiB (measured: 1.035-1.037x at 2 ranks, 1.040-1.042x at
     4; docs/recipe.md)."""
     steady = [peak for step, peak in peaks if step >= 2]

@@ -1,4 +1,4 @@
-"""SCO across the block graphs of a per-block compile (boundpass/block_compile.py, sco_pass.find_block_sco,
+"""SCO across the block graphs of a per-block compile (boundpass/backend/block_compile.py, sco_pass.find_block_sco,
 runtime/sco.py BlockSCO), on one process: a plain-PyTorch trunk of checkpointed blocks, each block compiled on its
 own with ``CompiledBlocks.backend`` as torchtitan's apply_compile does. Each block's checkpoint boundary is its graph
 input; one graph serves every block; the shared runtime offloads a forward prefix of the blocks and prefetches
@@ -13,10 +13,10 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from boundpass.block_compile import CompiledBlocks
-from boundpass.compiler import _state_terms
-from boundpass.config import Config
-from boundpass.errors import InfeasibleBudgetError
+from boundpass.backend.block_compile import CompiledBlocks
+from boundpass.backend.compiler import state_terms_of
+from boundpass.core.config import Config
+from boundpass.core.errors import InfeasibleBudgetError
 from boundpass.testing.whole_step import allocator_peak_of
 
 L, N, H, F = 6, 1024, 64, 128   # boundary N x H fp32 = 256 KiB per block
@@ -50,7 +50,7 @@ class Trunk(nn.Module):
 
 def _compiled(model, *, budget=2**30, host_budget=None, sco_enable=True):
     config = Config(budget=budget, host_budget=host_budget, sco={"enable": sco_enable}, dispatch={"enable": False})
-    terms, _ = _state_terms(model, None, budget=budget, host_budget=host_budget, knobs=config.optimizer)
+    terms, _ = state_terms_of(model, None, budget=budget, host_budget=host_budget, knobs=config.optimizer)
     blocks = CompiledBlocks(model, list(model.layers), config, state_terms=terms, optimizer_plan=None)
     for block in model.layers:
         block.compile(backend=blocks.backend, fullgraph=True)

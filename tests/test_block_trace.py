@@ -1,4 +1,4 @@
-"""boundpass.block_trace: a block's forward + backward peak from its AOTAutograd graphs, in symbolic tokens,
+"""boundpass.planning.block_trace: a block's forward + backward peak from its AOTAutograd graphs, in symbolic tokens,
 against the same block's fwd + bwd measured with real tensors (LiveStorageTracker: live tensor storages).
 
 Traced once with the token dimension a SymInt (one sympy expression in N), evaluated at several N; measured at
@@ -11,9 +11,9 @@ import pytest
 import sympy
 import torch
 
-from boundpass import symbols as sym
-from boundpass.block_trace import block_peak, block_phases
-from boundpass.memtrack import LiveStorageTracker
+from boundpass.core import symbols as sym
+from boundpass.planning.block_trace import block_peak, block_phases
+from boundpass.measure.memtrack import LiveStorageTracker
 
 
 class PlainBlock(torch.nn.Module):
@@ -104,7 +104,7 @@ def test_traced_torchtitan_deepseek_block_matches_its_measured_fwd_bwd(layer):
     the MoE block with its router, EP = 1 token dispatch and grouped experts: at EP = 1 the dispatch's shapes
     do not depend on the routing), traced once on meta-built weights, measured with real ones."""
     pytest.importorskip("torchtitan")
-    from boundpass.plan import _fuse_unequal_head_dims, model_config
+    from boundpass.planning.full_scale import _fuse_unequal_head_dims, model_config
     cfg = model_config("deepseek_v3", "debugmodel", seq_len=1024)
     torch.manual_seed(0)
     block = cfg.layers[layer].build()
@@ -130,8 +130,8 @@ def test_traced_torchtitan_deepseek_block_matches_its_measured_fwd_bwd(layer):
 _FORKED_CHILD = """
 import json, time
 import torch
-from boundpass import block_trace
-from boundpass.plan import model_config
+from boundpass.planning import block_trace
+from boundpass.planning.full_scale import model_config
 cfg = model_config("deepseek_v3", "debugmodel")
 with torch.device("meta"):
     net = cfg.build()
@@ -156,8 +156,8 @@ def test_forked_block_capture_gives_the_serial_terms():
     import subprocess
     import sys
 
-    from boundpass import block_trace
-    from boundpass.plan import model_config
+    from boundpass.planning import block_trace
+    from boundpass.planning.full_scale import model_config
     cfg = model_config("deepseek_v3", "debugmodel")
     with torch.device("meta"):
         net = cfg.build()
@@ -178,8 +178,8 @@ def test_traced_torchtitan_head_matches_its_measured_fwd_bwd(head):
     declared workspace), traced once at symbolic N on meta weights, against the same head run with real tensors:
     the head's input, its labels and its weight gradients counted in both."""
     pytest.importorskip("torchtitan")
-    from boundpass.block_trace import _Head, trace_torchtitan_head
-    from boundpass.plan import model_config
+    from boundpass.planning.block_trace import _Head, trace_torchtitan_head
+    from boundpass.planning.full_scale import model_config
     cfg = model_config("deepseek_v3", "debugmodel")
     with torch.device("meta"):
         meta_net = cfg.build()

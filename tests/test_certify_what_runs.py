@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import boundpass
-from boundpass.memtrack import LiveStorageTracker
+from boundpass.measure.memtrack import LiveStorageTracker
 from boundpass.runtime import OffloadStreamAdamW
 from boundpass.testing.dense_lm import DenseLM, ce
 from boundpass.testing.whole_step import measured_step_peak

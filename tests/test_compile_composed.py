@@ -3,13 +3,13 @@ import pytest
 import torch
 
 import boundpass
-from boundpass.errors import BoundpassInputError, InfeasibleBudgetError
+from boundpass.core.errors import BoundpassInputError, InfeasibleBudgetError
 
 pytest.importorskip("torchtitan")
-from boundpass import composed  # noqa: E402
-from boundpass.plan import shape_of_module  # noqa: E402
+from boundpass.bound import composed  # noqa: E402
+from boundpass.planning.full_scale import shape_of_module  # noqa: E402
 from boundpass.recipes.models import build_debug_moe, debug_moe_config  # noqa: E402
-from boundpass.textwidth import flat  # noqa: E402
+from boundpass.core.textwidth import flat  # noqa: E402
 
 pytestmark = pytest.mark.torchtitan
 SEQ, VOCAB = 32, 256
@@ -47,7 +47,7 @@ def test_fsdp_casts_count_in_the_embedding_backward():
     allocator measured it: tests/test_recipe_mop.py). One rank has no such backward (nothing to reduce-scatter)."""
     import sympy
 
-    from boundpass import symbols as sym
+    from boundpass.core import symbols as sym
 
     def term(cast):
         terms = composed._term_formulas(True, True, False, frozenset(), "worst", False, "", fsdp_param_b=cast)

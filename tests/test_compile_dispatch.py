@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 import boundpass
-from boundpass import symbols as sym
-from boundpass.errors import BoundpassInputError, InfeasibleBudgetError
+from boundpass.core import symbols as sym
+from boundpass.core.errors import BoundpassInputError, InfeasibleBudgetError
 from boundpass.testing.distributed import run_on_ranks
 from boundpass.runtime.pipelined_llep import borrowed_slot_count
 from boundpass.testing.routing import route_all_to

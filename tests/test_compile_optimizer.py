@@ -163,7 +163,7 @@ def test_torchtitan_optimizers_container_is_offloaded_in_place():
 
 
 def test_slots_and_bucket_are_chosen_to_fit_what_is_left():
-    from boundpass.config import OptimizerConfig
+    from boundpass.core.config import OptimizerConfig
     from boundpass.passes.optimizer_swap import plan_optimizer
     model = TinyLM()  # 256,000 parameters
     roomy = plan_optimizer(torch.optim.AdamW(model.parameters()), budget=PARAM_BYTES * 2 + 64 * 2**20,

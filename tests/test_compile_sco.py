@@ -13,10 +13,10 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import boundpass
-from boundpass import symbols as sym
+from boundpass.core import symbols as sym
 from boundpass.passes import sco_pass
 from boundpass.runtime.sco import bound_values, sco_compiled_device_bound, sco_host_bound
-from boundpass.textwidth import flat
+from boundpass.core.textwidth import flat
 
 SEQ, VOCAB, STEPS = 16, 256, 2
 

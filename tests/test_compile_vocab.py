@@ -8,9 +8,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import boundpass
-from boundpass.memtrack import rss_peak_in_subprocess
+from boundpass.measure.memtrack import rss_peak_in_subprocess
 from boundpass.testing.distributed import run_on_ranks
-from boundpass.textwidth import flat
+from boundpass.core.textwidth import flat
 
 
 class TinyLM(nn.Module):

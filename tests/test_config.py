@@ -1,5 +1,5 @@
 """boundpass.Config (issue 17): every knob has one name on every surface, its default is defined once (in
-boundpass/config.py), __post_init__ refuses a bad value naming the knob, and compile(model, config) is compile(model,
+boundpass/core/config.py), __post_init__ refuses a bad value naming the knob, and compile(model, config) is compile(model,
 **flat keywords)."""
 import ast
 import dataclasses
@@ -14,8 +14,8 @@ import torch
 
 import boundpass
 from boundpass.testing.dense_lm import LossLM
-from boundpass import config as bc
-from boundpass.config import Config, config_from, knob_paths
+from boundpass.core import config as bc
+from boundpass.core.config import Config, config_from, knob_paths
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KNOBS = knob_paths()  # keyword -> Config path
@@ -50,7 +50,7 @@ def test_the_naming_rule():
 
 
 def test_every_field_has_a_docstring():
-    for path, classes in (("boundpass/config.py", None), ("recipes/trainer.py", {"BoundpassConfig"})):
+    for path, classes in (("boundpass/core/config.py", None), ("recipes/trainer.py", {"BoundpassConfig"})):
         tree = ast.parse(open(os.path.join(REPO, path)).read())
         seen = 0
         for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
@@ -69,7 +69,7 @@ def test_every_field_has_a_docstring():
 
 def test_config_imports_without_torch():
     probe = ("import sys, boundpass; c = boundpass.Config(budget='1GiB', dispatch={'cap': 8}); "
-             "from boundpass.config import config_from; config_from(c, vocab_block=256); "
+             "from boundpass.core.config import config_from; config_from(c, vocab_block=256); "
              "print(sorted(m for m in ('torch', 'sympy', 'torchtitan') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -82,7 +82,7 @@ def _params(fn) -> dict:
 
 
 def test_compile_takes_every_knob_by_its_keyword_and_nothing_else():
-    from boundpass.compiler import compile as bp_compile
+    from boundpass.backend.compiler import compile as bp_compile
     params = _params(bp_compile)
     assert set(params) == COMPILE_OTHERS, "a knob must reach compile through Config / **knobs, not its own argument"
     assert params["knobs"].kind is inspect.Parameter.VAR_KEYWORD
@@ -94,9 +94,9 @@ def test_compile_takes_every_knob_by_its_keyword_and_nothing_else():
 
 
 def test_launch_plan_and_plan_input_use_the_same_names_and_defaults():
-    from boundpass.composed import Launch
-    from boundpass.plan import plan
-    from boundpass.plan_input import PlanInput, make_input
+    from boundpass.bound.composed import Launch
+    from boundpass.planning.full_scale import plan
+    from boundpass.core.plan_input import PlanInput, make_input
     defaults = Config().flat()
     launch_fields = {f.name: f.default for f in dataclasses.fields(Launch)}
     input_fields = {f.name: f.default for f in dataclasses.fields(PlanInput)}
@@ -111,7 +111,7 @@ def test_launch_plan_and_plan_input_use_the_same_names_and_defaults():
             assert params[name].default == expected, (fn.__name__, name)
     for name in launch_knobs:
         assert launch_fields[name] == input_fields[name] == defaults[name] is None, name
-    # a knob left at None is what boundpass/config.py says, in one place
+    # a knob left at None is what boundpass/core/config.py says, in one place
     from boundpass.runtime import offload_adamw as oa
     launch = Launch(ranks=1, ep=1, ring=1, tokens_per_rank=8)
     assert launch.resolved("dispatch_cap") == bc.PLAN_DISPATCH_CAP

@@ -152,13 +152,13 @@ def test_keyword_tensors_are_graph_inputs_under_dynamic_shapes():
         tokens, labels = _batch(seq=seq, seed=seq)
         loss, _ = compiled(tokens, labels=labels)
         torch.testing.assert_close(loss, reference(tokens, labels=labels)[0], rtol=1e-6, atol=1e-7)
-    from boundpass.compiler import _input_symbols
+    from boundpass.backend.compiler import input_symbols
     fw = boundpass.explain(compiled).forward_graph
     batch = [n.meta["val"] for n in fw.graph.find_nodes(op="placeholder")
              if isinstance(n.meta["val"], torch.Tensor) and n.meta["val"].dim() == 2
              and any(isinstance(d, torch.SymInt) for d in n.meta["val"].shape)]
     assert len(batch) == 2                    # input_ids and labels=: both symbolic graph inputs
-    assert _input_symbols(fw) >= {d.node.expr for t in batch for d in t.shape if isinstance(d, torch.SymInt)}
+    assert input_symbols(fw) >= {d.node.expr for t in batch for d in t.shape if isinstance(d, torch.SymInt)}
     _assert_vocab_rewritten(compiled)
 
 
@@ -271,7 +271,7 @@ def test_offload_adamw_takes_adamws_own_arguments_alone(hyper):
     for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
         assert torch.equal(p.detach(), q.detach()), name   # bit-exact, as tests/test_offload_adamw.py asserts
     # one bucket (the model is smaller than beta): one slot of Θ elements on the device, never 512 MiB
-    from boundpass.memtrack import LiveStorageTracker
+    from boundpass.measure.memtrack import LiveStorageTracker
     params = list(ours.parameters())
     for p in params:
         p.grad = torch.ones_like(p)
@@ -283,7 +283,7 @@ def test_offload_adamw_takes_adamws_own_arguments_alone(hyper):
 
 
 def test_offload_adamw_explicit_knobs_still_win_and_derive_the_other():
-    from boundpass.errors import BoundpassInputError
+    from boundpass.core.errors import BoundpassInputError
     from boundpass.runtime import OffloadStreamAdamW
     from boundpass.runtime import offload_adamw as oa
     params = list(_optimizer_model().parameters())
@@ -339,7 +339,7 @@ def test_upstream_filters_hide_exactly_the_routers_warning():
     import warnings
 
     pytest.importorskip("torchtitan")
-    from boundpass.quiet import UPSTREAM_WARNINGS, filter_upstream_warnings
+    from boundpass.core.quiet import UPSTREAM_WARNINGS, filter_upstream_warnings
     from boundpass.recipes.models import build_debug_moe
     model = build_debug_moe("deepseek_v3", vocab_size=256, seq_len=32)
     tokens = torch.randint(0, 256, (1, 32))
@@ -387,7 +387,7 @@ def test_demo_filters_torchtitans_checkpoint_notice_only(caplog):
     import logging
 
     pytest.importorskip("torchtitan")
-    from boundpass.quiet import LOG_FILTER, UPSTREAM_LOG_RECORDS, filter_upstream_warnings
+    from boundpass.core.quiet import LOG_FILTER, UPSTREAM_LOG_RECORDS, filter_upstream_warnings
     from boundpass.recipes.models import debug_moe_config
     (notice, _), = UPSTREAM_LOG_RECORDS
     root = logging.getLogger()

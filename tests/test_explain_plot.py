@@ -9,8 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import boundpass
-from boundpass.explain import ExplainReport
-from boundpass.memtrack import LiveStorageTracker
+from boundpass.planning.explain import ExplainReport
+from boundpass.measure.memtrack import LiveStorageTracker
 from boundpass.testing.whole_step import measured_step_peak, measured_step_timeline
 
 pytest.importorskip("matplotlib")

@@ -42,8 +42,8 @@ from boundpass.recipes.models import apply_cpu_device_fix  # noqa: E402
 
 apply_cpu_device_fix()
 import boundpass  # noqa: E402
-from boundpass.errors import BoundpassInputError  # noqa: E402
-from boundpass.plan import plan  # noqa: E402
+from boundpass.core.errors import BoundpassInputError  # noqa: E402
+from boundpass.planning.full_scale import plan  # noqa: E402
 from boundpass.recipes import families  # noqa: E402
 from boundpass.recipes.models import build_debug_moe  # noqa: E402
 
@@ -182,7 +182,7 @@ def test_debug_flavor_compiles_exactly_and_its_regions_are_found(family):
 
 
 class _Renamed:
-    """Another model source (boundpass/model_source.py): torchtitan's, one family under another name."""
+    """Another model source (boundpass/core/model_source.py): torchtitan's, one family under another name."""
 
     def resolve(self, model):
         if model != "my_moe":
@@ -207,7 +207,7 @@ def test_plan_takes_any_model_source_and_the_core_imports_no_recipes():
     assert r.shape.name == "my_moe tiny" and r.shape.moe_layers == 5 and "from the renamed source" in r.trace_notes
     with pytest.raises(BoundpassInputError, match="unknown flavor 'big' of my_moe; known: tiny"):
         plan("my_moe", "big", ranks=1, tokens_per_rank=256, source=_Renamed())
-    probe = ("import sys, boundpass.plan, boundpass.block_trace, boundpass.composed, boundpass.plan_input; "
+    probe = ("import sys, boundpass.plan, boundpass.planning.block_trace, boundpass.bound.composed, boundpass.core.plan_input; "
              "print(sorted(m for m in sys.modules if m.startswith('boundpass.recipes')))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr)

@@ -1,4 +1,4 @@
-"""boundpass.gloo_release: FSDP2's gradient reduce-scatter on gloo, bitwise the stock one, no buffer left
+"""boundpass.backend.gloo_release: FSDP2's gradient reduce-scatter on gloo, bitwise the stock one, no buffer left
 behind (2 and 4 gloo ranks); and on a real FSDP2 model, the same gradients as FSDP2's default comm."""
 import pytest
 import torch
@@ -11,9 +11,9 @@ pytestmark = pytest.mark.distributed
 def _against_stock(rank, world):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    from boundpass.gloo_release import (ReleasingReduceScatter, install_releasing_collectives,
+    from boundpass.backend.gloo_release import (ReleasingReduceScatter, install_releasing_collectives,
                                         releases_all_gather_outputs, uses_releasing_reduce_scatter)
-    from boundpass.memtrack import LiveStorageTracker
+    from boundpass.measure.memtrack import LiveStorageTracker
     group = dist.group.WORLD
     comm = ReleasingReduceScatter()
     out = {}
@@ -100,7 +100,7 @@ def test_fsdp2_gradients_unchanged_with_it_installed(ranks):
     for res in results:
         # the model's three FSDP2 groups (two layers, the root's empty one is not a group with parameters)
         assert res["installed"] >= 2 and res["uses"]
-        assert res["fsdp_equal"], "FSDP2's sharded gradients differ with boundpass.gloo_release's collectives"
+        assert res["fsdp_equal"], "FSDP2's sharded gradients differ with boundpass.backend.gloo_release's collectives"
         assert res["async_refused"]
 
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import boundpass
-from boundpass import composed
-from boundpass.errors import BoundpassInputError
-from boundpass.memtrack import LiveStorageTracker
-from boundpass.model_source import source_for
-from boundpass.plan import model_shape
+from boundpass.bound import composed
+from boundpass.core.errors import BoundpassInputError
+from boundpass.measure.memtrack import LiveStorageTracker
+from boundpass.core.model_source import source_for
+from boundpass.planning.full_scale import model_shape
 
 transformers = pytest.importorskip("transformers")
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,

@@ -8,8 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import boundpass
-from boundpass import cost_model as cm
-from boundpass.textwidth import flat
+from boundpass.bound import cost_model as cm
+from boundpass.core.textwidth import flat
 
 V, H, BATCH, SEQ = 8192, 32, 2, 512          # N = 1,024: the whole-vocab strip (32 MiB) misses the CPU "cache"
 
@@ -108,7 +108,7 @@ def test_the_step_is_exact_at_the_knee():
 
 
 def test_a_knob_without_a_time_model_still_takes_the_widest_that_fits():
-    from boundpass.planner import Knob, StepPlanner
+    from boundpass.planning.planner import Knob, StepPlanner
 
     class Peak:  # a graph peak of 10 B per unit of the knob
         def evaluate(self, values):
@@ -264,9 +264,9 @@ def test_optimizer_takes_the_knee_of_beta_and_s_at_a_loose_budget():
     (staging,) = [t for t in report.table.terms if t.name.startswith("optimizer staging")]
     assert staging.value == 16 * knee_beta       # the staging certified is the knee's, not the whole model's
     text = flat(report.text("none"))
-    assert (f"optimizer_bucket = {knee_beta} (knee; knee {knee_beta} (boundpass/cost_model.py); "
+    assert (f"optimizer_bucket = {knee_beta} (knee; knee {knee_beta} (boundpass/bound/cost_model.py); "
             f"the budget alone allows {theta}; range 1..{theta})") in text
-    assert "optimizer_slots = 1 (knee; knee 1 (boundpass/cost_model.py)" in text
+    assert "optimizer_slots = 1 (knee; knee 1 (boundpass/bound/cost_model.py)" in text
 
 
 def test_a_tight_budget_forces_a_bucket_below_the_knee():
@@ -410,7 +410,7 @@ def test_sco_offloads_none_at_a_loose_budget_and_the_fewest_the_budget_needs():
     plan = loose.sco_plans[-1]
     assert plan.most == 4 and plan.offloaded == 0
     text = flat(boundpass.explain(loose).text("none"))
-    assert ("sco offloaded boundaries = 0 (knee; knee 0 (fewest: boundpass/cost_model.py); the budget alone "
+    assert ("sco offloaded boundaries = 0 (knee; knee 0 (fewest: boundpass/bound/cost_model.py); the budget alone "
             "allows as few as 0; range 0..4)") in text
     # the certified peak at 1 and 2 offloaded, each from sco_enable=True with a host pool of that many boundaries
     boundary = 1024 * 64 * 4
@@ -420,7 +420,7 @@ def test_sco_offloads_none_at_a_loose_budget_and_the_fewest_the_budget_needs():
     tight = _sco_compiled(totals[1], host_budget="1GiB")
     assert tight.sco_plans[-1].offloaded == 2
     text = flat(boundpass.explain(tight).text("none"))
-    assert "sco offloaded boundaries = 2 (budget; knee 0 (fewest: boundpass/cost_model.py); the budget alone " \
+    assert "sco offloaded boundaries = 2 (budget; knee 0 (fewest: boundpass/bound/cost_model.py); the budget alone " \
            "allows as few as 2; range 0..4)" in text
 
 
@@ -429,5 +429,5 @@ def test_sco_true_is_the_users_count():
     compiled = _sco_compiled("1GiB", host_budget=3 * boundary, sco_enable=True)
     assert compiled.sco_plans[-1].offloaded == 3
     text = flat(boundpass.explain(compiled).text("none"))
-    assert "sco offloaded boundaries = 3 (user; knee 0 (fewest: boundpass/cost_model.py); the budget alone: " \
+    assert "sco offloaded boundaries = 3 (user; knee 0 (fewest: boundpass/bound/cost_model.py); the budget alone: " \
            "not searched; range 0..3)" in text

@@ -1,4 +1,4 @@
-"""boundpass.memtrack: live-storage tracker on real and fake tensors, fake-PG wait_tensor fix, subprocess RSS."""
+"""boundpass.measure.memtrack: live-storage tracker on real and fake tensors, fake-PG wait_tensor fix, subprocess RSS."""
 from __future__ import annotations
 
 import gc
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from boundpass import memtrack
-from boundpass.memtrack import (LiveStorageTracker, MeasurementError, measure_peak, rss_peak_in_subprocess,
+from boundpass.measure import memtrack
+from boundpass.measure.memtrack import (LiveStorageTracker, MeasurementError, measure_peak, rss_peak_in_subprocess,
                                 rss_run_in_subprocess)
 
 F32 = 4

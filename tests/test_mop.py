@@ -43,12 +43,12 @@ def _local(t):
 
 
 def _composed_bounds():
-    """The composed per-rank budget (boundpass.composed) of the 4-rank launch per layout, traced once here in the
+    """The composed per-rank budget (boundpass.bound.composed) of the 4-rank launch per layout, traced once here in the
     test process (the block traces are the same on every rank): AdamW on the device, every block checkpointed,
     fp32 (b = b_acc = 4); standard EP at worst-case routing and full logits, or PipelinedLLEP (cap CAP) and
     Ring-DTP (P = W)."""
-    from boundpass import composed
-    from boundpass.plan import shape_of_module
+    from boundpass.bound import composed
+    from boundpass.planning.full_scale import shape_of_module
     from boundpass.recipes.mop import build_model, mop_config
     world, ep = 4, 2
     cfg = mop_config(NAME, world=world, ep=ep, seq_len=SEQ, vocab_size=VOCAB)
@@ -109,7 +109,7 @@ def _train(rank, world, ep, ops=False, skew=False, built=None):
 def _steps(rank, world, model, facts, loss_fn):
     """_train's STEPS AdamW steps on a built model: (losses, full weights on rank 0, facts)."""
     import torch.distributed as dist
-    from boundpass.memtrack import LiveStorageTracker
+    from boundpass.measure.memtrack import LiveStorageTracker
     from boundpass.recipes.mop import shard_batch
     from boundpass.testing.whole_step import allocator_peak_of
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -161,7 +161,7 @@ def _dispatch_facts(model) -> dict:
     op comes from the pass), how many block graphs the backend compiled, and the head step's vocab region."""
     from torchtitan.models.common.moe import RoutedExperts
 
-    from boundpass.gloo_release import fsdp_param_groups, uses_releasing_reduce_scatter
+    from boundpass.backend.gloo_release import fsdp_param_groups, uses_releasing_reduce_scatter
     backend, head = model._mop.dispatch_backend, model._mop.head_backend
     groups = [g for _, g in fsdp_param_groups(model)]
     return dict(dispatch=list(model._mop.dispatch), graphs=backend.graphs if backend is not None else 0,
@@ -239,7 +239,7 @@ def test_per_rank_peak_within_composed_budget(runs, layout):
     """The composed budget of the layout (W = 4, E_p = 2) against each rank's measured peak of a whole training
     step, both ways: torch's allocator (what C++ allocates included: collective buffers, kernel workspaces)
     <= budget <= 1.10 x that; and the live storages of the next step <= budget. Until gloo's all-gather outputs were
-    released when FSDP2 drops them (boundpass/gloo_release.py) a worker thread could keep one alive into the next
+    released when FSDP2 drops them (boundpass/backend/gloo_release.py) a worker thread could keep one alive into the next
     block's backward: up to 1.080x the budget under all-to-one routing with the CPU busy (docs/mop.md)."""
     _, mop = runs[layout]
     print(f"{layout}: torch's allocator / composed budget per rank "
@@ -358,7 +358,7 @@ def test_other_models_one_step_matches_single_rank(other_models, name):
 
 
 def test_pipelined_llep_refuses_experts_it_does_not_compute():
-    from boundpass.errors import BoundpassInputError
+    from boundpass.core.errors import BoundpassInputError
     from boundpass.recipes.models import build_debug_moe
     from boundpass.recipes.mop import apply_pipelined_llep
     model = build_debug_moe("gpt_oss", vocab_size=VOCAB, seq_len=SEQ)
@@ -367,7 +367,7 @@ def test_pipelined_llep_refuses_experts_it_does_not_compute():
 
 
 def test_ring_dtp_refuses_a_vocabulary_the_ring_does_not_divide_before_parallelizing():
-    from boundpass.errors import BoundpassInputError
+    from boundpass.core.errors import BoundpassInputError
     from boundpass.recipes.models import build_debug_moe
     from boundpass.recipes.mop import MoPOptions, prepare_mop
 

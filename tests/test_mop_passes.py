@@ -23,8 +23,8 @@ def _head_step_vs_direct(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from boundpass.errors import BoundpassInputError
-    from boundpass.layout_compile import RingDTPHeadBackend
+    from boundpass.core.errors import BoundpassInputError
+    from boundpass.backend.layout_compile import RingDTPHeadBackend
     from boundpass.recipes.mop import RingDTPHead, mop_loss
     from boundpass.runtime.ring_dtp import ring_dtp_loss
     mesh = init_device_mesh("cpu", (world,))

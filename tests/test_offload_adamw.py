@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from boundpass import symbols as sym
-from boundpass.errors import BoundpassInputError
-from boundpass.memtrack import LiveStorageTracker
+from boundpass.core import symbols as sym
+from boundpass.core.errors import BoundpassInputError
+from boundpass.measure.memtrack import LiveStorageTracker
 from boundpass.runtime import OffloadStreamAdamW
 from boundpass.runtime.offload_adamw import (bound_values, offload_adamw_bound, offload_adamw_host_bound,
                                              offload_adamw_staging_bound, offload_optimizers_container,

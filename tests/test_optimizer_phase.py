@@ -1,4 +1,4 @@
-"""boundpass.optimizer_phase: any torch optimizer's state and step workspace, measured by fake steps, against a real
+"""boundpass.measure.optimizer_phase: any torch optimizer's state and step workspace, measured by fake steps, against a real
 step's state and its LiveStorageTracker peak; plan_optimizer's terms for optimizers kept on the device."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from boundpass.errors import BoundpassInputError
-from boundpass.memtrack import LiveStorageTracker, rss_peak_in_subprocess
-from boundpass.optimizer_phase import optimizer_phase
-from boundpass.config import OptimizerConfig
+from boundpass.core.errors import BoundpassInputError
+from boundpass.measure.memtrack import LiveStorageTracker, rss_peak_in_subprocess
+from boundpass.measure.optimizer_phase import optimizer_phase
+from boundpass.core.config import OptimizerConfig
 from boundpass.passes.optimizer_swap import plan_optimizer
 
 O = torch.optim
@@ -103,7 +103,7 @@ def test_the_fake_steps_allocate_no_real_memory():
     # 64 MiB of parameters: a real AdamW step would add 128 MiB of moments plus its temporaries
     code = """
 import torch
-from boundpass.optimizer_phase import optimizer_phase
+from boundpass.measure.optimizer_phase import optimizer_phase
 def setup():
     lin = torch.nn.Linear(4096, 4096, bias=False)
     opt = torch.optim.AdamW(lin.parameters(), foreach=True)
@@ -182,7 +182,7 @@ def test_plan_optimizer_budgets_any_kept_optimizer():
 
 
 def test_fake_cuda_parameters_use_the_cuda_defaults():
-    # parameters that are themselves fake (boundpass.simulate) on "cuda", on a CPU-only build: torch picks foreach
+    # parameters that are themselves fake (boundpass.measure.simulate) on "cuda", on a CPU-only build: torch picks foreach
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         params = [nn.Parameter(torch.empty(300, 77, device="cuda")), nn.Parameter(torch.empty(129, 300, device="cuda"))]

@@ -4,9 +4,9 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
-from boundpass import symbols as sym
-from boundpass.errors import BoundpassInputError
-from boundpass.memtrack import LiveStorageTracker
+from boundpass.core import symbols as sym
+from boundpass.core.errors import BoundpassInputError
+from boundpass.measure.memtrack import LiveStorageTracker
 from boundpass.runtime.llep_plan import ChunkedRoutes, lendable_experts, plan_llep
 from boundpass.runtime.pipelined_llep import (borrowed_slot_count, bound_values, llep, llep_bound, num_chunks,
                                               pipelined_llep, pipelined_llep_backward, pipelined_llep_bound,
@@ -384,8 +384,8 @@ def test_graph_bound_reads_unlimited_borrowing_as_every_other_ranks_experts():
     subtracted three experts' weights and gradients); one rank has no one to borrow from: 0 slots."""
     import torch.fx as fx
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from boundpass import symbols as sym
-    from boundpass.passes.dispatch_pass import pipelined_llep_peak
+    from boundpass.core import symbols as sym
+    from boundpass.measure.step_peak import op_bound
 
     with FakeTensorMode():
         vals = [torch.empty(16, 8), torch.zeros(16, 2, dtype=torch.int64), torch.empty(16, 2),
@@ -400,7 +400,7 @@ def test_graph_bound_reads_unlimited_borrowing_as_every_other_ranks_experts():
             inputs.append(node)
         op = graph.call_function(torch.ops.boundpass.pipelined_llep_fwd.default,
                                  (*inputs, "", 0, 1.1, 1024, 1.3, slots, True, [], torch.float32))
-        return int(pipelined_llep_peak(op, {}).subs(sym.c, 4))  # the cap c stays symbolic in the graph's bound
+        return int(op_bound(op, {}).subs(sym.c, 4))  # the op's registered contract; c stays symbolic
 
     assert charged(-1) == charged(0) > 0
     assert charged(1) > charged(0)

@@ -2,9 +2,9 @@
 
 Measured: one steady-state training step (the second: AdamW state exists) of torchtitan's real deepseek_v3 debug
 MoE model (cut to 3 blocks: 1 dense, 2 MoE) on CPU with real tensors, fp32, full activation checkpointing
-(torchtitan's FullAC), AdamW; peak = boundpass.memtrack.LiveStorageTracker's high-water mark of live tensor
+(torchtitan's FullAC), AdamW; peak = boundpass.measure.memtrack.LiveStorageTracker's high-water mark of live tensor
 storages (parameters, buffers and optimizer state counted from the start), not RSS. Predicted = the composed
-budget (boundpass.composed) of the same launch, no operator unless said.
+budget (boundpass.bound.composed) of the same launch, no operator unless said.
 
 Attention kernel: the composed budget counts a flash-style (O(N) per head) kernel. deepseek_v3's MLA has a qk
 head dim (192) different from its v head dim (128), for which torch's stock SDPA on CPU takes the math path and
@@ -22,10 +22,10 @@ import sys
 import pytest
 import torch
 
-from boundpass import composed
-from boundpass.config import PLAN_VOCAB_BLOCK
-from boundpass.errors import BoundpassInputError
-from boundpass.plan import make_input, model_config, model_shape, plan, shape_of_module
+from boundpass.bound import composed
+from boundpass.core.config import PLAN_VOCAB_BLOCK
+from boundpass.core.errors import BoundpassInputError
+from boundpass.planning.full_scale import make_input, model_config, model_shape, plan, shape_of_module
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = 3  # one dense + two MoE blocks
@@ -36,7 +36,7 @@ ONE_RANK_CASES = [(1, 1024, 2048, "full logits"), (2, 512, 2048, "full logits"),
 # (world, E_p, batch, sequence, vocab, blocks kept: None = the whole 6-block debug model)
 MOP_CASES = {"W2-Ep2-3blocks": (2, 2, 2, 256, 2048, LAYERS), "W4-Ep2-6blocks": (4, 2, 1, 512, 2048, None)}
 # The MoP layout, measured at torch's allocator since 2026-12-03 (the layout now reduce-scatters through
-# boundpass.gloo_release: no gloo clone, which a live-storage tracker used to count): 1.068-1.073x on 2 gloo
+# boundpass.backend.gloo_release: no gloo clone, which a live-storage tracker used to count): 1.068-1.073x on 2 gloo
 # ranks, 1.062-1.069x on 4. Traced block terms, live storages (2026-12-01): 1.095x on 2 gloo ranks, 1.069x on 4.
 # Hand-written terms before:
 # 1.086x its measured peak on 2 gloo ranks (1.074x on a run where gloo still held an exchange
@@ -94,7 +94,7 @@ def _uses_traced_blocks(table, kinds=("moe",)):
 
 
 def _measured_step_peak(model, batch: int, seq: int, vocab: int, loss: str) -> int:
-    from boundpass.memtrack import LiveStorageTracker
+    from boundpass.measure.memtrack import LiveStorageTracker
     from boundpass.recipes.models import torchtitan_loss
     from boundpass.runtime import ring_dtp_loss
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -292,7 +292,7 @@ def test_operators_only_lower_the_bound_and_the_binding_term_names_a_knob():
     assert not base.fits  # 117B params on 8 ranks: AdamW state alone is over 139 GiB
     bind = base.table.binding()
     assert bind.name.startswith("optimizer state on device") and "offload_adamw" in bind.knob
-    from boundpass.errors import InfeasibleBudgetError
+    from boundpass.core.errors import InfeasibleBudgetError
     with pytest.raises(InfeasibleBudgetError, match="binding term : optimizer state on device") as err:
         composed.check(base.shape, composed.Launch(ranks=8, ep=8, ring=8, tokens_per_rank=8192, operators=frozenset()),
                        budget=base.inputs.budget, host_budget=base.inputs.host_budget)
@@ -345,7 +345,7 @@ def test_degree_that_does_not_divide_the_experts_or_heads_is_refused():
 
 
 def test_search_picks_knobs_that_fit_and_reports_none_when_nothing_can():
-    from boundpass.plan import CostModel
+    from boundpass.planning.full_scale import CostModel
     kw = dict(ranks=2, context=8192, host_budget="1GiB", dtype="fp32", do_trace=False)
     result = plan("deepseek_v3", "debugmodel", ep=2, budget="2GiB", search=CostModel(), **kw)
     best = result.search["best"]

@@ -35,7 +35,7 @@ import pytest
 pytest.importorskip("torchtitan")
 
 from boundpass.testing.distributed import run_on_ranks  # noqa: E402
-from boundpass.units import parse_bytes  # noqa: E402
+from boundpass.core.units import parse_bytes  # noqa: E402
 
 pytestmark = [pytest.mark.torchtitan, pytest.mark.distributed]
 
@@ -86,7 +86,7 @@ def _stock_one_rank(rank, world, tmp, assets):
 
 def _mop_two_ranks(rank, world, tmp, assets):
     os.environ["BOUNDPASS_ASSETS"] = assets
-    from boundpass.errors import BoundpassInputError, InfeasibleBudgetError
+    from boundpass.core.errors import BoundpassInputError, InfeasibleBudgetError
     from boundpass.recipes.train import build_in_process, train_in_process
     facts = {}
 
@@ -138,7 +138,7 @@ def _train_measuring_last_step(trainer):
     """Train; the last step (data, fwd, bwd, clip, optimizer) runs under a LiveStorageTracker that counts this rank's
     parameter shards, buffers and optimizer state from the start. Returns its peak and the composed budget."""
     import torch
-    from boundpass.memtrack import LiveStorageTracker
+    from boundpass.measure.memtrack import LiveStorageTracker
     facts = {}
     model, train_step = trainer.model_parts[0], trainer.train_step
 

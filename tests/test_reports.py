@@ -1,6 +1,6 @@
 """Reports fit a 120-column terminal, and `python -m boundpass plan` refuses a bad argument before torch.
 
-The plan CLI validates everything that needs no model (boundpass/plan_input.py) before torch or torchtitan is
+The plan CLI validates everything that needs no model (boundpass/core/plan_input.py) before torch or torchtitan is
 imported; each refusal here runs in a fresh interpreter under a wall-clock limit of 1 s and must leave torch
 unimported. The tables (BudgetTable.render, PlanResult.render) keep term, bytes, share and verdict within
 textwidth.WIDTH columns; formulas come with formulas=True (wrapped) and in --json. explain's own widths are
@@ -18,10 +18,11 @@ import time
 import pytest
 import sympy
 
-from boundpass import composed, textwidth
-from boundpass import symbols as sym
-from boundpass.bounds import BoundTerm, BudgetTable
-from boundpass.step_peak import max_of
+from boundpass.bound import composed
+from boundpass.core import textwidth
+from boundpass.core import symbols as sym
+from boundpass.bound.bounds import BoundTerm, BudgetTable
+from boundpass.measure.step_peak import max_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDTH = textwidth.WIDTH
@@ -90,7 +91,7 @@ def test_fit_drops_remarks_before_clipping():
 
 
 def test_plan_report_fits_120_columns_with_formulas_under_their_rows():
-    from boundpass.plan import plan
+    from boundpass.planning.full_scale import plan
     for ranks, ep in ((1, 1), (2, 2)):
         result = plan("deepseek_v3", "debugmodel", ranks=ranks, ep=ep, tokens_per_rank=512, budget="2GiB",
                       host_budget="8GiB", do_trace=ranks == 1, solve=True)
@@ -110,7 +111,7 @@ def test_plan_report_fits_120_columns_with_formulas_under_their_rows():
 def test_composed_budget_in_explain_fits_too():
     """The composed table compile(..., launch=) puts in explain, hand-written terms (the traced ones' long names
     are in the plan report above): untraced, so this costs a meta build, not a block trace."""
-    from boundpass.plan import model_shape
+    from boundpass.planning.full_scale import model_shape
     shape = model_shape("deepseek_v3", "debugmodel", trace=False)
     launch = composed.Launch(ranks=4, ep=2, ring=4, tokens_per_rank=4096)
     table = composed.compose(shape, launch, budget=1 << 33, host_budget=1 << 36)
@@ -135,9 +136,9 @@ def test_max_of_equals_sympy_max():
 
 _WALK_WITHOUT_COMPILER = """
 import sys, torch
-from boundpass.block_trace import block_peak
+from boundpass.planning.block_trace import block_peak
 from boundpass.runtime.ring_dtp import ring_dtp_loss
-assert "boundpass.compiler" not in sys.modules and "boundpass.passes.vocab_pass" not in sys.modules
+assert "boundpass.backend.compiler" not in sys.modules and "boundpass.passes.vocab_pass" not in sys.modules
 class Head(torch.nn.Module):
     def __init__(self):
         super().__init__()

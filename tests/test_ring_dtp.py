@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
-from boundpass import symbols as sym
-from boundpass.errors import BoundpassInputError
-from boundpass.memtrack import LiveStorageTracker
+from boundpass.core import symbols as sym
+from boundpass.core.errors import BoundpassInputError
+from boundpass.measure.memtrack import LiveStorageTracker
 from boundpass.runtime import ring_dtp
 from boundpass.runtime.ring_dtp import (choose_branch, reference_loss, ring_dtp_backward, ring_dtp_bound,
                                         ring_dtp_forward, ring_dtp_loss, vocab_shard_range, vocab_shard_sizes)
@@ -228,7 +228,7 @@ def test_reference_bound_matches_measured_standard_schedule():
 
 def _simulated_paper_peak(tokens: int, block: int) -> int:
     """Live-storage peak of Ring-DTP fwd+bwd on rank 3 of 8 under fake tensors (H = 7,168, V = 200,000)."""
-    from boundpass.simulate import simulated_rank
+    from boundpass.measure.simulate import simulated_rank
     P, H, V = 8, 7168, 200_000
     with simulated_rank(3, P, device="cpu") as sim:  # fake cuda lacks some CPU-build kernels
         start, stop = vocab_shard_range(V, P, sim.rank)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from boundpass import symbols as sym
-from boundpass.errors import BoundpassInputError
+from boundpass.core import symbols as sym
+from boundpass.core.errors import BoundpassInputError
 from boundpass.runtime import apply_sco
 from boundpass.runtime.sco import bound_values, planned_offloaded_layers, sco_device_bound, sco_host_bound
 

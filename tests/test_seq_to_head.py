@@ -3,8 +3,8 @@ RoPE at global positions, GQA split and replicated), refusals, and its sympy bou
 import pytest
 import torch
 
-from boundpass import symbols as sym
-from boundpass.errors import BoundpassInputError
+from boundpass.core import symbols as sym
+from boundpass.core.errors import BoundpassInputError
 from boundpass.runtime.seq_to_head import (check_head_counts, seq_to_head_bound, shard_positions, shard_sequence)
 from boundpass.testing.distributed import run_on_ranks
 
@@ -69,7 +69,7 @@ def _sharded_vs_reference(rank, world, B, L, A_q, A_kv, D, causal, rope, dtype, 
 def _measure_bound(rank, world, B, L, A_q, A_kv, D, dtype):
     """(peak, bound) bytes of one fwd + bwd on this rank; q/k/v, the output grad tracked from the start."""
     import torch.distributed as dist
-    from boundpass.memtrack import LiveStorageTracker
+    from boundpass.measure.memtrack import LiveStorageTracker
     from boundpass.runtime.seq_to_head import seq_to_head_attention
     qf, kf, vf, gf = _problem(B, L, A_q, A_kv, D, dtype, seed=1)
     s = shard_sequence(L, rank, world)
@@ -153,7 +153,7 @@ def _measure_bound_dropping_caller(rank, world, B, L, A_q, A_kv, D, dtype):
     composed budget's, plus what is the caller's: the gradients of the narrow input and of the projection weights
     and the output projection's result (small here)."""
     import torch.distributed as dist
-    from boundpass.memtrack import LiveStorageTracker
+    from boundpass.measure.memtrack import LiveStorageTracker
     from boundpass.runtime.seq_to_head import seq_to_head_attention
     qf, kf, vf, _ = _problem(B, L, A_q, A_kv, D, dtype, seed=1)
     n = L // world
@@ -181,7 +181,7 @@ def _measure_bound_one_rank(B, L, A_q, A_kv, D, dtype, caller_keeps_inputs):
     tensors the caller holds and the output gradient is tracked from the start; else q/k/v are projections of a
     narrow input made inside the measurement and held only by the op, and the output gradient is not counted
     (torchtitan's attention modules: autograd passes it on), as the composed budget assumes."""
-    from boundpass.memtrack import LiveStorageTracker
+    from boundpass.measure.memtrack import LiveStorageTracker
     from boundpass.runtime.seq_to_head import seq_to_head_attention
     qf, kf, vf, go = _problem(B, L, A_q, A_kv, D, dtype, seed=1)
     b = qf.element_size()

@@ -1,4 +1,4 @@
-"""Tests for boundpass.simulate.simulated_rank (fake process group + FakeTensorMode, one process)."""
+"""Tests for boundpass.measure.simulate.simulated_rank (fake process group + FakeTensorMode, one process)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch._subclasses.fake_tensor import FakeTensor
 
-from boundpass.simulate import SimulatedRank, simulated_rank
+from boundpass.measure.simulate import SimulatedRank, simulated_rank
 
 H = 7168
 N_BIG = 200_000  # [200000, 7168] fp32 = 5.34 GiB per tensor
@@ -174,7 +174,7 @@ def test_fake_cuda_autograd_aborts_on_cpu_only_build():
     code = textwrap.dedent(
         """
         import torch
-        from boundpass.simulate import simulated_rank
+        from boundpass.measure.simulate import simulated_rank
         with simulated_rank(0, 2, device="cpu") as sim:   # fake cpu: autograd fine
             x = torch.ones(4, 4, device=sim.device, requires_grad=True)
             (x * 2).sum().backward()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import boundpass
-from boundpass.errors import InfeasibleBudgetError
+from boundpass.core.errors import InfeasibleBudgetError
 from boundpass.testing.dense_lm import DenseLM, ce, lm_batches, smoothed_ce
 from boundpass.testing.whole_step import measured_step_peak
 
@@ -249,7 +249,7 @@ def test_gradient_accumulation_is_certified_and_checked_before_the_step():
     """A step that starts with the previous micro-batch's gradients holds them through forward and backward: the
     certificate's accumulation total bounds it (measured), and a budget that only fits the plain step refuses it
     before running, naming the held gradients."""
-    from boundpass.memtrack import LiveStorageTracker
+    from boundpass.measure.memtrack import LiveStorageTracker
     from boundpass.testing.whole_step import optimizer_state_tensors
     torch._dynamo.reset()
     torch.manual_seed(0)

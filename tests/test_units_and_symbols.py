@@ -2,9 +2,9 @@
 import pytest
 import sympy
 
-from boundpass import symbols as sym
-from boundpass.errors import BoundpassInputError
-from boundpass.units import format_bytes, parse_bytes
+from boundpass.core import symbols as sym
+from boundpass.core.errors import BoundpassInputError
+from boundpass.core.units import format_bytes, parse_bytes
 
 
 @pytest.mark.parametrize("text,expected", [

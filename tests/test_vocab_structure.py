@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import boundpass
-from boundpass.textwidth import flat
+from boundpass.core.textwidth import flat
 
 V, H, B, S = 301, 16, 3, 13      # N = 39 tokens (36 shifted); strips of 128 over V = 301: 128, 128, 45
 BLOCK = 128

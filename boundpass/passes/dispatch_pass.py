@@ -34,11 +34,12 @@ import torch.nn.functional as F
 from boundpass.passes.graph_edit import example_value as _val
 from boundpass.passes.graph_edit import concrete_size, node_adder, op_arg, set_op_arg
 # PipelinedLLEP planner defaults (LLEP's public defaults: docs/design.md §6); the cap c is set by the budget
-from boundpass import symbols as sym
-from boundpass.bounds import Knob
+from boundpass.core import symbols as sym
+from boundpass.bound.bounds import Knob
+from boundpass.passes.protocol import Diagnosis
 from boundpass.runtime.llep_plan import DEFAULT_ALPHA, DEFAULT_IMBALANCE, DEFAULT_MIN_PIECE
 from boundpass.runtime.groups import group_name_of
-from boundpass.units import format_bytes
+from boundpass.core.units import format_bytes
 
 
 @dataclass
@@ -498,7 +499,7 @@ class DispatchPass:
 
     def knobs(self, regions: list, ctx) -> list[Knob]:
         """Open the chunk cap c of every PipelinedLLEP op for the planner (one cap: layers run one at a time)."""
-        from boundpass import cost_model
+        from boundpass.bound import cost_model
         from boundpass.runtime.agreement import global_max_tokens
         rewritten = [r for r in regions if r.rewritten]
         if not rewritten:
@@ -522,7 +523,6 @@ class DispatchPass:
                      owner=self.name, agree_over=rewritten[0].group_name)]
 
     def diagnose(self, knob: Knob, where: str):
-        from boundpass.passes.pipeline import Diagnosis
         tokens = knob.regions[0].tokens if knob.regions else "?"
         return Diagnosis(fix=dispatch_fix(knob.regions[0] if knob.regions else None, tokens),
                          detail=f"at c={knob.value}", name=f"dispatch (PipelinedLLEP, c={knob.value}){where}")

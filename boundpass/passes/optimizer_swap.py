@@ -1,6 +1,6 @@
 """Optimizer pass: replace torch AdamW (or the AdamWs in a torchtitan OptimizersContainer) with OffloadStreamAdamW
 when the budget needs it or the user asks, migrating existing state, and budget the optimizer's terms: any
-optimizer kept on the device is measured by fake steps (boundpass.optimizer_phase), state and step workspace.
+optimizer kept on the device is measured by fake steps (boundpass.measure.optimizer_phase), state and step workspace.
 
 This is not a graph rewrite: the optimizer step runs outside every captured graph (torchtitan never compiles
 it, and a compiled `opt.step` holds its state as graph constants that cannot move to the host). The decision
@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
-from boundpass import symbols as sym
-from boundpass.bounds import BoundTerm
-from boundpass.config import OptimizerConfig
-from boundpass.errors import BoundpassError, BoundpassInputError
-from boundpass.optimizer_phase import OptimizerPhase, optimizer_phase
-from boundpass.planner import Knob
+from boundpass.core import symbols as sym
+from boundpass.bound.bounds import BoundTerm
+from boundpass.core.config import OptimizerConfig
+from boundpass.core.errors import BoundpassError, BoundpassInputError
+from boundpass.measure.optimizer_phase import OptimizerPhase, optimizer_phase
+from boundpass.bound.bounds import Knob
 from boundpass.runtime import offload_adamw as oa
-from boundpass.units import format_bytes
+from boundpass.core.units import format_bytes
 
 MAX_BUCKET = oa.DEFAULT_BUCKET      # elements (2^24): the widest bucket compile considers (the knee is below it)
 MIN_OVERLAP_BUCKET = 1 << 16  # elements; below this per-bucket launch and copy latency dominates overlap
@@ -116,7 +116,7 @@ def choose_knobs(adamws, *, room: int, bucket: int | None, slots: int | None, b:
     slots while ``room`` holds that many slots of a useful size (min(Θ, MIN_OVERLAP_BUCKET)), fewer otherwise;
     then β: min(room // S, the knee's bucket at that S).
     """
-    from boundpass import cost_model
+    from boundpass.bound import cost_model
     params = [oa._local(p) for opt in adamws for g in opt.param_groups for p in g["params"]]
     theta = max(1, sum(p.numel() for p in params))
     device = params[0].device.type if params else "cpu"

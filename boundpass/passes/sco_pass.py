@@ -8,8 +8,8 @@ Two stages, because the decision must come before any real compute and the rewri
    forward order, the greedy prefix that fits the host pool (what the host budget leaves after the optimizer's
    host terms) is the most SCO may offload (``plan.most``) — the same rule as the eager runtime
    (``planned_offloaded_layers``). How many of them are offloaded is the planner's choice
-   (``boundpass.planner``): it rewrites the partitioned graphs for a candidate count (``apply_count`` + stage 2)
-   and measures the step peak of the rewritten graphs (``boundpass.step_peak``), the prefetched boundary the
+   (``boundpass.planning.planner``): it rewrites the partitioned graphs for a candidate count (``apply_count`` + stage 2)
+   and measures the step peak of the rewritten graphs (``boundpass.measure.step_peak``), the prefetched boundary the
    runtime holds between two reloads included (``held_intervals``).
 2. ``rewrite_partitioned`` (called by boundpass.compile's planning partitioner, after the stock partitioner, for
    AOTAutograd and Inductor alike): finds each block's boundary in the joint graph (the region's one external,
@@ -35,11 +35,11 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from boundpass.bounds import BoundTerm
+from boundpass.bound.bounds import BoundTerm
 from boundpass.passes.graph_edit import descendants
 from boundpass.runtime import sco as sco_rt
-from boundpass.step_peak import module_path
-from boundpass.units import format_bytes
+from boundpass.measure.step_peak import module_path
+from boundpass.core.units import format_bytes
 
 ORDER_RELOADS = True  # False only in tests: the negative control that shows what the ordering prevents
 _ALIASING = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default, torch.ops.aten.detach.default}
@@ -190,7 +190,7 @@ def find_block_sco(gm: fx.GraphModule, mode, *, runtime: sco_rt.BlockSCO, most: 
 
     ``runtime`` is shared by every block graph of the model; ``most`` is how many blocks (a forward prefix) the host
     pool takes. The graph is rewritten whatever is offloaded (the runtime decides per block at run time); how many
-    blocks are offloaded is the composition's choice (boundpass/block_compile.py), the planner's scan of
+    blocks are offloaded is the composition's choice (boundpass/backend/block_compile.py), the planner's scan of
     ``1..most`` included.
     """
     plan = SCOPlan(mode=mode, dynamic=True)
@@ -242,7 +242,7 @@ def apply_count(plan: SCOPlan, count: int) -> None:
 def held_intervals(plan: SCOPlan, bw: fx.GraphModule) -> list:
     """The prefetched boundary the runtime holds outside the graph: from reload l (which starts l-1's copy)
     to reload l-1 (which returns it)."""
-    from boundpass.step_peak import Held
+    from boundpass.measure.step_peak import Held
     import sympy
     reloads = {n.args[3]: n for n in bw.graph.nodes
                if n.op == "call_function" and n.target is torch.ops.boundpass.sco_reload.default}
@@ -470,7 +470,7 @@ def rewrite_block_boundary(plan: SCOPlan, joint, fw: fx.GraphModule, bw: fx.Grap
     outputs[slots[0]] = token
     out_node.args = (tuple(outputs),)
     placeholder.meta["val"] = token.meta["val"]
-    # backward's saved inputs are matched to forward's outputs by name (boundpass.step_peak): the placeholder now
+    # backward's saved inputs are matched to forward's outputs by name (boundpass.measure.step_peak): the placeholder now
     # receives the token; with the old name the analysis would keep the forward's input alive into backward
     placeholder._rename(token.name)
     users = list(placeholder.users)
@@ -543,7 +543,7 @@ def eager_callable(graph: fx.GraphModule):
 
     Every graph runs with the boxed calling convention (as torch's own aot_eager does), so each input — a saved
     tensor of backward among them — is freed after its last use instead of living until the graph returns: the
-    lifetimes the step analysis (boundpass.step_peak) assumes.
+    lifetimes the step analysis (boundpass.measure.step_peak) assumes.
     """
     from torch.fx.graph import _BoxedCodeGen
     graph.graph.set_codegen(_BoxedCodeGen())

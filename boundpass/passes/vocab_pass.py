@@ -30,11 +30,12 @@ import torch.nn.functional as F
 
 from boundpass.passes.graph_edit import example_value as _val
 from boundpass.passes.graph_edit import concrete_size, set_op_arg, sweep_dead_nodes
-from boundpass import symbols as sym
-from boundpass.bounds import Knob
-from boundpass.errors import BoundpassInputError
+from boundpass.core import symbols as sym
+from boundpass.bound.bounds import Knob
+from boundpass.passes.protocol import Diagnosis
+from boundpass.core.errors import BoundpassInputError
 from boundpass.runtime import ring_dtp
-from boundpass.step_peak import module_path
+from boundpass.measure.step_peak import module_path
 
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 _NLL_SIGNATURE = inspect.signature(F.nll_loss)
@@ -835,9 +836,9 @@ def _place(match: _Match, proj: _Projection, chain: list) -> str:
     return ""
 
 
-_GATHERS = tuple(t for ns in ("_c10d_functional", "_c10d_functional_autograd")
+GATHERS = tuple(t for ns in ("_c10d_functional", "_c10d_functional_autograd")
                  for t in (getattr(getattr(torch.ops, ns), "all_gather_into_tensor", None),) if t is not None)
-_GATHERS = _GATHERS + tuple(t.default for t in _GATHERS)
+GATHERS = GATHERS + tuple(t.default for t in GATHERS)
 
 
 def _gathered_shard(node, config: "VocabRewriteConfig"):
@@ -850,7 +851,7 @@ def _gathered_shard(node, config: "VocabRewriteConfig"):
             and node.target in (torch.ops._c10d_functional.wait_tensor, torch.ops._c10d_functional.wait_tensor.default)):
         return None
     gather = node.args[0]
-    if not (isinstance(gather, fx.Node) and gather.op == "call_function" and gather.target in _GATHERS):
+    if not (isinstance(gather, fx.Node) and gather.op == "call_function" and gather.target in GATHERS):
         return None
     shard, size, group = (list(gather.args) + [None, None, None])[:3]
     if config.ring_size <= 1 or size != config.ring_size or group != config.group_name or not _is_tensor(shard):
@@ -991,7 +992,7 @@ class VocabPass:
 
     def knobs(self, regions: list, ctx) -> list[Knob]:
         """Set each op's branch from N_max (a launch fact) and open its strip width C for the planner."""
-        from boundpass import cost_model
+        from boundpass.bound import cost_model
         from boundpass.runtime.agreement import global_max_tokens
         rewritten = [r for r in regions if r.rewritten]
         if not rewritten:
@@ -1029,7 +1030,6 @@ class VocabPass:
                      owner=self.name)]
 
     def diagnose(self, knob: Knob, where: str):
-        from boundpass.passes.pipeline import Diagnosis
         tokens = knob.regions[0].tokens if knob.regions else "?"
         return Diagnosis(fix="increase the ring size P (boundpass.compile(..., ring_group=<group of more ranks>)) "
                              f"or reduce tokens per rank N (now {tokens}); the narrowest strip C={knob.lo} does not fit",

@@ -96,8 +96,8 @@ PRELOAD = [
     "pytest",  # test modules hold the ranks' functions
     "datasets",
     "tokenizers",
-    "boundpass.compiler",
-    "boundpass.block_compile",
+    "boundpass.backend.compiler",
+    "boundpass.backend.block_compile",
     "boundpass.testing.whole_step",
     "boundpass.recipes.train",
     "boundpass.recipes.mop",

@@ -7,7 +7,7 @@ Inductor step is measured at torch's allocator instead: ``allocator_step_peak`` 
 free c10's allocator reports to ``torch.profiler`` (``profile_memory=True``: its allocation events, in time
 order), kernel-internal temporaries included. On an eager step it agrees with the tracker to the byte
 (tests/test_step_peak.py). Process RSS
-(``boundpass.memtrack.rss_peak_in_subprocess``) adds what no tensor holds: BLAS packing buffers, the C heap,
+(``boundpass.measure.memtrack.rss_peak_in_subprocess``) adds what no tensor holds: BLAS packing buffers, the C heap,
 Python objects.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from boundpass.memtrack import LiveStorageTracker
+from boundpass.measure.memtrack import LiveStorageTracker
 
 
 def optimizer_state_tensors(optimizer) -> list:
@@ -220,7 +220,7 @@ def measured(state):
 def certified_and_rss(inner: str, model: str = "dense", timeout: float = 900) -> tuple[int, int]:
     """(certified peak above the resident state, RSS growth of the step) of RSS_STEP_SNIPPET, bytes: both from
     one fresh interpreter (setup prints the certificate of the step it then measures)."""
-    from boundpass.memtrack import rss_run_in_subprocess
+    from boundpass.measure.memtrack import rss_run_in_subprocess
     code = RSS_STEP_SNIPPET.replace("{inner}", inner).replace("{model}", RSS_MODELS[model].strip("\n"))
     grown, stdout = rss_run_in_subprocess(code, timeout=timeout)
     line = next((ln for ln in stdout.splitlines() if ln.startswith("CERTIFIED")), None)

@@ -16,22 +16,22 @@ import torch.distributed as dist
 import torch.nn as nn
 import sympy
 
-from boundpass import inductor_peak
-from boundpass.aot_workarounds import saved_tensors_before_opaque, static_placeholders
-from boundpass import symbols as sym
-from boundpass.bounds import BoundTerm, BudgetTable, blas_workspace_bytes, raise_infeasible
-from boundpass.config import Config, config_from
-from boundpass.errors import BoundpassError, BoundpassInputError, NotCertifiedError
-from boundpass.explain import ExplainReport
-from boundpass.lowering import lower
+from boundpass.measure import inductor_peak
+from boundpass.backend.aot_workarounds import saved_tensors_before_opaque, static_placeholders
+from boundpass.core import symbols as sym
+from boundpass.bound.bounds import BoundTerm, BudgetTable, blas_workspace_bytes, raise_infeasible
+from boundpass.core.config import Config, config_from
+from boundpass.core.errors import BoundpassError, BoundpassInputError, NotCertifiedError
+from boundpass.planning.explain import ExplainReport
+from boundpass.backend.lowering import lower
 from boundpass.passes import sco_pass
 from boundpass.passes.optimizer_swap import plan_optimizer
-from boundpass.passes.pipeline import PassContext, diagnose, run_passes
-from boundpass.planner import Knob, StepPlanner, infeasible
+from boundpass.passes.pipeline import PassContext, run_passes
+from boundpass.planning.planner import Knob, StepPlanner, binding_state_term, infeasible, raise_step_infeasible
 from boundpass.runtime.agreement import agree, fail_together
 from boundpass.runtime.groups import group_name_of
-from boundpass.step_peak import analyze_graphs, module_path
-from boundpass.units import format_bytes
+from boundpass.measure.step_peak import analyze_graphs, int_or_hint, module_path
+from boundpass.core.units import format_bytes
 
 
 
@@ -48,7 +48,7 @@ class BoundedModule(nn.Module):
     def __init__(self, model: nn.Module, loss_fn, config: Config, *, state_terms, optimizer_plan, ring_group=None,
                  fullgraph: bool = True, dynamic=False, composed_table=None):
         super().__init__()
-        # every knob (boundpass/config.py): read from here, never copied. Not `.config`: that name is the model's
+        # every knob (boundpass/core/config.py): read from here, never copied. Not `.config`: that name is the model's
         # (an HF model's config, which HF's Trainer reads through this module; see __getattr__)
         self.boundpass_config = config
         self.composed_table = composed_table  # the launch configuration's composed budget (None: not given)
@@ -313,7 +313,7 @@ class BoundedModule(nn.Module):
     def carry_terms(self, peak, backed: dict) -> list[BoundTerm] | None:
         """What the rest of the step holds while a graph of this module runs, as table rows; None: the default
         (nothing under fullgraph; under graph breaks, every earlier graph's saved tensors in one row).
-        Overridden where boundpass knows the step's structure (boundpass/block_compile.py); a head compiled after a
+        Overridden where boundpass knows the step's structure (boundpass/backend/block_compile.py); a head compiled after a
         trunk of compiled blocks (``self.trunk``) runs with every block's saved tensors held."""
         trunk = getattr(self, "trunk", None)
         return trunk.head_carry_terms() if trunk is not None else None
@@ -396,12 +396,12 @@ class _PlanningPartitioner:
                               knobs=self.knobs, symbol_values=backed, carry=carry)
         count = 0 if plan.mode != True else plan.most  # noqa: E712 (sco may be the string "auto")
         fw, bw, peak = attempt(count)
-        planner.caller = _int_or_hint(peak.caller_bytes, backed)
+        planner.caller = int_or_hint(peak.caller_bytes, backed)
         grad_terms = [t.value for t in owner.state_terms if t.name == "gradients"]
         # the backward's gradient storages, each once, against the parameters' bytes counted before any graph (a
         # per-block graph's gradients are FSDP2's unsharded ones, reduce-scattered in their own phase: not here)
         if grad_terms and not getattr(owner, "per_block", False):
-            planner.grad_excess = max(0, _int_or_hint(peak.gradient_bytes, backed) - sum(grad_terms))
+            planner.grad_excess = max(0, int_or_hint(peak.gradient_bytes, backed) - sum(grad_terms))
         if owner._grads_held():  # compiled in the middle of gradient accumulation: certify that step
             planner.held_grads = sum(grad_terms) + planner.grad_excess
         if owner.optimizer_bucket is None:  # the user's (or a trunk owner's) beta stays
@@ -532,10 +532,10 @@ class _PlanningPartitioner:
         if not cert.table.host_fits():
             raise_infeasible(cert.table, max((t for t in cert.table.terms if t.kind == "host"), key=lambda t: t.value))
         if not cert.table.fits():
-            _raise_step_infeasible(owner, cert, self.knobs, self.sco_plan)
+            raise_step_infeasible(cert, self.knobs, self.sco_plan, optimizer_plan=owner.optimizer_plan)
         if p.shape_env is not None:  # a dynamic N must not grow past what was checked: guard on the budget
-            planner.guard(peak, p.shape_env, inputs=_input_symbols(p.fw), backed=p.backed)
-        owner.saved_of_earlier_graphs.append(_int_or_hint(peak.saved_bytes, p.backed))
+            planner.guard(peak, p.shape_env, inputs=input_symbols(p.fw), backed=p.backed)
+        owner.saved_of_earlier_graphs.append(int_or_hint(peak.saved_bytes, p.backed))
 
 
 def _signature(args, model_kwargs) -> int:
@@ -657,7 +657,7 @@ def _data_dependent_sizes(shape_env, peak, graphs, known: dict, knobs) -> dict:
     return out
 
 
-def _input_symbols(fw) -> set:
+def input_symbols(fw) -> set:
     """The symbols in the forward graph's input sizes (what a new batch shape changes)."""
     out = set()
     for node in fw.graph.find_nodes(op="placeholder"):
@@ -668,64 +668,7 @@ def _input_symbols(fw) -> set:
     return out
 
 
-def _int_or_hint(expr, backed: dict) -> int:
-    out = sympy.sympify(expr).xreplace(backed)
-    return int(out) if out.is_number else 0
-
-
-def _raise_step_infeasible(owner: "BoundedModule", cert, knobs: list[Knob], plan) -> None:
-    """Name the knob that would help most at the peak's program point (never one that cannot help)."""
-    table, point = cert.table, cert.point
-    budget = owner.budget
-    persistent, step = table.sum("persistent"), table.sum("step")
-    if persistent + step > budget or persistent > budget:
-        binding = _binding_state_term(table, budget)
-        infeasible(cert, knob=binding.knob, binding=binding,
-                   detail="parameters, gradients and the optimizer alone exceed the budget")
-    target = point.target if point is not None else ""
-    where = f" at {point.phase} {point.node}" + (f" @ {point.module_path}" if point.module_path else "") \
-        if point is not None else ""
-    for knob in knobs:
-        if not any(target == str(op) for op in knob.ops):
-            continue
-        if knob.user is not None and knob.widest_fitting is not None:
-            infeasible(cert, knob=f"use {knob.name} <= {knob.widest_fitting} (now {knob.user})",
-                       name=f"{knob.name}={knob.user}{where}")
-        diagnosis = diagnose(knob, where)
-        if diagnosis is not None:
-            infeasible(cert, knob=diagnosis.fix, detail=diagnosis.detail, name=diagnosis.name)
-    saved = sum(n for s, n in cert.peak.live_at(point, cert.values, top=10**6) if s.kind == "saved") if point else 0
-    if plan.eligible and saved and (plan.mode is False or plan.most < len(plan.eligible)):
-        # more offload can only help when boundaries are still on the device that the host pool could take
-        if plan.mode is False:
-            knob = "boundpass.compile(..., sco_enable='auto', host_budget=<host bytes>) offloads checkpoint boundaries"
-        elif plan.capped:
-            knob = (f"boundpass.compile(..., sco_max_layers=<larger>): {plan.most} of {len(plan.eligible)} checkpoint "
-                    f"boundaries may be offloaded")
-        else:
-            knob = (f"boundpass.compile(..., host_budget=<larger>): the host pool holds {plan.most} of "
-                    f"{len(plan.eligible)} checkpoint boundaries")
-        infeasible(cert, knob=knob)
-    opt = owner.optimizer_plan
-    if opt is not None and not opt.offloaded and any(t.name.startswith("optimizer state") for t in table.terms):
-        state = sum(t.value for t in table.terms if t.name.startswith("optimizer state") and t.counted)
-        if table.total - state <= budget:
-            infeasible(cert, knob="boundpass.compile(..., optimizer_offload=True) moves the optimizer state to the "
-                                  "host")
-    hint = "" if plan.regions or saved == 0 else " or checkpoint activations (e.g. torchtitan FullAC) and let SCO offload"
-    infeasible(cert, knob=f"reduce tokens per rank (micro-batch x sequence length){hint}, or raise the budget")
-
-
-def _binding_state_term(table: BudgetTable, budget: int) -> BoundTerm:
-    """The state term to name when state alone breaks the budget: one whose knob removes it, else the largest."""
-    state = [t for t in table.terms if t.counted and t.kind in ("persistent", "step")]
-    for term in state:
-        if term.name.startswith("optimizer state") and table.total - term.value <= budget:
-            return term
-    return max(state, key=lambda t: t.value)
-
-
-def _state_terms(model: nn.Module, optimizer, *, budget: int, host_budget, knobs):
+def state_terms_of(model: nn.Module, optimizer, *, budget: int, host_budget, knobs):
     """Parameters, gradients and the optimizer's terms (deciding its offload), checked before any graph exists."""
     # this rank's bytes: a DTensor parameter (FSDP2 / EP shard) holds only its local shard here
     params = [(getattr(p, "_local_tensor", p), p.requires_grad) for p in model.parameters()]
@@ -756,7 +699,7 @@ def _state_terms(model: nn.Module, optimizer, *, budget: int, host_budget, knobs
     if not table.host_fits():
         raise_infeasible(table, max((t for t in terms if t.kind == "host"), key=lambda t: t.value))
     if table.total > budget:
-        raise_infeasible(table, _binding_state_term(table, budget))
+        raise_infeasible(table, binding_state_term(table, budget))
     return terms, plan
 
 
@@ -778,7 +721,7 @@ def compile(model: nn.Module, config: Config | None = None, *, loss_fn=None, rin
     What is not a knob of Config: ring_group: the process group Ring-DTP rotates vocab shards/batches over (None:
     one device, P = 1). optimizer: a torch AdamW or torchtitan OptimizersContainer (optimizer.offload may swap it for
     OffloadStreamAdamW, state migrated: step `compiled.optimizer` and build LR schedulers on it). launch
-    (boundpass.composed.Launch) + model_shape (boundpass.composed.ModelShape, e.g. boundpass.plan.model_shape(
+    (boundpass.bound.composed.Launch) + model_shape (boundpass.bound.composed.ModelShape, e.g. boundpass.plan.model_shape(
     "deepseek_v3", "671B")): also check the composed per-rank budget of that launch configuration (every term of a
     step, docs/plan.md) here, before any graph; explain() shows its table. fullgraph / dynamic: torch.compile's own
     flags for the capture, kept out of Config on purpose: they change how Dynamo captures the step (graph breaks, a
@@ -801,13 +744,13 @@ def compile(model: nn.Module, config: Config | None = None, *, loss_fn=None, rin
     composed_table = None
     if launch is not None or model_shape is not None:
         if launch is None or model_shape is None:
-            raise BoundpassInputError("the composed budget needs both launch= (boundpass.composed.Launch) and "
+            raise BoundpassInputError("the composed budget needs both launch= (boundpass.bound.composed.Launch) and "
                                       "model_shape= (e.g. boundpass.plan.model_shape(model, flavor))")
-        from boundpass import composed
+        from boundpass.bound import composed
         composed_table = composed.check(model_shape, launch, budget=budget_bytes, host_budget=host_bytes)
     error = state_terms = plan = None
     try:
-        state_terms, plan = _state_terms(model, optimizer, budget=budget_bytes, host_budget=host_bytes,
+        state_terms, plan = state_terms_of(model, optimizer, budget=budget_bytes, host_budget=host_bytes,
                                          knobs=config.optimizer)
     except BoundpassError as exc:
         error = exc

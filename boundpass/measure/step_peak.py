@@ -29,7 +29,7 @@ from torch._inductor.fx_passes.memory_estimator import GraphAliasTracker, Storag
 
 from boundpass.runtime import contracts
 from boundpass.runtime.contracts import as_expr  # noqa: F401  (the passes' size expressions)
-from boundpass.units import format_bytes
+from boundpass.core.units import format_bytes
 
 
 
@@ -99,14 +99,14 @@ class GraphPeak:
         top, where, cache = -1, None, {}
         for p in self.points:
             if p.live not in cache:
-                cache[p.live] = _int(p.live, values)
+                cache[p.live] = bytes_at(p.live, values)
             if cache[p.live] > top:
                 top, where = cache[p.live], p
         return max(top, 0), where
 
     def live_at(self, point: ProgramPoint, values: dict, top: int = 8) -> list[tuple[Storage, int]]:
         """The largest storages live at ``point`` (bytes evaluated at ``values``), largest first."""
-        live = [(s, _int(s.nbytes, values)) for s in self.storages if s.start <= point.index <= s.end]
+        live = [(s, bytes_at(s.nbytes, values)) for s in self.storages if s.start <= point.index <= s.end]
         return sorted(live, key=lambda x: -x[1])[:top]
 
 
@@ -158,7 +158,8 @@ def _dominates(a: dict, b: dict) -> bool:
     return all(a.get(m, 0) >= c for m, c in b.items()) and all(c >= 0 for m, c in a.items() if m not in b)
 
 
-def _int(expr, values: dict) -> int:
+def bytes_at(expr, values: dict) -> int:
+    """Bytes of a sympy size at ``values`` (rounded up); ValueError when a size is left free."""
     out = sympy.sympify(expr).xreplace(values) if values else sympy.sympify(expr)
     if out.free_symbols:
         raise ValueError(f"step peak {expr} has free symbols {sorted(map(str, out.free_symbols))}")
@@ -368,7 +369,7 @@ def analyze_graphs(fw: fx.GraphModule, bw: fx.GraphModule | None, *, static_inpu
     if ctx.get("per_block"):
         # one block of a per-block compile: the caller (the trunk's loop) passes the output on to the next block
         # and drops the input; in backward only what this graph saved is left of them (the composition counts the
-        # output as this block's saved bytes while later blocks run: boundpass/block_compile.py)
+        # output as this block's saved bytes while later blocks run: boundpass/backend/block_compile.py)
         caller_held = set()
         result.caller_bytes = sympy.Integer(0)
         for key in list(walk.live):
@@ -407,7 +408,7 @@ def render_point(gp: GraphPeak, point: ProgramPoint, values: dict, top: int = 8)
     """Lines naming a program point and its largest live storages (module path, shape, bytes)."""
     lines = [f"peak at {point.phase} node {point.node} ({point.target})"
              + (f" in {point.module_path}" if point.module_path else "")]
-    workspace = _int(point.workspace, values)
+    workspace = bytes_at(point.workspace, values)
     if workspace:
         lines.append(f"  {format_bytes(workspace):>10}  workspace  inside {point.target} (its declared bound minus "
                      f"its inputs and outputs)")
@@ -416,3 +417,9 @@ def render_point(gp: GraphPeak, point: ProgramPoint, values: dict, top: int = 8)
         formula = "" if s.nbytes.is_number else f" = {s.nbytes}"
         lines.append(f"  {format_bytes(n):>10}  {s.kind:<10} {s.name}{where} {s.shape} {s.dtype}{formula}")
     return lines
+
+
+def int_or_hint(expr, backed: dict) -> int:
+    """A byte count (int or sympy) at the backed sizes ``backed``; 0 where a size is still free."""
+    out = sympy.sympify(expr).xreplace(backed)
+    return int(out) if out.is_number else 0

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from boundpass.runtime import contracts
 from boundpass.runtime.contracts import as_expr
-from boundpass.step_peak import GraphPeak, Held, Storage, _Walk, module_path, op_bound
+from boundpass.measure.step_peak import GraphPeak, Held, Storage, _Walk, module_path, op_bound
 
 
 @dataclass

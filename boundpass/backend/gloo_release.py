@@ -23,7 +23,7 @@ are the same, and again the late reference is to an empty storage.
 
 ``install_releasing_collectives`` puts both on every FSDP2 group whose shard group runs on gloo (NCCL makes no
 copy, and its buffers follow the caching allocator's stream rules instead); the recipe and the MoP layout install
-them; ``boundpass.block_compile`` and the composed budget count one reduce-scatter input, no clone, and each
+them; ``boundpass.backend.block_compile`` and the composed budget count one reduce-scatter input, no clone, and each
 all-gather output until its copy-out.
 """
 from __future__ import annotations

@@ -13,8 +13,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from boundpass.errors import BoundpassInputError
-from boundpass.memtrack import LiveStorageTracker
+from boundpass.core.errors import BoundpassInputError
+from boundpass.measure.memtrack import LiveStorageTracker
 
 __all__ = ["OptimizerPhase", "optimizer_phase"]
 

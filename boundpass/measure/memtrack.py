@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from boundpass.errors import BoundpassError
+from boundpass.core.errors import BoundpassError
 
 __all__ = ["LiveStorageTracker", "measure_peak", "rss_peak_in_subprocess", "rss_run_in_subprocess", "MeasurementError"]
 

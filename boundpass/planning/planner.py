@@ -1,6 +1,6 @@
 """The one planner: picks the strip width C, the chunk cap c and the SCO offload count against the step's peak.
 
-The peak comes from one place (``boundpass.step_peak``): the program points of the partitioned forward and
+The peak comes from one place (``boundpass.measure.step_peak``): the program points of the partitioned forward and
 backward graphs, with each custom op's workspace in its knob's symbol. The device peak of the step is
 
     persistent state + max(graph peak (+ held gradients when accumulating), gradients + optimizer step)
@@ -9,7 +9,7 @@ with persistent state = parameters, buffers and optimizer state on this rank. Th
 expression, never a sum written elsewhere: SCO offloads the fewest checkpoint boundaries that make the step fit
 (sco_enable="auto"; every boundary the host pool holds for sco_enable=True), then each knob takes the widest value
 that still fits, but never past the knob's knee (the smallest value within a few percent of its best modelled time,
-``boundpass/cost_model.py``; docs/knobs.md), the user's value when given. The knobs of different ops sit at
+``boundpass/bound/cost_model.py``; docs/knobs.md), the user's value when given. The knobs of different ops sit at
 different program points, so each is chosen with the others at their narrowest. The planner writes the chosen values into the graphs' op nodes by
 argument name and raises InfeasibleBudgetError, before any real compute, when even the narrowest setting of
 every knob does not fit.
@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
-from boundpass.bounds import BoundTerm, BudgetTable, Knob, device_peak, largest_fitting  # noqa: F401
-from boundpass.passes.graph_edit import set_op_arg  # noqa: F401  (the knob write-back)
-from boundpass.errors import InfeasibleBudgetError
-from boundpass.step_peak import GraphPeak, ProgramPoint, render_point
-from boundpass.units import format_bytes
+from boundpass.bound.bounds import BoundTerm, BudgetTable, Knob, device_peak, largest_fitting  # noqa: F401
+from boundpass.passes.graph_edit import set_op_arg
+from boundpass.passes.pipeline import diagnose  # noqa: F401  (the knob write-back)
+from boundpass.core.errors import InfeasibleBudgetError
+from boundpass.measure.step_peak import GraphPeak, ProgramPoint, render_point
+from boundpass.core.units import format_bytes
 
 
 @dataclass
@@ -155,7 +156,7 @@ class StepPlanner:
         """OffloadStreamAdamW's bucket beta once the graph shows what the optimizer phase leaves (the batch the caller
         holds through the step included): min(the widest that fits now, the knee), never wider than compile() chose
         (``optimizer_swap.narrow_bucket``, docs/knobs.md)."""
-        from boundpass import symbols as sym
+        from boundpass.core import symbols as sym
         from boundpass.passes.optimizer_swap import narrow_bucket
         from boundpass.runtime import offload_adamw as oa
         if optimizer_plan is None or not optimizer_plan.offloaded:
@@ -256,8 +257,8 @@ def sco_knob(plan, cert: StepCertificate, budget: int) -> Knob | None:
     """
     if plan is None or not getattr(plan, "eligible", None):
         return None
-    from boundpass import cost_model
-    from boundpass import symbols as sym
+    from boundpass.bound import cost_model
+    from boundpass.core import symbols as sym
     knob = Knob("sco", sym.L_off, lo=0, hi=plan.most, arg="", ops=(),
                 user=None if plan.mode == "auto" else plan.offloaded, value=plan.offloaded)
     knob.knee = cost_model.sco_knee(plan.most, boundary_bytes=max((r.boundary_bytes for r in plan.eligible),
@@ -293,3 +294,55 @@ def infeasible(cert: StepCertificate, *, knob: str, binding: BoundTerm | None = 
     term.knob = knob
     raise InfeasibleBudgetError("\n".join(lines), term=name or term.name, formula=str(term.formula),
                                 value_bytes=term.value, budget_bytes=budget, knob=knob)
+
+
+def raise_step_infeasible(cert: StepCertificate, knobs: list[Knob], plan, *, optimizer_plan=None) -> None:
+    """Name the knob that would help most at the peak's program point (never one that cannot help)."""
+    table, point = cert.table, cert.point
+    budget = table.budget
+    persistent, step = table.sum("persistent"), table.sum("step")
+    if persistent + step > budget or persistent > budget:
+        binding = binding_state_term(table, budget)
+        infeasible(cert, knob=binding.knob, binding=binding,
+                   detail="parameters, gradients and the optimizer alone exceed the budget")
+    target = point.target if point is not None else ""
+    where = f" at {point.phase} {point.node}" + (f" @ {point.module_path}" if point.module_path else "") \
+        if point is not None else ""
+    for knob in knobs:
+        if not any(target == str(op) for op in knob.ops):
+            continue
+        if knob.user is not None and knob.widest_fitting is not None:
+            infeasible(cert, knob=f"use {knob.name} <= {knob.widest_fitting} (now {knob.user})",
+                       name=f"{knob.name}={knob.user}{where}")
+        diagnosis = diagnose(knob, where)
+        if diagnosis is not None:
+            infeasible(cert, knob=diagnosis.fix, detail=diagnosis.detail, name=diagnosis.name)
+    saved = sum(n for s, n in cert.peak.live_at(point, cert.values, top=10**6) if s.kind == "saved") if point else 0
+    if plan.eligible and saved and (plan.mode is False or plan.most < len(plan.eligible)):
+        # more offload can only help when boundaries are still on the device that the host pool could take
+        if plan.mode is False:
+            knob = "boundpass.compile(..., sco_enable='auto', host_budget=<host bytes>) offloads checkpoint boundaries"
+        elif plan.capped:
+            knob = (f"boundpass.compile(..., sco_max_layers=<larger>): {plan.most} of {len(plan.eligible)} checkpoint "
+                    f"boundaries may be offloaded")
+        else:
+            knob = (f"boundpass.compile(..., host_budget=<larger>): the host pool holds {plan.most} of "
+                    f"{len(plan.eligible)} checkpoint boundaries")
+        infeasible(cert, knob=knob)
+    opt = optimizer_plan
+    if opt is not None and not opt.offloaded and any(t.name.startswith("optimizer state") for t in table.terms):
+        state = sum(t.value for t in table.terms if t.name.startswith("optimizer state") and t.counted)
+        if table.total - state <= budget:
+            infeasible(cert, knob="boundpass.compile(..., optimizer_offload=True) moves the optimizer state to the "
+                                  "host")
+    hint = "" if plan.regions or saved == 0 else " or checkpoint activations (e.g. torchtitan FullAC) and let SCO offload"
+    infeasible(cert, knob=f"reduce tokens per rank (micro-batch x sequence length){hint}, or raise the budget")
+
+
+def binding_state_term(table: BudgetTable, budget: int) -> BoundTerm:
+    """The state term to name when state alone breaks the budget: one whose knob removes it, else the largest."""
+    state = [t for t in table.terms if t.counted and t.kind in ("persistent", "step")]
+    for term in state:
+        if term.name.startswith("optimizer state") and table.total - term.value <= budget:
+            return term
+    return max(state, key=lambda t: t.value)

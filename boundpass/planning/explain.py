@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from boundpass import textwidth
-from boundpass.units import format_bytes
+from boundpass.core import textwidth
+from boundpass.core.units import format_bytes
+from boundpass.measure.step_peak import bytes_at
 
 
 @dataclass
@@ -19,6 +20,13 @@ class ExplainReport:
     backward_code: str = ""                           # AOT backward graph (aten)
     forward_graph: object = field(default=None, repr=False)
     backward_graph: object = field(default=None, repr=False)
+    certificate: object = field(default=None, repr=False)  # planning.planner.StepCertificate (None: not planned)
+    composed: object = None                           # bound.composed's table of the launch (None: not given)
+    sco: object = None                                # passes.sco_pass's plan for this graph
+    inference: bool = False                           # a call without a backward (no_grad / eval)
+    not_certified: object = None                      # core.errors.NotCertifiedError: code ran between graphs
+    step_graphs: list = field(default_factory=list, repr=False)  # every report of the same step, this one included
+    running: object = None                            # sizes a dynamic graph's symbolic inputs took at each call
 
     @property
     def matched(self) -> list:
@@ -47,11 +55,11 @@ class ExplainReport:
         if graph not in ("full", "excerpt", "none"):
             raise ValueError(f"graph must be 'full', 'excerpt' or 'none', got {graph!r}")
         lines = [f"boundpass report (per-rank budget {format_bytes(self.budget)})"]
-        if getattr(self, "not_certified", None) is not None:
+        if self.not_certified is not None:
             lines += ["", "NOT CERTIFIED: the step runs code between its compiled graphs that no certificate covers",
                       *(f"  graph break: {r}" for r in self.not_certified.reasons),
                       "  each graph's table below is that graph's own peak, not the step's"]
-        graphs = getattr(self, "step_graphs", None) or []
+        graphs = self.step_graphs or []
         if len(graphs) > 1:
             lines += ["", f"graphs of this step ({len(graphs)}; this report is #{graphs.index(self) + 1}):"]
             for i, g in enumerate(graphs, 1):
@@ -59,7 +67,7 @@ class ExplainReport:
                                     f"{'rewritten' if r.rewritten else 'skipped'}" for r in g.regions) or "no regions"
                 total = format_bytes(g.table.total) if g.table is not None else "not certified"
                 lines.append(f"  #{i}: certified {total}; {regions}")
-        if getattr(self, "inference", False):
+        if self.inference:
             lines += ["", "inference call (no backward): the graph's forward beside the state it holds"]
         lines += ["", "regions:"]
         if not self.regions:
@@ -75,7 +83,7 @@ class ExplainReport:
                 lines.append(f"  SKIPPED   vocab  {r.module_path}: {r.reason}")
         if self.optimizer is not None:
             lines.append(f"  OPTIMIZER {type(self.optimizer.optimizer).__name__}: {self.optimizer.reason}")
-        if getattr(self, "sco", None) is not None:  # passes.sco_pass.SCOPlan: checkpoint boundary offload
+        if self.sco is not None:  # passes.sco_pass.SCOPlan: checkpoint boundary offload
             lines += self.sco.lines()
         lines += ["", "bounds (bytes per rank):",
                   self.table.render(formulas=formulas, width=width) if self.table else "  (none)"]
@@ -87,9 +95,9 @@ class ExplainReport:
                          f"the table is at the shape first compiled")
         lines += self._knob_lines()
         lines += self._step_peak_lines()
-        if getattr(self, "composed", None) is not None:  # compile(..., launch=, model_shape=)
-            from boundpass.composed import describe
-            lines += ["", "composed per-rank budget of the launch configuration (boundpass/composed.py):",
+        if self.composed is not None:  # compile(..., launch=, model_shape=)
+            from boundpass.bound.composed import describe
+            lines += ["", "composed per-rank budget of the launch configuration (boundpass/bound/composed.py):",
                       self.composed.render(formulas=formulas, width=width), describe(self.composed)]
         if graph != "none":
             ops = op_lines(self.forward_graph, "forward") + op_lines(self.backward_graph, "backward")
@@ -106,7 +114,7 @@ class ExplainReport:
     def running_total(self) -> int | None:
         """The certified device peak (bytes) at the sizes the last call of a dynamic graph had; None for a static graph
         (or before it ran)."""
-        cert, running = getattr(self, "certificate", None), getattr(self, "running", None)
+        cert, running = self.certificate, self.running
         if cert is None or not running or cert.planner is None:
             return None
         values = {**cert.values, **running}
@@ -117,26 +125,26 @@ class ExplainReport:
 
         The graph's knobs (C, c), then OffloadStreamAdamW's β and S (``optimizer_bucket``, ``optimizer_slots``),
         then SCO's offload count (``sco``, the fewest the budget needs; docs/knobs.md)."""
-        cert = getattr(self, "certificate", None)
+        cert = self.certificate
         knobs = list(cert.planner.knobs) if cert is not None and cert.planner is not None else []
         knobs += list(getattr(self.optimizer, "knobs", None) or [])
         sco = None
-        if cert is not None and getattr(self, "sco", None) is not None:
-            from boundpass.planner import sco_knob
+        if cert is not None and self.sco is not None:
+            from boundpass.planning.planner import sco_knob
             sco = sco_knob(self.sco, cert, self.budget)
         if not knobs and sco is None:
             return []
-        lines = ["", "knobs (boundpass/planner.py; rule: docs/knobs.md):"]
+        lines = ["", "knobs (boundpass/planning/planner.py; rule: docs/knobs.md):"]
         for k in knobs:
             allowed = "nothing fits" if k.widest_fitting is None else f"the budget alone allows {k.widest_fitting}"
-            knee = "no time model" if getattr(k, "knee", None) is None else f"knee {k.knee} (boundpass/cost_model.py)"
+            knee = "no time model" if getattr(k, "knee", None) is None else f"knee {k.knee} (boundpass/bound/cost_model.py)"
             lines.append(f"  {k.name} = {k.value} ({k.why}; {knee}; {allowed}; range {k.lo}..{k.hi})")
         if sco is not None:
             allowed = ("the budget alone: not searched" if sco.widest_fitting is None and sco.why == "user" else
                        "nothing fits" if sco.widest_fitting is None else
                        f"the budget alone allows as few as {sco.widest_fitting}")
             lines.append(f"  sco offloaded boundaries = {sco.value} ({sco.why}; knee {sco.knee} (fewest: "
-                         f"boundpass/cost_model.py); {allowed}; range {sco.lo}..{sco.hi})")
+                         f"boundpass/bound/cost_model.py); {allowed}; range {sco.lo}..{sco.hi})")
         return lines
 
     # ---- the step's predicted memory over time --------------------------------------------------------------
@@ -148,7 +156,7 @@ class ExplainReport:
         saved, when there are graph breaks), then one ``("optimizer", "step", "", persistent + step terms)``.
         Its maximum is the certified device peak ``table.total``. Empty before anything was certified.
         """
-        cert = getattr(self, "certificate", None)
+        cert = self.certificate
         if cert is None or cert.table is None:
             return []
         table = cert.table
@@ -158,18 +166,18 @@ class ExplainReport:
         out = []
         for p in cert.peak.points:
             if p.live not in cache:
-                cache[p.live] = _int(p.live, cert.values)
+                cache[p.live] = bytes_at(p.live, cert.values)
             out.append((p.phase, p.node, p.module_path, persistent + carry + cache[p.live]))
         out.append(("optimizer", "step", "", persistent + table.sum("step")))
         return out
 
     def _step_peak_lines(self, rows: int = 20, width: int = 24) -> list[str]:
         """The "step peak" section: the peak's program point, its largest tensors, a sampled timeline."""
-        cert = getattr(self, "certificate", None)
+        cert = self.certificate
         line = self.timeline()
         if cert is None or not line:
             return []
-        from boundpass.step_peak import render_point
+        from boundpass.measure.step_peak import render_point
         lines = ["", "step peak (predicted, device bytes per rank):"]
         if cert.point is not None:
             lines += ["  " + ln for ln in render_point(cert.peak, cert.point, cert.values)]
@@ -221,11 +229,6 @@ class ExplainReport:
 
 def _clip(text: str, n: int) -> str:
     return text if len(text) <= n else text[: n - 1] + "~"
-
-
-def _int(expr, values: dict) -> int:
-    from boundpass.step_peak import _int as evaluate
-    return evaluate(expr, values)
 
 
 def _spread(n: int) -> list[float]:

@@ -68,7 +68,7 @@ A_kv = sympy.Symbol("A_kv", **_pos)    # attention key/value heads (GQA: A_kv di
 D_h = sympy.Symbol("D_h", **_pos)      # attention head dimension
 ALL.update({s.name: s for s in (A_q, A_kv, D_h)})
 
-# Composed per-rank budget (boundpass/composed.py, boundpass/plan.py)
+# Composed per-rank budget (boundpass/bound/composed.py, boundpass/planning/full_scale.py)
 Theta_blk = sympy.Symbol("Theta_blk", **_pos)  # non-routed-expert parameter elements of the largest block (ZeRO-3 gather)
 I_f = sympy.Symbol("I_f", **_pos)              # hidden size of the dense blocks' FFN
 I_s = sympy.Symbol("I_s", **_pos)              # hidden size of a MoE block's shared-experts MLP

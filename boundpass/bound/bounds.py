@@ -5,9 +5,9 @@ from dataclasses import dataclass, field
 
 import sympy
 
-from boundpass.errors import InfeasibleBudgetError
-from boundpass import textwidth
-from boundpass.units import format_bytes
+from boundpass.core.errors import InfeasibleBudgetError
+from boundpass.core import textwidth
+from boundpass.core.units import format_bytes
 
 
 def device_peak(persistent, *phases):
@@ -24,7 +24,7 @@ def device_peak(persistent, *phases):
 class BoundTerm:
     """One memory term of a training step on one rank (bytes)."""
     name: str
-    formula: sympy.Expr          # in the shared vocabulary (boundpass.symbols)
+    formula: sympy.Expr          # in the shared vocabulary (boundpass.core.symbols)
     value: int                   # bytes at this launch configuration
     knob: str                    # what a user changes to shrink it
     kind: str = "transient"      # "persistent" state, "transient" (forward/backward), "step" (optimizer), "host"
@@ -107,7 +107,7 @@ class Knob:
     value: int = 0
     why: str = ""                # "knee" / "budget" / "user" ("widest": no time model, the budget allows hi)
     widest_fitting: int | None = None  # what the budget alone allows (None: not even the narrowest)
-    knee: int | None = None      # the time model's knee (boundpass/cost_model.py); None: no model, the widest
+    knee: int | None = None      # the time model's knee (boundpass/bound/cost_model.py); None: no model, the widest
     regions: list = field(default_factory=list)   # pass region records, updated with the value
     owner: str = ""              # the pass that opened it (its diagnosis names the fix)
     agree_over: str = ""         # a process group's name whose ranks must run the same value ("": none)

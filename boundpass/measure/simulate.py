@@ -5,7 +5,7 @@ communication; ``rank``/``world_size`` are whatever you say) and enters a ``Fake
 every tensor factory returns a ``FakeTensor``: shape/dtype/device/strides only, no storage. So a
 ``[200000, 7168]`` fp32 (5.3 GiB) "cuda" tensor costs nothing, on this CPU-only torch build too::
 
-    from boundpass.simulate import simulated_rank
+    from boundpass.measure.simulate import simulated_rank
     import torch, torch.distributed as dist
 
     with simulated_rank(3, 8) as sim:                   # device="cuda" by default

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import re
 
-from boundpass.errors import BoundpassInputError
+from boundpass.core.errors import BoundpassInputError
 
 # Decimal (SI) and binary (IEC) units; bare "K/M/G/T" are read as binary, as memory is sized in powers of 2.
 _UNITS = {

@@ -4,14 +4,14 @@
 (``aot_function`` with a partition function that keeps torch's ``default_partition`` graphs) under a
 ``FakeTensorMode`` whose ``ShapeEnv`` makes the token dimension of the inputs a SymInt (nothing is allocated:
 a 671B block at a million tokens costs what a debug block costs), then walks the partitioned graphs with the
-same analysis ``boundpass.compile`` certifies (``boundpass.step_peak.analyze_graphs``: storages by torch's
+same analysis ``boundpass.compile`` certifies (``boundpass.measure.step_peak.analyze_graphs``: storages by torch's
 ``GraphAliasTracker``, lifetimes in execution order, saved tensors across forward/backward, custom-op workspace).
 The result is a ``GraphPeak`` whose bytes are sympy expressions in the token symbol, mapped to
-``boundpass.symbols.N``.
+``boundpass.core.symbols.N``.
 
 Parameters and buffers are static inputs: persistent state, never in the walk. ``weight_grads=False`` (the
 default) also leaves out the gradients backward returns for them (the composed budget counts every gradient by
-phase, boundpass/composed.py). The module's output is returned to the caller and its incoming gradient is a
+phase, boundpass/bound/composed.py). The module's output is returned to the caller and its incoming gradient is a
 real tensor (``tangents``, live through backward), as for a block inside a model; with ``loss_fn`` the loss is
 the output instead.
 
@@ -23,7 +23,7 @@ input projections' tail), from ``torch.fx.traceback.annotate`` tags that module 
 Data-dependent shapes: torchtitan's EP = 1 token dispatch has static shapes (N·k rows, sorted), but under
 EP > 1 the rows a rank receives depend on the routing; ``stand_in`` replaces a submodule by a shape-keeping
 stand-in (output = input · 0, so its saved bytes are none) for a region whose bytes a hand-written,
-routing-independent bound gives instead (boundpass/composed.py: the routed experts).
+routing-independent bound gives instead (boundpass/bound/composed.py: the routed experts).
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ import sympy
 import torch
 import torch.fx.traceback as fx_traceback
 
-from boundpass import symbols as sym
-from boundpass.step_peak import GraphPeak, ProgramPoint, analyze_graphs
+from boundpass.core import symbols as sym
+from boundpass.measure.step_peak import GraphPeak, ProgramPoint, analyze_graphs
 
 PHASES = ("forward", "ffn_backward", "attention_backward", "tail_backward")
 
@@ -138,7 +138,7 @@ def block_peak(module: torch.nn.Module, example_inputs: Sequence, *, symbolic_to
     example_inputs: real or meta tensors (their values are never read); floating ones that require grad get a
     gradient. The token dimension (``token_dim``) of every tensor input with at least ``token_dim + 1`` dims is
     one SymInt (``symbolic_tokens=False``: the concrete size, token symbol None); the GraphPeak's bytes are
-    expressed in ``boundpass.symbols.N``. count_inputs=False leaves the inputs' own storages out (a block's
+    expressed in ``boundpass.core.symbols.N``. count_inputs=False leaves the inputs' own storages out (a block's
     input is its checkpoint boundary, counted by its own term). tags: {submodule path: tag} annotations for
     ``block_phases``. stand_in: {submodule path: module} regions replaced while tracing.
     """
@@ -370,7 +370,7 @@ def _split_forward(peak: GraphPeak, fw: torch.fx.GraphModule) -> dict:
 
 def _max(values) -> sympy.Expr:
     """Max of sympy expressions, dominated ones pruned (step_peak.max_of)."""
-    from boundpass.step_peak import max_of
+    from boundpass.measure.step_peak import max_of
     return max_of(values)
 
 
@@ -587,7 +587,7 @@ class _Head(torch.nn.Module):
         super().__init__()
         self.norm, self.lm_head, self.ring_dtp = norm, lm_head, ring_dtp
         if loss_fn is None:  # the default model source's loss (torchtitan's CrossEntropyLoss)
-            from boundpass.model_source import default_source
+            from boundpass.core.model_source import default_source
             loss_fn = default_source().loss
         self.loss_fn = loss_fn
 
@@ -614,7 +614,7 @@ def trace_torchtitan_head(net: torch.nn.Module, *, progress=None, loss_fn=None) 
     backward at symbolic N through the step analysis. Its input (the last block's output, which the norm saves)
     and the labels are counted, and the head's weight gradients as its backward writes them (the composed budget
     then leaves its grad_head term out: composed._traced_head). loss_fn: makes the loss (None: the default
-    model source's, boundpass/model_source.py)."""
+    model source's, boundpass/core/model_source.py)."""
     weight = net.lm_head.weight
     h = torch.empty(1, 8, weight.shape[1], dtype=weight.dtype, device="meta", requires_grad=True)
     out = []

@@ -1,14 +1,14 @@
 """`boundpass.plan`: does a torchtitan MoE model fit per-rank memory at this launch, before launch — and what fits.
 
 Method: read the model's shape off torchtitan's real model (built on ``meta``: parameter counts per block, expert
-shapes, heads); compose the per-rank budget (boundpass/composed.py: every term a sympy formula); then trace the
+shapes, heads); compose the per-rank budget (boundpass/bound/composed.py: every term a sympy formula); then trace the
 real torchtitan blocks at this rank's token count under FakeTensorMode (nothing allocated) and put what the trace
 holds beside the bounds. Tracing covers one dense block (if the model has one), one MoE block and the loss head
 (final norm + lm_head + torchtitan's CrossEntropyLoss) on one rank; the model is composed from them by layer
 count. The trace runs torchtitan's own schedule on one rank (all experts local, every head, full logits, SDPA's
 CPU kernel), so its figures are the *reference* working sets of a layer and of the head, not the rewritten ones.
 
-Models come from a model source (boundpass/model_source.py): by default torchtitan's, found from its own model
+Models come from a model source (boundpass/core/model_source.py): by default torchtitan's, found from its own model
 registries (recipes/families.py); this module imports nothing of boundpass.recipes.
 """
 from __future__ import annotations
@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from boundpass import composed, textwidth
-from boundpass.composed import Launch, ModelShape
-from boundpass.config import PLAN_BUDGET
-from boundpass.model_source import ModelSource, default_source
-from boundpass.plan_input import DTYPE_BYTES, OPERATORS, CostModel, PlanInput, locate, make_input  # noqa: F401
-from boundpass.units import format_bytes, parse_bytes
+from boundpass.bound import composed
+from boundpass.core import textwidth
+from boundpass.bound.composed import Launch, ModelShape
+from boundpass.core.config import PLAN_BUDGET
+from boundpass.core.model_source import ModelSource, default_source
+from boundpass.core.plan_input import DTYPE_BYTES, OPERATORS, CostModel, PlanInput, locate, make_input  # noqa: F401
+from boundpass.core.units import format_bytes
 
 @dataclass
 class PlanResult:
@@ -179,7 +180,7 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
     """ModelShape of a built torchtitan Decoder (meta or real): parameter counts per block, experts, heads.
 
     trace (None: for the families in block_trace.TRACED_FAMILIES): also trace one block of each kind forward +
-    backward at symbolic N (boundpass/block_trace.py) so that the composed budget takes those blocks'
+    backward at symbolic N (boundpass/planning/block_trace.py) so that the composed budget takes those blocks'
     activations from their graphs on one rank (composed.uses_trace). loss_fn: a callable returning the head's
     loss (None: the default model source's, torchtitan's CrossEntropyLoss). traces: "all" (default), "one_rank"
     (the blocks and the head as a W = 1 launch reads them: composed.uses_trace) or "wide" (the blocks without their
@@ -212,7 +213,7 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
                 shared_hidden = max(shared_hidden, _ffn_width(shared))
         elif getattr(blk, "feed_forward", None) is not None:
             dense_hidden = max(dense_hidden, _ffn_width(blk.feed_forward))
-    from boundpass import block_trace
+    from boundpass.planning import block_trace
     weight_bytes = next(net.parameters()).element_size()
     if trace is None:  # a parallelized model (DTensor weights) is traced by its one-rank schedule only unsharded
         trace = block_trace.untraced_reason(name.split()[0], weight_bytes) is None and not any(
@@ -268,7 +269,7 @@ def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2, progres
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from boundpass.memtrack import LiveStorageTracker
+    from boundpass.measure.memtrack import LiveStorageTracker
 
     source = source or default_source()
     torchtitan_loss = source.loss
@@ -344,11 +345,11 @@ def plan(model, flavor: str | None = None, *, ranks: int, ep: int = 1, ring: int
     pipelined_llep, sco, offload_adamw (empty = the baseline: full logits, standard EP, no offload, ZeRO-3).
     dispatch_cap, dispatch_borrowed_slots, vocab_block, optimizer_bucket, optimizer_slots, sco_max_layers:
     boundpass.Config's knobs by the same
-    keywords (docs/config.md); None takes composed.Launch.resolved's value (defined in boundpass/config.py).
+    keywords (docs/config.md); None takes composed.Launch.resolved's value (defined in boundpass/core/config.py).
     solve: also find the largest context (or N) that fits. do_trace: trace torchtitan's blocks (fake tensors).
     search: True or a CostModel: choose (E_p, P, c, β, S, SCO subset) at the least predicted step time.
     progress: None, or called with one line per step (the CLI prints them to stderr).
-    source: where (model, flavor) come from (boundpass/model_source.py; None: torchtitan's registries). A flavor
+    source: where (model, flavor) come from (boundpass/core/model_source.py; None: torchtitan's registries). A flavor
     that cannot be planned (no MoE block, a kernel package missing, an attention kind the budget does not model)
     raises BoundpassInputError with the reason. trace_blocks: trace the blocks' graphs at symbolic N for the block
     terms (None: where block_trace supports the family; False: the hand-written block terms, a few seconds faster
@@ -395,13 +396,13 @@ def block_terms_note(shape: ModelShape, launch: Launch, family: str) -> str:
     """Which block terms this launch's budget uses: traced (block_trace) or hand-written, and why."""
     if composed.uses_trace(shape, launch):
         return ("block terms: traced (the real blocks' forward + backward graphs at symbolic N through the step "
-                "analysis, boundpass/block_trace.py; rows named 'traced ...')")
+                "analysis, boundpass/planning/block_trace.py; rows named 'traced ...')")
     if composed.uses_wide_trace(shape, launch):
         return ("block terms: traced on one rank without the routed experts and weight gradients (rows named "
                 "'traced ...'), plus hand-written for W > 1: the routed experts' dispatch bound, the "
                 "sequence-to-head exchange beyond one rank, ZeRO-3's gathered units and unsharded gradients; "
                 "the loss head: hand-written")
-    from boundpass import block_trace
+    from boundpass.planning import block_trace
     reason = block_trace.untraced_reason(family, launch.b)
     if reason is None and (launch.ranks > 1 or launch.ep > 1):
         reason = ("W > 1 / E_p > 1: the sequence-to-head exchange and the routed rows a rank receives are not in a "

@@ -1,5 +1,5 @@
 """boundpass's passes as Dynamo backends for a layout whose budget is checked before launch: the MoP layout
-(recipes/mop.py), whose composed per-rank budget (boundpass.composed, recipes/trainer.py ``check_mop_budget``) is
+(recipes/mop.py), whose composed per-rank budget (boundpass.bound.composed, recipes/trainer.py ``check_mop_budget``) is
 checked on the meta model before anything is built.
 
 - ``DispatchBlocks``: the backend of torchtitan's per-block compile; every block graph goes through the dispatch pass
@@ -19,9 +19,9 @@ import functools
 import torch
 import torch.nn as nn
 
-from boundpass.config import Config, DispatchConfig
-from boundpass.errors import BoundpassInputError
-from boundpass.lowering import lower
+from boundpass.core.config import Config, DispatchConfig
+from boundpass.core.errors import BoundpassInputError
+from boundpass.backend.lowering import lower
 from boundpass.passes.pipeline import PassContext, run_passes
 
 
@@ -115,8 +115,8 @@ class RingDTPHeadBackend:
         if len(rewritten) != 1 or len(regions) != 1:
             found = "; ".join(r.describe() for r in regions) or "no lm_head -> cross-entropy region"
             raise BoundpassInputError(f"boundpass MoP head: Ring-DTP was asked for, but the vocab pass found {found}")
-        from boundpass.passes.vocab_pass import _GATHERS
-        left = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _GATHERS]
+        from boundpass.passes.vocab_pass import GATHERS
+        left = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in GATHERS]
         if left:  # the gathered [V, H] weight would still be formed: memory the layout's budget does not count
             raise BoundpassInputError(f"boundpass MoP head: the vocab pass rewrote the loss but {len(left)} all-gather(s) "
                                       "of the weight remain in the head's graph")
@@ -131,10 +131,10 @@ class RingDTPHeadBackend:
 
 def _partition(joint, joint_inputs, *, inductor: bool, **kwargs):
     """torch's own partitioner (min-cut for Inductor, default for eager kernels), its saved values reordered by the
-    AOTAutograd workaround every boundpass block graph needs at EP > 1 under FSDP2 (boundpass/aot_workarounds.py)."""
+    AOTAutograd workaround every boundpass block graph needs at EP > 1 under FSDP2 (boundpass/backend/aot_workarounds.py)."""
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
-    from boundpass.aot_workarounds import saved_tensors_before_opaque
+    from boundpass.backend.aot_workarounds import saved_tensors_before_opaque
     fw, bw = (min_cut_rematerialization_partition if inductor else default_partition)(joint, joint_inputs, **kwargs)
     saved_tensors_before_opaque(fw, bw, kwargs["num_fwd_outputs"])
     return fw, bw

@@ -3,7 +3,7 @@
 Every argument error a user can make without the model being built (unknown model or flavor, degrees that do
 not divide W, a bad unit, an unknown operator, a bad cost-model input) is raised here, before torch, sympy or
 torchtitan are imported: the CLI refuses a typo in well under a second. The model names and flavors come from
-the model source (boundpass/model_source.py; torchtitan's: recipes/families.py, which finds the packages and reads
+the model source (boundpass/core/model_source.py; torchtitan's: recipes/families.py, which finds the packages and reads
 their registries' flavors without importing them). What needs the model (it has MoE blocks, an attention kind the
 budget models, E_p divides its expert count) is checked once its config is read or it is built on meta.
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from boundpass.config import PLAN_BUDGET, config_from
-from boundpass.errors import BoundpassInputError
-from boundpass.model_source import ModelSource, default_source, source_for
+from boundpass.core.config import PLAN_BUDGET, config_from
+from boundpass.core.errors import BoundpassInputError
+from boundpass.core.model_source import ModelSource, default_source, source_for
 
-# the bounded operators a launch can switch on (boundpass/composed.py composes their terms)
+# the bounded operators a launch can switch on (boundpass/bound/composed.py composes their terms)
 OPERATORS = ("ring_dtp", "pipelined_llep", "sco", "offload_adamw")
 
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
@@ -87,7 +87,7 @@ def make_input(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | 
                source: ModelSource | None = None) -> PlanInput:
     """Validate and normalise plan inputs (raises BoundpassInputError naming what to change; builds nothing).
     The model is given by its family name in the model source (an alias resolved: PlanInput.model is canonical).
-    budget, host_budget and the knobs are boundpass.Config's, validated by it (boundpass/config.py)."""
+    budget, host_budget and the knobs are boundpass.Config's, validated by it (boundpass/core/config.py)."""
     knobs = config_from(budget=budget, host_budget=host_budget, dispatch_cap=dispatch_cap,
                         dispatch_borrowed_slots=dispatch_borrowed_slots, vocab_block=vocab_block,
                         optimizer_bucket=optimizer_bucket, optimizer_slots=optimizer_slots,

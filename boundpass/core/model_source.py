@@ -1,6 +1,6 @@
 """The narrow interface through which `boundpass.plan` gets its models (nothing here imports torch).
 
-The planner (boundpass/plan.py, boundpass/block_trace.py) knows how to read a torchtitan-style decoder (an
+The planner (boundpass/planning/full_scale.py, boundpass/planning/block_trace.py) knows how to read a torchtitan-style decoder (an
 embedding, ``layers`` of blocks with ``attention`` and ``moe`` / ``feed_forward``, a final norm, an lm_head),
 not where such a decoder comes from. A *model source* says that:
 

@@ -1,6 +1,6 @@
 """Time models of the rewritten ops against their knobs, and the knee the planner stops at.
 
-The planner (``boundpass/planner.py``) gives a knob the *knee* of its time curve, the smallest value whose
+The planner (``boundpass/planning/planner.py``) gives a knob the *knee* of its time curve, the smallest value whose
 modelled time is within ``KNEE_TOLERANCE`` of the best, and goes narrower only when the budget requires it;
 it never grows a knob past the knee because the budget happens to allow it (issue 18, docs/knobs.md).
 

@@ -16,8 +16,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from boundpass.errors import BoundpassInputError
-from boundpass.units import parse_bytes
+from boundpass.core.errors import BoundpassInputError
+from boundpass.core.units import parse_bytes
 
 __all__ = ["Config", "VocabConfig", "DispatchConfig", "SCOConfig", "OptimizerConfig", "config_from", "knob_paths",
            "INNER_COMPILERS", "MODES", "PLAN_KNOBS", "PLAN_BUDGET", "PLAN_VOCAB_BLOCK", "PLAN_DISPATCH_CAP",
@@ -201,7 +201,7 @@ class Config:
                 value = cls(**value)
                 setattr(self, name, value)
             if not isinstance(value, cls):
-                raise BoundpassInputError(f"boundpass.Config: {name} must be a boundpass.config.{cls.__name__} (or a "
+                raise BoundpassInputError(f"boundpass.Config: {name} must be a boundpass.core.config.{cls.__name__} (or a "
                                           f"dict of its fields), got {type(value).__name__}")
 
     @property

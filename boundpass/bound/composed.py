@@ -50,12 +50,12 @@ from dataclasses import dataclass
 
 import sympy
 
-from boundpass import symbols as sym
-from boundpass.bounds import BoundTerm, BudgetTable, device_peak, raise_infeasible
-from boundpass.config import OPTIMIZER_SLOTS, PLAN_DISPATCH_CAP, PLAN_VOCAB_BLOCK
-from boundpass.errors import BoundpassInputError
-from boundpass.plan_input import OPERATORS  # noqa: F401  (defined where the CLI reads it without torch)
-from boundpass.units import format_bytes
+from boundpass.core import symbols as sym
+from boundpass.bound.bounds import BoundTerm, BudgetTable, device_peak, raise_infeasible
+from boundpass.core.config import OPTIMIZER_SLOTS, PLAN_DISPATCH_CAP, PLAN_VOCAB_BLOCK
+from boundpass.core.errors import BoundpassInputError
+from boundpass.core.plan_input import OPERATORS  # noqa: F401  (defined where the CLI reads it without torch)
+from boundpass.core.units import format_bytes
 
 # the modules, not the same-named functions boundpass.runtime re-exports
 oa = importlib.import_module("boundpass.runtime.offload_adamw")
@@ -94,7 +94,7 @@ class ModelShape:
     leading_dense_params: int = 0  # elements of the dense blocks before the first MoE block (grads absent in MoE bwd)
     min_dense_block_params: int = 0  # elements of the smallest dense block (0: none)
     min_moe_block_params: int = 0    # elements of the smallest MoE block, its routed experts included (0: none)
-    # traced block activations (boundpass/block_trace.py): ((block kind "dense"/"moe", sub-phase, sympy bytes in N),
+    # traced block activations (boundpass/planning/block_trace.py): ((block kind "dense"/"moe", sub-phase, sympy bytes in N),
     # ...) of one block of each kind, traced forward + backward on one rank; () = the hand-written block terms
     traced: tuple = ()
     traced_b: int = 0  # bytes per element of the weights / activations the blocks were traced at
@@ -112,7 +112,7 @@ class ModelShape:
 @dataclass(frozen=True)
 class Launch:
     """Launch configuration of one rank: degrees, token ceiling, operators, knobs. The knobs carry boundpass.Config's
-    keyword names and defaults (None: the value ``resolved`` takes, defined in boundpass/config.py)."""
+    keyword names and defaults (None: the value ``resolved`` takes, defined in boundpass/core/config.py)."""
     ranks: int                      # W
     ep: int                         # E_p
     ring: int                       # P (Ring-DTP ring; the ZeRO-3 shard of the head when Ring-DTP is off)
@@ -136,7 +136,7 @@ class Launch:
     fsdp_param_b: int | None = None
 
     def resolved(self, knob: str) -> int:
-        """A Config knob's value at this launch: the one given, else what boundpass/config.py says a knob left to
+        """A Config knob's value at this launch: the one given, else what boundpass/core/config.py says a knob left to
         the planner is taken as where no planner chooses it (c, C, S; β: OffloadStreamAdamW's default bucket, derived
         from config.py's staging bytes and slots)."""
         value = getattr(self, knob)
@@ -729,7 +729,7 @@ def check(shape: ModelShape, launch: Launch, *, budget: int, host_budget: int | 
     """
     table = compose(shape, launch, budget=budget, host_budget=host_budget)
     if not table.fits():
-        raise_infeasible(table, table.binding(), detail="(composed per-rank budget, boundpass/composed.py)")
+        raise_infeasible(table, table.binding(), detail="(composed per-rank budget, boundpass/bound/composed.py)")
     return table
 
 

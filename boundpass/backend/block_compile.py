@@ -3,7 +3,7 @@
 torchtitan compiles every TransformerBlock on its own (``block.compile(backend=..., fullgraph=True)``) and keeps
 FSDP2's hooks outside the block graphs. ``CompiledBlocks.backend`` is that backend: each block graph Dynamo
 hands it goes through boundpass's passes (dispatch -> PipelinedLLEP, the block's checkpoint boundary -> SCO) and
-the planning partitioner of ``boundpass.compiler`` (its peak from the partitioned graphs, or Inductor's final
+the planning partitioner of ``boundpass.backend.compiler`` (its peak from the partitioned graphs, or Inductor's final
 schedule), then through the lowering torchtitan asked for ("inductor" or "aot_eager").
 
 The budget each block graph is checked against is the whole step's, composed from what the graph cannot see:
@@ -20,14 +20,14 @@ The budget each block graph is checked against is the whole step's, composed fro
 - the gradients FSDP2 already reduce-scattered: those of the blocks after block i (and the head's) while block i's
   backward runs, none in its forward. The rows that depend on the block are counted for the block and phase
   (forward / backward) whose rows sum the largest (``_block_rows``), not each at its own worst.
-- the reduce-scatter of one unit's gradients. With every unit on ``boundpass.gloo_release`` (the recipe
+- the reduce-scatter of one unit's gradients. With every unit on ``boundpass.backend.gloo_release`` (the recipe
   installs it on gloo: synchronous, its buffers freed in the call) each reduce-scatter runs between two graphs
   and is a phase of its own (``sync_reduce``: ``reduce_tables`` per block graph, ``head_reduce``, the tail), with
   what FSDP2 holds then: the block's other units, the next module's prefetched all-gather buffer, and the unit's
   gradients, copy-in temporary and reduce buffer in ``foreach_reduce``'s order (``_scatter_cost``);
   otherwise (FSDP2's own, NCCL's reduce-scatter stream beside the next block's backward) the largest one is
   counted inside every graph's table, with gloo's held clones where the group is gloo.
-- the parameters, gradients and optimizer state of the whole model (``boundpass.compiler._state_terms``).
+- the parameters, gradients and optimizer state of the whole model (``boundpass.backend.compiler.state_terms_of``).
 The head (lm_head -> loss, compiled by ``boundpass.compile(VocabHead(model), ...)``) is checked with every
 block's saved tensors held (``head_carry_terms``).
 """
@@ -39,10 +39,11 @@ import sympy
 import torch
 import torch.nn as nn
 
-from boundpass.bounds import BoundTerm, BudgetTable, raise_infeasible
-from boundpass.compiler import BoundedModule, _int_or_hint, _raise_step_infeasible
-from boundpass.config import Config
-from boundpass.units import format_bytes
+from boundpass.bound.bounds import BoundTerm, BudgetTable, raise_infeasible
+from boundpass.backend.compiler import BoundedModule
+from boundpass.measure.step_peak import int_or_hint
+from boundpass.planning.planner import raise_step_infeasible
+from boundpass.core.config import Config
 
 SHARD = "shard over more ranks (--parallelism.data_parallel_shard_degree) or raise --boundpass.budget"
 KNOB = ("reduce tokens per rank (--training.local_batch_size / --training.seq_len), checkpoint every block "
@@ -58,7 +59,7 @@ class FSDPUnit:
     reduce: int          # the unsharded gradients in FSDP2's reduce dtype (the reduce-scatter input)
     sharded_grads: int   # the gradients it leaves on this rank (its parameters' local shards)
     resharded: bool      # freed after forward (False: held from forward to backward)
-    releasing: bool = False  # reduce-scatters through boundpass.gloo_release (no gloo clone, none held)
+    releasing: bool = False  # reduce-scatters through boundpass.backend.gloo_release (no gloo clone, none held)
     copy_in: int = 0     # FSDP2's copy-in temporary when the reduce dtype differs: torch._chunk_cat into the fp32
                          # reduce buffer from bf16 gradients converts one gradient at a time (measured: three 12 MiB
                          # bf16 gradients -> a 12 MiB temporary, not 36), so the largest gradient in its own dtype
@@ -73,7 +74,7 @@ class FSDPUnit:
 
 def fsdp_units(model: nn.Module) -> list[FSDPUnit]:
     """The FSDP2 units of ``model`` (empty when it is not FSDP2-wrapped)."""
-    from boundpass.gloo_release import fsdp_param_groups
+    from boundpass.backend.gloo_release import fsdp_param_groups
     out, seen = [], {}
     for name, group in fsdp_param_groups(model):
         if id(group) in seen:
@@ -106,7 +107,7 @@ def _unit(path: str, group) -> FSDPUnit:
             sharded += local.numel() * local.element_size()
     import torch.distributed as dist
 
-    from boundpass.gloo_release import uses_releasing_reduce_scatter
+    from boundpass.backend.gloo_release import uses_releasing_reduce_scatter
     nccl = dist.get_backend(group.mesh_info.shard_process_group) == "nccl"
     return FSDPUnit(path, gathered, reduce, sharded, group.post_forward_mesh_info is not None,
                     releasing=uses_releasing_reduce_scatter(group), copy_in=copy_in, single_rank=single, nccl=nccl)
@@ -230,7 +231,7 @@ class CompiledBlocks(BoundedModule):
     # --------------------------------------------------------------------------------------- composition
     @property
     def sync_reduce(self) -> bool:
-        """Every FSDP2 unit reduce-scatters through boundpass.gloo_release: synchronously, between two graphs,
+        """Every FSDP2 unit reduce-scatters through boundpass.backend.gloo_release: synchronously, between two graphs,
         its buffers freed in the call. Then a reduce-scatter never overlaps a graph's workspace, and each block's
         (and the head's) is a phase of its own. Otherwise (NCCL: FSDP2's reduce-scatter stream runs beside the next
         block's backward; stock gloo: copies held by worker threads) it is counted inside every graph's table."""
@@ -318,7 +319,7 @@ class CompiledBlocks(BoundedModule):
         collective; measured on 2 ranks: up to two such copies of earlier reduce-scatters still live at a later one
         (timing-dependent). Counted as the two largest units' reduce buffers (NCCL makes no copy: a GPU run
         measures 0 here and the row could go; bench/gpu_check.sh). A unit that reduce-scatters through
-        boundpass.gloo_release (the recipe installs it on gloo) makes no copy and leaves none held."""
+        boundpass.backend.gloo_release (the recipe installs it on gloo) makes no copy and leaves none held."""
         sizes = sorted((u.reduce for u in self.units if not (u.releasing or u.single_rank)), reverse=True)[:2]
         if not sizes:
             return []
@@ -418,9 +419,9 @@ class CompiledBlocks(BoundedModule):
                           knob="--boundpass.host_budget <larger> or --boundpass.sco.enable False")]
 
     def carry_terms(self, peak, backed: dict) -> list[BoundTerm]:
-        own = _int_or_hint(peak.saved_bytes, backed)
+        own = int_or_hint(peak.saved_bytes, backed)
         self.graph_saved[self._compiling] = own
-        inputs = sum(_int_or_hint(st.nbytes, backed) for st in peak.storages
+        inputs = sum(int_or_hint(st.nbytes, backed) for st in peak.storages
                      if st.kind == "input" and not st.name.startswith("tangents"))
         self.first_input = max(self.first_input, inputs)
         plan = self.sco_plans[-1] if self.sco_plans else None
@@ -459,7 +460,7 @@ class CompiledBlocks(BoundedModule):
             if not table.host_fits():
                 raise_infeasible(table, max((t for t in table.terms if t.kind == "host"), key=lambda t: t.value))
             if not table.fits():
-                _raise_step_infeasible(self, cert, cert.planner.knobs, self.sco_plans[graph])
+                raise_step_infeasible(cert, cert.planner.knobs, self.sco_plans[graph], optimizer_plan=self.optimizer_plan)
 
     def trunk_saved(self) -> int:
         """Bytes every block's forward of this step left for backward (the head runs with all of them held)."""
@@ -543,7 +544,7 @@ def _scatter_cost(unit: FSDPUnit, output_counted: bool = False) -> int:
     """Peak bytes of one unit's reduce-scatter, in FSDP2's order (``foreach_reduce``): first its unsharded gradients
     (param dtype), the reduce-dtype input buffer and the copy-in temporary while the gradients are copied in; then
     the gradients are dropped (``unsharded_grads.clear()``) before the sharded output is allocated, so the second
-    part is the input, gloo's clone of it (ProcessGroupGloo; none through boundpass.gloo_release) and the
+    part is the input, gloo's clone of it (ProcessGroupGloo; none through boundpass.backend.gloo_release) and the
     output (unless a gradients row counts it). Measured (qwen3 debug experts, 4 ranks): gradients 36 MiB + input
     72 MiB + a 12 MiB temporary at the peak, no output. A one-rank shard group (EP = 2 on 2 ranks: the experts)
     makes no collective: FSDP2 copies ``input / gradient_divide_factor`` into the output, a temporary as large as
