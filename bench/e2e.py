@@ -46,7 +46,7 @@ from bench.common import fmt_bytes, fmt_seconds, markdown_table, publish, run_me
 from boundpass.testing.distributed import run_on_ranks
 from boundpass.core.units import parse_bytes
 
-CURVE_TOL = 1e-4     # relative, per step; why: tests/test_recipe.py module docstring
+CURVE_TOL = 1e-4     # relative, per step; why: tests/recipes/test_recipe.py module docstring
 TARGET_REACH = 4.0
 CONTROL_FACTOR = 2.0  # over the whole curve: boundpass's deviation from stock <= 2x torchtitan's own rounding control
 EARLY_STEPS = 5

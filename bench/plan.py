@@ -59,7 +59,7 @@ from boundpass.recipes import families
 
 TIMED_LAUNCH = dict(ranks=64, ep=8, context=1 << 17, budget="139GiB", host_budget="256GiB")
 PLAN_SECONDS_TARGET = 10.0
-# the 671B plan of issue 17, as a user launches it (tests/test_dropin.py runs the same model at W = 64, E_p = 8 with
+# the 671B plan of issue 17, as a user launches it (tests/backend/test_dropin.py runs the same model at W = 64, E_p = 8 with
 # a 64K context: the same block graphs are traced, the time does not depend on N)
 CLI_ARGS = ["plan", "deepseek_v3", "671B", "--ranks", "64", "--ep", "8", "--context", "1048576", "--global-batch", "64"]
 CLI_RUNS = 5

@@ -86,7 +86,7 @@ def qwen3_moe_debug_ep2() -> BoundpassTrainer.Config:
 
 def qwen3_moe_debug_ep2_3blocks() -> BoundpassTrainer.Config:
     """qwen3_moe_debug_ep2 cut to its first 3 blocks: 64 experts per block make the 8-block model 331 M parameters,
-    most of a quick 2-rank check's time (tests/test_block_compile.py's SCO run)."""
+    most of a quick 2-rank check's time (tests/backend/test_block_compile.py's SCO run)."""
     return recipe_config("qwen3_moe", ep=2, blocks=3)
 
 

@@ -140,7 +140,7 @@ def lendable_experts(routes_per_rank: int, local_experts: int, ep_size: int, alp
     At alpha = 1.1: ceil(0.45 e) plus rounding, 15 of qwen3's 32 where LLEP's default slot count is e. With more
     ranks a helper's room can be split into pieces under ``min_piece``, a forced placement can push a helper over
     cap and then its own experts are lent too (the argument fails; ranks with unequal route counts also break it:
-    a property test found 2 borrowed against a ceiling of 1), so no cut there. tests/test_pipelined_llep.py checks
+    a property test found 2 borrowed against a ceiling of 1), so no cut there. tests/runtime/test_pipelined_llep.py checks
     the ceiling against the planner and that a slot limit of it changes no plan."""
     most = max(ep_size - 1, 0) * max(local_experts, 0)
     if ep_size != 2 or alpha < 1:

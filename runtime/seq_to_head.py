@@ -309,7 +309,7 @@ def seq_to_head_bound(*, count_io: bool = True, part: str = "peak", caller_keeps
     and split outputs, autograd's incoming gradient; measured), so once the forward returns the padded copy
     replaces the original, and at W > 1 the caller's q/k/v are gone by backward (the exchange copied them; they
     count in the forward only). Measured on deepseek_v3's MLA (qk 192, v 128), equal head dims and GQA
-    (tests/test_seq_to_head.py); the composed budget (boundpass/bound/composed.py) uses False.
+    (tests/runtime/test_seq_to_head.py); the composed budget (boundpass/bound/composed.py) uses False.
 
     ``part="saved"``: what one attention keeps from its forward until its backward (the kernel's q/k/v and
     output, log-sum-exp; the caller's output): what is live beside the rest of the block (its FFN) while that

@@ -13,7 +13,7 @@ saved_tensors_before_opaque -- torch 2.13, ``torch/_functorch/partitioners.py`` 
     Tensors, got types: [..., DeviceMesh]" (measured: stock torchtitan 0.3.0 with ``--compile.enable`` at EP = 2 +
     FSDP2 on 2 gloo ranks). This moves every saved tensor that follows an opaque object to just before the first
     one, in the forward's outputs and the backward's placeholders alike: the layout the partitioner produces when
-    no opaque object is saved. tests/test_block_compile.py checks it on the trainer and on a hand-made pair.
+    no opaque object is saved. tests/backend/test_block_compile.py checks it on the trainer and on a hand-made pair.
 
 static_placeholders -- torch 2.13, ``_aot_autograd/frontend_utils.py`` (``static_input_indices``, one per
     parameter Dynamo lifted) and the subclass flattening after it: the partitioner's

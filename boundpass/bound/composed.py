@@ -131,7 +131,7 @@ class Launch:
     # FSDP2 computing in a narrower dtype than it reduces in, counted under the b = 4 convention (the MoP recipe:
     # b = 4 for its fp32 shards, bf16 compute): that dtype's bytes (2). The embedding's backward then holds three
     # V x H copies in it (autograd's dense gradient, the cast autograd makes of it, FSDP2's copy-in before the cast to
-    # the reduce dtype) beside the reduce-scatter input (measured: torch's allocator, tests/test_recipe_mop.py).
+    # the reduce dtype) beside the reduce-scatter input (measured: torch's allocator, tests/recipes/test_recipe_mop.py).
     # None: FSDP2 computes in b.
     fsdp_param_b: int | None = None
 
@@ -537,7 +537,7 @@ def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied
         # (V·H·b), autograd writes its whole unsharded gradient (an embedding's gradient is dense: V·H·b), and
         # after resharding the weight FSDP2 copies that gradient into the reduce-scatter input, in the reduce dtype
         # (fp32 under mixed precision); the reduce-scatter output is the gradient shard above. Measured under the
-        # recipe's MoP layout at V = 32,768: the step's peak is here (tests/test_recipe_mop.py). Tied embeddings
+        # recipe's MoP layout at V = 32,768: the step's peak is here (tests/recipes/test_recipe_mop.py). Tied embeddings
         # share the head's unit: not modelled apart (the head terms count its gathered weight).
         if not tied:
             reduce_b = b_acc if mixed else b

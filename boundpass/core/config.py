@@ -8,7 +8,7 @@ optimizer section has none (an optimizer given to compile is always budgeted): i
 runs it. The sympy symbols (C, c, β, S, L_off) are the math notation of the same knobs in formulas and docs.
 
 Importable without torch, sympy or torchtitan: ``python -m boundpass plan`` validates its arguments through it
-before importing torch (tests/test_plan.py checks that torch stays unimported).
+before importing torch (tests/planning/test_plan.py checks that torch stays unimported).
 """
 from __future__ import annotations
 

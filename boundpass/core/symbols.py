@@ -42,7 +42,7 @@ def max_kept(*args) -> sympy.Expr:
     Evaluation compares the arguments pairwise (factor_terms of each difference, assumption queries: up to
     ~0.1 s per Max of the bounds' sums, ~0.5 s of a plan); where it drops none, the unevaluated Max is the same
     expression (same arguments, same order). Each bound built with it is checked against ``evaluated`` of itself
-    for every flag it takes (tests/test_units_and_symbols.py)."""
+    for every flag it takes (tests/core/test_units_and_symbols.py)."""
     return sympy.Max(*args, evaluate=False)
 
 

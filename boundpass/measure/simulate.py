@@ -28,7 +28,7 @@ peers' data. So anything data-dependent (e.g. MoE splits from an exchanged count
 a plan, not from a collective.
 
 Verified on torch 2.13.0+cpu (this repository's CPU machines), world_size=4, under ``FakeTensorMode``
-with fake tensors on both ``"cuda"`` and ``"cpu"`` (``tests/test_simulate.py`` re-checks the ones
+with fake tensors on both ``"cuda"`` and ``"cpu"`` (``tests/measure/test_simulate.py`` re-checks the ones
 marked [t]):
 
 Work (right output shapes, ``Work.wait()`` fine, nothing allocated):

@@ -35,7 +35,7 @@ def sweep_dead_nodes(graph: fx.Graph, keep) -> None:
     activation-checkpoint and other higher-order ops), and there with FX's default purity test instead of the one it
     was given. A checkpointed hand-written MoE's ``out.index_add_(...)`` (an in-place method without users) was erased
     that way, so the checkpointed block's output lost every expert's contribution and its parameters their gradients
-    (tests/test_dispatch_structure.py, the checkpointed case). The passes only edit the graph they sweep.
+    (tests/passes/test_dispatch_structure.py, the checkpointed case). The passes only edit the graph they sweep.
     """
     graph.lint()  # topological order: a reverse walk sees every user before what it uses
     for node in reversed(graph.nodes):

@@ -6,7 +6,7 @@ Inductor's kernels allocate outside any dispatch mode (its wrapper calls ``empty
 Inductor step is measured at torch's allocator instead: ``allocator_step_peak`` reads every CPU allocation and
 free c10's allocator reports to ``torch.profiler`` (``profile_memory=True``: its allocation events, in time
 order), kernel-internal temporaries included. On an eager step it agrees with the tracker to the byte
-(tests/test_step_peak.py). Process RSS
+(tests/measure/test_step_peak.py). Process RSS
 (``boundpass.measure.memtrack.rss_peak_in_subprocess``) adds what no tensor holds: BLAS packing buffers, the C heap,
 Python objects.
 """

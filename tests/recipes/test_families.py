@@ -15,7 +15,7 @@ The matrix (torchtitan 0.3.0, this venv): families are the torchtitan.models pac
 
 For each planned family: its largest flavor plans at full scale (W = 64, E_p = 8, 128K context) and gives a
 verdict; its debug flavor, cut to 2 blocks, goes through boundpass.compile on CPU (aot_eager, as
-tests/test_compile_dispatch.py) and its loss and every gradient match the uncompiled model's; the vocab region
+tests/backend/test_compile_dispatch.py) and its loss and every gradient match the uncompiled model's; the vocab region
 and every MoE block's dispatch region are found, each rewritten or SKIPPED with its reason (gpt_oss's biased,
 clamped experts are not the SwiGLU experts PipelinedLLEP computes). Every planned family runs on CPU, with
 causal SDPA in place of its flex / varlen attention (no CPU backward); so gpt_oss's attention sinks, which SDPA
@@ -23,7 +23,7 @@ does not read, get no gradient (in the reference too), nor does kimi_k2_7's visi
 kimi_k2_7, the family new to boundpass, is also measured whole-step (AdamW, real tensors) against the peak
 compile certifies: sound, and equal to it but for the vision encoder's never-made gradients and moments.
 
-Tolerances: LOSS_TOL / GRAD_TOL as tests/test_compile_dispatch.py (the rewritten dispatch's bf16 expert matmuls
+Tolerances: LOSS_TOL / GRAD_TOL as tests/backend/test_compile_dispatch.py (the rewritten dispatch's bf16 expert matmuls
 round ~1 bf16 ulp apart from torchtitan's grouped mm: measured up to 7.5e-4 relative norm, qwen3).
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ from boundpass.recipes import families  # noqa: E402
 from boundpass.recipes.models import build_debug_moe  # noqa: E402
 
 pytestmark = pytest.mark.torchtitan
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ, VOCAB, BLOCKS = 32, 256, 2
 LOSS_TOL, GRAD_TOL = 1e-6, 5e-3
 
@@ -216,7 +216,7 @@ def test_plan_takes_any_model_source_and_the_core_imports_no_recipes():
 def test_kimi_debug_whole_step_is_under_its_certified_peak():
     """The new family's bound is sound: one steady-state step (forward, backward, AdamW) of kimi_k2_7's debug model
     (2 blocks) measured with real tensors (boundpass.testing.whole_step) against the peak compile certified; the
-    other three families are measured the same way in tests/test_step_peak.py."""
+    other three families are measured the same way in tests/measure/test_step_peak.py."""
     from boundpass.testing.dense_lm import lm_batches
     from boundpass.testing.whole_step import measured_step_peak
     torch._dynamo.reset()

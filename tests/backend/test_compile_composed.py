@@ -44,7 +44,7 @@ def test_fsdp_casts_count_in_the_embedding_backward():
     """composed.Launch.fsdp_param_b: under the b = 4 convention with bf16 compute and fp32 reduction (the MoP recipe),
     the embedding's backward holds three V x H copies in bf16 (autograd's dense gradient, its cast, FSDP2's copy-in)
     beside the fp32 reduce-scatter input: 3·2 + 4 = 10 bytes per V x H element where fp32 compute holds 4 + 4 (torch's
-    allocator measured it: tests/test_recipe_mop.py). One rank has no such backward (nothing to reduce-scatter)."""
+    allocator measured it: tests/recipes/test_recipe_mop.py). One rank has no such backward (nothing to reduce-scatter)."""
     import sympy
 
     from boundpass.core import symbols as sym

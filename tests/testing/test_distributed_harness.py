@@ -174,7 +174,7 @@ def test_a_scripts_own_function_runs_on_the_ranks(tmp_path):
     import sys
     script = tmp_path / "launch_from_a_script.py"
     script.write_text(_SCRIPT)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -19,7 +19,7 @@ from boundpass.runtime.agreement import global_max_tokens
 from boundpass.runtime.ring_dtp import reference_loss, ring_dtp_loss, vocab_shard_range
 from boundpass.testing.distributed import run_on_ranks
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _outcome(fn):

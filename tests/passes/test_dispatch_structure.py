@@ -161,7 +161,7 @@ def test_checkpointed_block_is_exact(dispatch):
 # ------------------------------------------------------------------------------- torchtitan's dispatchers
 def test_every_torchtitan_dispatcher_is_rewritten_or_skipped_with_its_reason():
     """torchtitan 0.3.0 ships six dispatchers. LocalTokenDispatcher (EP = 1) and AllToAllTokenDispatcher (EP > 1,
-    gloo on CPU) are the ones that run on a CPU; both are rewritten (tests/test_compile_dispatch.py, one rank and
+    gloo on CPU) are the ones that run on a CPU; both are rewritten (tests/backend/test_compile_dispatch.py, one rank and
     two gloo ranks). The others need CUDA (TorchAO's permute is Triton; DeepEP, HybridEP and MinimalAsyncEP move
     tokens through GPU buffers), so no graph of them can be traced here: their reasons are checked on a real
     RoutedExperts module, and a dispatcher torchtitan adds later fails this test until it is classified."""

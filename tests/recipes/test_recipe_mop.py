@@ -231,7 +231,7 @@ def test_measured_step_within_the_checked_budget(runs):
 
     At V = 32,768 the step peaks in the embedding's backward under FSDP2 (gathered weight + dense unsharded
     gradient + reduce-scatter input): the composed budget missed that term until it was measured here (420 MiB
-    bf16 / 436 MiB fp32 per rank vs 410 MiB composed); tests/test_mop.py's V = 256 cannot see it.
+    bf16 / 436 MiB fp32 per rank vs 410 MiB composed); tests/recipes/test_mop.py's V = 256 cannot see it.
 
     torch's allocator (--boundpass.measure_peak) sees what the live-storage tracker cannot, inside C++ ops: with stock
     gloo its reduce-scatter's 32 MiB clone of the embedding's gradient (the recipe now installs boundpass's

@@ -9,7 +9,7 @@ EP = 2 an expert's rows arrive as one run per source: the op forms one bf16 weig
 and sums them in fp32, where torchtitan forms one bf16 product over all rows, so the expert-weight gradients
 differ by one bf16 rounding (2^-8 per element, ~2.4e-3 relative norm measured) while every other gradient
 agrees to ~1e-7. Measured: ~1e-5 (deepseek_v3, EP 1), 6e-4 (qwen3, 64 experts), 2.4e-3 (EP 2):
-GRAD_TOL = 5e-3, bf16-rounding level. The schedule itself is exact: tests/test_pipelined_llep.py compares the
+GRAD_TOL = 5e-3, bf16-rounding level. The schedule itself is exact: tests/runtime/test_pipelined_llep.py compares the
 op to standard EP in fp64 and fp32.
 """
 import copy

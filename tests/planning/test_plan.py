@@ -27,7 +27,7 @@ from boundpass.core.config import PLAN_VOCAB_BLOCK
 from boundpass.core.errors import BoundpassInputError
 from boundpass.planning.full_scale import make_input, model_config, model_shape, plan, shape_of_module
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAYERS = 3  # one dense + two MoE blocks
 
 # (batch, sequence, vocab, loss head): predicted / measured recorded in docs/plan.md

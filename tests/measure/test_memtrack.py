@@ -213,7 +213,7 @@ def test_compiled_checkpointed_random_op_is_measured():
     """A compiled activation-checkpointed region that draws random numbers runs AOTAutograd's RNG HOPs
     (run_and_save_rng_state in forward, run_with_rng_state in the recompute): torch refuses a HOP under a mode that
     does not take them, which is how the MoP layout's compiled FullAC blocks first failed under the tracker
-    (tests/test_mop.py). The tracker takes those two (one op each, outputs counted) and refuses a HOP with a body."""
+    (tests/recipes/test_mop.py). The tracker takes those two (one op each, outputs counted) and refuses a HOP with a body."""
     def f(x):
         return torch.utils.checkpoint.checkpoint(lambda y: torch.nn.functional.dropout(y, 0.5).sin(), x,
                                                  use_reentrant=False)

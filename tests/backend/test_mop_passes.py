@@ -1,4 +1,4 @@
-"""The MoP layout's passes on 2 gloo ranks, apart from tests/test_mop.py's 4-rank launches (a module of its own so
+"""The MoP layout's passes on 2 gloo ranks, apart from tests/recipes/test_mop.py's 4-rank launches (a module of its own so
 the suite's two workers can run it beside that one): the head step through the vocab pass against Ring-DTP called
 directly, and the passes on the graphs Dynamo recompiles for a new sequence length."""
 import pytest

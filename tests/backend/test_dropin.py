@@ -269,7 +269,7 @@ def test_offload_adamw_takes_adamws_own_arguments_alone(hyper):
     _train(ours, opt)
     _train(ref, want)
     for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
-        assert torch.equal(p.detach(), q.detach()), name   # bit-exact, as tests/test_offload_adamw.py asserts
+        assert torch.equal(p.detach(), q.detach()), name   # bit-exact, as tests/runtime/test_offload_adamw.py asserts
     # one bucket (the model is smaller than beta): one slot of Θ elements on the device, never 512 MiB
     from boundpass.measure.memtrack import LiveStorageTracker
     params = list(ours.parameters())

@@ -4,7 +4,7 @@ The plan CLI validates everything that needs no model (boundpass/core/plan_input
 imported; each refusal here runs in a fresh interpreter under a wall-clock limit of 1 s and must leave torch
 unimported. The tables (BudgetTable.render, PlanResult.render) keep term, bytes, share and verdict within
 textwidth.WIDTH columns; formulas come with formulas=True (wrapped) and in --json. explain's own widths are
-tested on its compiled fixture in tests/test_explain_plot.py. step_peak.max_of (the dominance-pruned Max the
+tested on its compiled fixture in tests/planning/test_explain_plot.py. step_peak.max_of (the dominance-pruned Max the
 block traces use) must equal sympy.Max.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from boundpass.core import symbols as sym
 from boundpass.bound.bounds import BoundTerm, BudgetTable
 from boundpass.measure.step_peak import max_of
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WIDTH = textwidth.WIDTH
 # imports boundpass's CLI, runs it on argv, and says whether torch was imported by then
 _PROBE = ("import sys, boundpass.__main__ as m; rc = m.main(sys.argv[1:]); "

@@ -17,7 +17,7 @@ from boundpass.testing.dense_lm import LossLM
 from boundpass.core import config as bc
 from boundpass.core.config import Config, config_from, knob_paths
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KNOBS = knob_paths()  # keyword -> Config path
 # what boundpass.compile takes beside the knobs: objects, not settings (and torch.compile's own capture flags)
 COMPILE_OTHERS = {"model", "config", "loss_fn", "ring_group", "optimizer", "launch", "model_shape", "fullgraph",
