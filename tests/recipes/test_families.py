@@ -207,7 +207,7 @@ def test_plan_takes_any_model_source_and_the_core_imports_no_recipes():
     assert r.shape.name == "my_moe tiny" and r.shape.moe_layers == 5 and "from the renamed source" in r.trace_notes
     with pytest.raises(BoundpassInputError, match="unknown flavor 'big' of my_moe; known: tiny"):
         plan("my_moe", "big", ranks=1, tokens_per_rank=256, source=_Renamed())
-    probe = ("import sys, boundpass.plan, boundpass.planning.block_trace, boundpass.bound.composed, boundpass.core.plan_input; "
+    probe = ("import sys, boundpass.planning.full_scale, boundpass.planning.block_trace, boundpass.bound.composed, boundpass.core.plan_input; "
              "print(sorted(m for m in sys.modules if m.startswith('boundpass.recipes')))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr)

@@ -1,0 +1,259 @@
+"""Sequence-chunked attention: scaled dot-product attention computed one (query chunk, key chunk) tile at a time,
+with an online softmax across the key chunks, forward and backward, so no [L, L] score matrix ever exists.
+
+Layout is ``F.scaled_dot_product_attention``'s: q [B, A_q, L, D], k [B, A_kv, L, D], v [B, A_kv, L, D_v] (GQA: query
+head h reads key/value head h // (A_q / A_kv), SDPA's ``enable_gqa``; MLA: D_v may differ from D), causal or not,
+``scale`` (None: 1 / sqrt(D)). The op returns the output [B, A_q, L, D_v] in q's dtype and the per-row log-sum-exp
+[B, A_q, L] in the accumulation dtype (fp32 for bf16 / fp16 / fp32, fp64 for fp64), which the backward reads
+instead of the scores: the backward recomputes each tile's probabilities from it (FlashAttention's schedule).
+
+Exactness: each row's softmax is the same function of the same scores; the sums over key chunks are reordered
+(online softmax), so results match the math path within the tolerance a fused attention kernel has against it.
+
+The chunk size ``chunk`` (C_s: query rows and key rows per tile) is the op's knob: a tile holds [B, A_q, C_s, C_s]
+scores and probabilities in the accumulation dtype, so the workspace is O(C_s^2 + C_s L / L) and its
+``chunked_attention_bound`` says exactly what the op allocates beyond its inputs and outputs.
+"""
+from __future__ import annotations
+
+import math
+
+import sympy
+import torch
+from torch import Tensor
+
+from boundpass.core import symbols as sym
+from boundpass.core.errors import BoundpassInputError
+from boundpass.runtime import contracts
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, chunk: int) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise BoundpassInputError(f"chunked attention takes [B, heads, L, D] q, k, v; got {tuple(q.shape)}, "
+                                  f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3] or q.shape[3] != k.shape[3]:
+        raise BoundpassInputError(f"chunked attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                                  "do not agree (batch, key/value heads and lengths, q and k head dim)")
+    if q.shape[1] % k.shape[1]:
+        raise BoundpassInputError(f"chunked attention: {q.shape[1]} query heads are not a multiple of "
+                                  f"{k.shape[1]} key/value heads")
+    if q.shape[2] != k.shape[2]:
+        raise BoundpassInputError(f"chunked attention: query length {q.shape[2]} != key length {k.shape[2]} "
+                                  "(self-attention only)")
+    if chunk < 1:
+        raise BoundpassInputError(f"chunked attention: chunk must be >= 1, got {chunk}")
+
+
+def _tiles(length: int, chunk: int):
+    return [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
+
+
+def _tile_rows(x: Tensor, kv_heads: int, start: int, stop: int, dtype: torch.dtype) -> Tensor:
+    """Rows [start, stop) of every query head of [B, A_q, L, d], as [B, A_kv, G (stop - start), d] in ``dtype``: the
+    G query heads that read one key/value head stacked, so one matmul per key/value head serves them all."""
+    b, heads, _, d = x.shape
+    return x[:, :, start:stop].to(dtype).reshape(b, kv_heads, heads // kv_heads * (stop - start), d)
+
+
+def _put_rows(dst: Tensor, rows: Tensor, start: int, stop: int) -> None:
+    """The inverse of ``_tile_rows``: [B, A_kv, G n, ...] written into rows [start, stop) of [B, A_q, L, ...]."""
+    dst[:, :, start:stop] = rows.reshape(dst.shape[0], dst.shape[1], stop - start, *dst.shape[3:])
+
+
+def _masked(scores: Tensor, q0: int, q1: int, k0: int, causal: bool) -> Tensor:
+    """Causal mask of one tile [B, A_kv, G (q1 - q0), m] (in place): key position > query position gets -inf."""
+    width = scores.shape[-1]
+    if causal and k0 + width - 1 > q0:
+        b, kv, gn, _ = scores.shape
+        rows = torch.arange(q0, q1, device=scores.device)[:, None]
+        cols = torch.arange(k0, k0 + width, device=scores.device)[None, :]
+        scores.view(b, kv, gn // (q1 - q0), q1 - q0, width).masked_fill_(cols > rows, float("-inf"))
+    return scores
+
+
+def chunked_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None,
+                              chunk: int) -> tuple[Tensor, Tensor]:
+    """(output [B, A_q, L, D_v] in q's dtype, log-sum-exp [B, A_q, L] in the accumulation dtype)."""
+    _check(q, k, v, chunk)
+    bsz, heads, length, _ = q.shape
+    kv_heads, dv = k.shape[1], v.shape[3]
+    acc = _acc_dtype(q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    out = q.new_empty((bsz, heads, length, dv))
+    lse = q.new_empty((bsz, heads, length), dtype=acc)
+    for q0, q1 in _tiles(length, chunk):
+        qi = _tile_rows(q, kv_heads, q0, q1, acc)                     # [B, A_kv, G n, D]
+        run_max = qi.new_full(qi.shape[:-1], float("-inf"))
+        run_sum = qi.new_zeros(qi.shape[:-1])
+        o = qi.new_zeros((*qi.shape[:-1], dv))
+        for k0, k1 in _tiles(q1 if causal else length, chunk):
+            kj, vj = k[:, :, k0:k1].to(acc), v[:, :, k0:k1].to(acc)   # [B, A_kv, m, D], [B, A_kv, m, D_v]
+            s = _masked(torch.matmul(qi, kj.transpose(-1, -2)).mul_(scale), q0, q1, k0, causal)
+            new_max = torch.maximum(run_max, s.amax(-1))
+            correction = torch.exp(run_max.sub_(new_max))
+            p = torch.exp(s.sub_(new_max[..., None]))
+            run_sum.mul_(correction).add_(p.sum(-1))
+            o.mul_(correction[..., None]).add_(torch.matmul(p, vj))
+            run_max = new_max
+            del s, p, kj, vj, correction
+        _put_rows(out, o.div_(run_sum[..., None]), q0, q1)
+        _put_rows(lse, run_max.add_(torch.log(run_sum)), q0, q1)
+        del qi, o, run_max, run_sum
+    return out, lse
+
+
+def chunked_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                               causal: bool, scale: float | None, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in the inputs' dtypes; each tile's probabilities recomputed from the saved log-sum-exp."""
+    length, kv_heads = q.shape[2], k.shape[1]
+    acc = _acc_dtype(q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for q0, q1 in _tiles(length, chunk):
+        qi, goi = _tile_rows(q, kv_heads, q0, q1, acc), _tile_rows(grad_out, kv_heads, q0, q1, acc)
+        delta = (goi * _tile_rows(out, kv_heads, q0, q1, acc)).sum(-1)   # rowsum(dO * O)
+        li = _tile_rows(lse[..., None], kv_heads, q0, q1, acc)            # [B, A_kv, G n, 1]
+        dqi = torch.zeros_like(qi)
+        for k0, k1 in _tiles(q1 if causal else length, chunk):
+            kj, vj = k[:, :, k0:k1].to(acc), v[:, :, k0:k1].to(acc)
+            s = _masked(torch.matmul(qi, kj.transpose(-1, -2)).mul_(scale), q0, q1, k0, causal)
+            p = torch.exp(s.sub_(li))                                      # the tile's probabilities
+            dv[:, :, k0:k1].add_(torch.matmul(p.transpose(-1, -2), goi))   # the G query heads summed by the matmul
+            ds = torch.matmul(goi, vj.transpose(-1, -2)).sub_(delta[..., None]).mul_(p).mul_(scale)
+            del s, p
+            dqi.add_(torch.matmul(ds, kj))
+            dk[:, :, k0:k1].add_(torch.matmul(ds.transpose(-1, -2), qi))
+            del ds, kj, vj
+        _put_rows(dq, dqi, q0, q1)
+        del qi, goi, delta, li, dqi
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- custom ops
+# Opaque ops: Inductor cannot fuse the tile loop back into [L, L] scores, and AOTAutograd takes the backward from
+# register_autograd instead of unrolling the loops into the graph.
+@torch.library.custom_op("boundpass::chunked_attention_fwd", mutates_args=())
+def chunked_attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                          chunk: int) -> tuple[Tensor, Tensor]:
+    return chunked_attention_forward(q, k, v, causal, scale if scale > 0 else None, chunk)
+
+
+@chunked_attention_fwd.register_fake
+def _(q, k, v, causal, scale, chunk):
+    return (q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype)))
+
+
+@torch.library.custom_op("boundpass::chunked_attention_bwd", mutates_args=())
+def chunked_attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          causal: bool, scale: float, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    return chunked_attention_backward(grad_out, q, k, v, out, lse, causal, scale if scale > 0 else None, chunk)
+
+
+@chunked_attention_bwd.register_fake
+def _(grad_out, q, k, v, out, lse, causal, scale, chunk):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k), torch.empty_like(v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, chunk = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1])
+    ctx.args = (causal, scale, chunk)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.boundpass.chunked_attention_bwd(grad_out.contiguous(), q, k, v, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None
+
+
+chunked_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, scale: float | None = None,
+                      chunk: int = 512) -> Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)``, computed in
+    tiles of ``chunk`` query x ``chunk`` key rows (differentiable)."""
+    _check(q, k, v, chunk)
+    return torch.ops.boundpass.chunked_attention_fwd(q, k, v, causal, float(scale or 0.0), int(chunk))[0]
+
+
+def reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, scale: float | None = None) -> Tensor:
+    """The schedule it replaces: torch's math path, [B, A_q, L, L] scores."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                                enable_gqa=q.shape[1] != k.shape[1])
+
+
+# ------------------------------------------------------------------------------------------------ bound
+def chunked_attention_bound(part: str = "forward", *, mixed_precision: bool) -> sympy.Expr:
+    """Device bytes of one call: its inputs, its outputs and its largest tile's workspace; N = B L_seq tokens (rows
+    of every head), A_q / A_kv heads, head dims D (``D_h``) and D_v, tile C_s; b the inputs' bytes per element,
+    b_acc the accumulation's. ``mixed_precision`` (b < b_acc): each tile's key / value rows are upcast copies.
+
+    forward : q, k, v, out (b) + lse (b_acc)
+              + a tile of B C_s rows per head: qi, o, p @ vj, and five per-row vectors (b_acc), kj and vj upcast,
+              scores and probabilities [B, A_q, C_s, C_s] (b_acc), the causal mask (C_s^2 bytes, two index vectors)
+    backward: grad_out, q, k, v, out (b), lse (b_acc) + dq (b) + dk, dv accumulators (b_acc, cast to b when
+              narrower) + a tile: qi, dqi (D), goi (D_v), delta and the lse rows (b_acc, every query head), then
+              the larger of rowsum(dO O)'s operands (2 D_v) and the key loop's scores, probabilities and dS with one
+              [C_s x d] product per key/value head; kj / vj upcast; the causal mask
+    """
+    N, C_s, A_q, A_kv, D, D_v = sym.N, C_s_sym, sym.A_q, sym.A_kv, sym.D_h, D_v_sym
+    b, b_acc = sym.b, sym.b_acc
+    rows = N / L_seq_sym * C_s           # B C_s: rows of one tile, per head
+    q_bytes, kv_bytes = N * A_q * D * b, N * A_kv * (D + D_v) * b
+    out_bytes, lse_bytes = N * A_q * D_v * b, N * A_q * b_acc
+    upcast_kv = rows * A_kv * (D + D_v) * b_acc if mixed_precision else 0
+    scores = rows * A_q * C_s * b_acc
+    mask = C_s * C_s + 16 * C_s
+    if part == "forward":
+        tile = rows * A_q * (D + 2 * D_v + 5) * b_acc + upcast_kv + 2 * scores + mask
+        return q_bytes + kv_bytes + out_bytes + lse_bytes + tile
+    inputs = out_bytes + q_bytes + kv_bytes + out_bytes + lse_bytes
+    # dq (b), the dk / dv accumulators (b_acc), and their casts to the inputs' dtype when it is narrower
+    outputs = q_bytes + N * A_kv * (D + D_v) * b_acc + (kv_bytes if mixed_precision else 0)
+    kv_rows = rows * A_kv                # B C_s key rows of every key/value head
+    held = rows * A_q * (2 * D + D_v + 2) * b_acc    # qi, dqi, goi, delta, the lse rows
+    # rowsum(dO O): O's rows and the product; then the key loop: scores, probabilities and dS live together, beside
+    # one [C_s x d] product of a key/value head
+    tile = held + upcast_kv + sympy.Max(rows * A_q * 2 * D_v * b_acc,
+                                        3 * scores + kv_rows * (D + D_v) * b_acc + mask)
+    return inputs + outputs + tile
+
+
+C_s_sym = sympy.Symbol("C_s", integer=True, positive=True)    # query / key rows per tile
+D_v_sym = sympy.Symbol("D_v", integer=True, positive=True)    # value head dim (MLA: differs from D_h)
+L_seq_sym = sympy.Symbol("L_seq", integer=True, positive=True)  # sequence length (N = B L_seq)
+
+
+def bound_values(dtype: torch.dtype, *, batch: int, length: int, heads: int, kv_heads: int, head_dim: int,
+                 v_head_dim: int, chunk: int | None = None) -> dict:
+    values = {sym.N: batch * length, L_seq_sym: length, sym.A_q: heads, sym.A_kv: kv_heads, sym.D_h: head_dim,
+              D_v_sym: v_head_dim, sym.b: dtype.itemsize, sym.b_acc: _acc_dtype(dtype).itemsize}
+    if chunk is not None:
+        values[C_s_sym] = chunk
+    return values
+
+
+# ------------------------------------------------------------------------------------------ memory contract
+def _device_bound(a: dict, ctx: dict) -> sympy.Expr:
+    q, k, v = a["q"], a["k"], a["v"]
+    mixed = _acc_dtype(q.dtype) != q.dtype
+    part = "backward" if "grad_out" in a else "forward"
+    values = bound_values(q.dtype, batch=1, length=1, heads=int(q.shape[1]), kv_heads=int(k.shape[1]),
+                          head_dim=int(q.shape[3]), v_head_dim=int(v.shape[3]))
+    values[sym.N] = contracts.as_expr(q.shape[0]) * contracts.as_expr(q.shape[2])
+    values[L_seq_sym] = contracts.as_expr(q.shape[2])
+    values[C_s_sym] = sympy.Min(a["chunk"], contracts.as_expr(q.shape[2])) if a["chunk"] > 0 else C_s_sym
+    return contracts.substitute(contracts.cached_bound(chunked_attention_bound, part=part, mixed_precision=mixed), values)
+
+
+contracts.register_bound(torch.ops.boundpass.chunked_attention_fwd.default, _device_bound)
+contracts.register_bound(torch.ops.boundpass.chunked_attention_bwd.default, _device_bound)
