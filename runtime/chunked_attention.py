@@ -157,7 +157,8 @@ def chunked_attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out
 
 @chunked_attention_bwd.register_fake
 def _(grad_out, q, k, v, out, lse, causal, scale, chunk):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k), torch.empty_like(v))
+    # the real kernel returns fresh contiguous gradients, whatever the inputs' strides (a transposed q, k, v)
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):

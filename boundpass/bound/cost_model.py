@@ -411,3 +411,36 @@ def sco_knee(most: int, *, boundary_bytes: int, forward_s: float = 0.0, backward
                             costs=costs) for n in range(0, max(0, most) + 1)}
     best = min(times.values())
     return min(n for n, t in times.items() if t <= best + tolerance * best)
+
+
+# ------------------------------------------------------------------------------------ chunked attention
+# The tile C_s (query rows x key rows) of boundpass::chunked_attention. One forward + backward visits, per batch row
+# and query head, T (T + 1) / 2 tiles when causal (T^2 otherwise), T = ceil(L / C_s). Per tile of width w = min(C_s, L):
+# the matmuls 2 w^2 (4 D + 3 D_v) FLOPs (forward QK^T, PV; backward QK^T again, dV, dP, dQ, dK), about
+# ATTENTION_PASSES elementwise passes over the [w, w] scores (mask, max, exp, sums; dS), and ATTENTION_LAUNCHES ops
+# issued (both loops of runtime/chunked_attention.py). Narrow tiles pay launches; wide causal tiles compute the
+# masked half of the diagonal tiles for nothing (the tiles' area is L^2 / 2 + L C_s / 2).
+ATTENTION_PASSES = 12
+ATTENTION_LAUNCHES = 34
+
+
+def chunked_attention_seconds(C: int, *, B: int, L: int, A_q: int, D: int, D_v: int, causal: bool = True,
+                              b_acc: int = 4, costs: DeviceCosts | None = None) -> float:
+    """Modelled seconds of one chunked-attention forward + backward at tile C_s = C."""
+    costs = costs or DEVICE_COSTS["cpu"]
+    w = max(1, min(C, L))
+    t = -(-L // w)
+    tiles = t * (t + 1) // 2 if causal else t * t
+    tile_bytes = B * A_q * w * w * b_acc
+    bw = costs.cache_bandwidth if tile_bytes <= costs.cache_bytes else costs.bandwidth
+    flops = 2 * B * A_q * w * w * (4 * D + 3 * D_v)
+    return tiles * (flops / costs.flops + ATTENTION_PASSES * tile_bytes / bw + ATTENTION_LAUNCHES * costs.launch_s)
+
+
+def chunked_attention_knee(*, lo: int, hi: int, B: int, L: int, A_q: int, D: int, D_v: int, causal: bool = True,
+                           b_acc: int = 4, costs: DeviceCosts | None = None,
+                           tolerance: float = KNEE_TOLERANCE) -> int:
+    """The knee of the modelled chunked-attention time over tiles lo..hi."""
+    times = {C: chunked_attention_seconds(C, B=B, L=L, A_q=A_q, D=D, D_v=D_v, causal=causal, b_acc=b_acc,
+                                          costs=costs) for C in candidates(lo, hi)}
+    return knee(times, tolerance)

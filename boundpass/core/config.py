@@ -19,7 +19,7 @@ from typing import Literal
 from boundpass.core.errors import BoundpassInputError
 from boundpass.core.units import parse_bytes
 
-__all__ = ["Config", "VocabConfig", "DispatchConfig", "SCOConfig", "OptimizerConfig", "config_from", "knob_paths",
+__all__ = ["Config", "VocabConfig", "DispatchConfig", "AttentionConfig", "SCOConfig", "OptimizerConfig", "config_from", "knob_paths",
            "INNER_COMPILERS", "MODES", "PLAN_KNOBS", "PLAN_BUDGET", "PLAN_VOCAB_BLOCK", "PLAN_DISPATCH_CAP",
            "OPTIMIZER_STAGING_BYTES", "OPTIMIZER_SLOTS"]
 
@@ -117,6 +117,23 @@ class DispatchConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class AttentionConfig:
+    """Attention along the sequence (runtime/chunked_attention.py; docs/chunked_attention.md)."""
+
+    enable: bool = False
+    """Rewrite scaled_dot_product_attention calls (torchtitan's SDPA attention, plain PyTorch, Hugging Face's sdpa
+    interface) to boundpass::chunked_attention: tiles of C_s x C_s scores with an online softmax, never [L, L]. Off by
+    default: the reordered sums change the last bits against eager's kernel (the tolerance class of a fused kernel)."""
+    chunk: int | None = None
+    """The tile C_s (query and key rows per tile). None: the planner's choice, min(the widest the budget allows, the
+    knee of the modelled time) (docs/knobs.md)."""
+
+    def __post_init__(self):
+        _switch("attention.enable", self.enable)
+        _positive("attention.chunk", self.chunk, what="tile C_s; ")
+
+
+@dataclass(kw_only=True, slots=True)
 class SCOConfig:
     """Selective checkpoint offload of activation-checkpoint boundaries to host memory (runtime/sco.py; docs/sco.md)."""
 
@@ -155,7 +172,8 @@ class OptimizerConfig:
         _positive("optimizer.slots", self.slots, what="staging slots S; ")
 
 
-_SECTIONS = {"vocab": VocabConfig, "dispatch": DispatchConfig, "sco": SCOConfig, "optimizer": OptimizerConfig}
+_SECTIONS = {"vocab": VocabConfig, "dispatch": DispatchConfig, "attention": AttentionConfig, "sco": SCOConfig,
+             "optimizer": OptimizerConfig}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -183,6 +201,8 @@ class Config:
     """Ring-DTP: the vocab projection + cross-entropy."""
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     """PipelinedLLEP: expert dispatch."""
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    """Chunked attention: scaled dot-product attention in tiles along the sequence."""
     sco: SCOConfig = field(default_factory=SCOConfig)
     """SCO: checkpoint boundaries offloaded to the host."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

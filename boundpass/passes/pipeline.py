@@ -20,12 +20,13 @@ from __future__ import annotations
 import torch.fx as fx
 
 from boundpass.bound.bounds import Knob
+from boundpass.passes.attention_pass import AttentionPass
 from boundpass.passes.dispatch_pass import DispatchPass
 from boundpass.passes.protocol import Diagnosis, PassContext, PassRun, SkippedPass
 from boundpass.passes.vocab_pass import VocabPass
 
 # the graph passes, in the order they run (vocab first: its region ends the graph); adding an operator adds a line
-GRAPH_PASSES = (VocabPass(), DispatchPass())
+GRAPH_PASSES = (VocabPass(), DispatchPass(), AttentionPass())
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes=None, *, plan_knobs: bool = True) -> PassRun:

@@ -1,0 +1,157 @@
+"""scaled_dot_product_attention => boundpass::chunked_attention (runtime/chunked_attention.py): the attention of a
+block in tiles of C_s query x C_s key rows, never [L, L] scores.
+
+Found by what the graph calls: ``F.scaled_dot_product_attention`` (``torch._C._nn.scaled_dot_product_attention`` in a
+Dynamo graph), which is what torchtitan's SDPA attention, plain PyTorch models and Hugging Face's "sdpa" attention
+interface call. A call is rewritten when the op computes it exactly: [B, heads, L, D] self-attention (query and key
+lengths equal), no attention mask but the causal one, no dropout, GQA only through ``enable_gqa``. Anything else
+is skipped with the reason and bounded as it runs. The tile C_s is the knob (``attention_chunk``): the planner takes
+min(the widest that fits, the knee of ``cost_model.chunked_attention_seconds``).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from boundpass.bound.bounds import Knob
+from boundpass.measure.step_peak import module_path
+from boundpass.passes.graph_edit import concrete_size, example_value as _val, node_adder
+from boundpass.passes.protocol import Diagnosis
+from boundpass.runtime import chunked_attention as ca
+
+_SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
+_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+MIN_CHUNK = 64   # narrower tiles only add per-tile launches; below this, the sequence itself must shrink
+
+
+@dataclass
+class AttentionRegion:
+    """One scaled_dot_product_attention call: where it is, and what happened to it."""
+    module_path: str
+    rewritten: bool
+    reason: str = ""
+    kind: str = "attention"
+    tokens: object = None          # B L rows of every head (int or SymInt)
+    batch: int = 0
+    length: object = None          # L (int or SymInt)
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    v_head_dim: int = 0
+    causal: bool = True
+    dtype: torch.dtype | None = None
+    chunk: int = 0                 # C_s chosen by the budget
+    op_node: fx.Node | None = field(default=None, repr=False)
+
+    def describe(self) -> str:
+        if not self.rewritten:
+            return f"SKIPPED   attention {self.module_path}: {self.reason}"
+        return (f"REWRITTEN attention {self.module_path}: scaled_dot_product_attention => boundpass::chunked_attention "
+                f"(B={self.batch}, L={self.length}, A_q={self.heads}, A_kv={self.kv_heads}, D={self.head_dim}, "
+                f"D_v={self.v_head_dim}, {'causal' if self.causal else 'full'}, {self.dtype}, C_s={self.chunk})")
+
+
+def _bound_args(node: fx.Node) -> dict:
+    out = dict(_DEFAULTS)
+    out.update(zip(_ARGS, node.args))
+    out.update(node.kwargs)
+    return out
+
+
+def _why_not(a: dict) -> str:
+    """Why the op cannot compute this call exactly ("" when it can)."""
+    q, k, v = (_val(a[name]) for name in ("query", "key", "value"))
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return "query, key and value are not all [B, heads, L, D] tensors"
+    if a["attn_mask"] is not None:
+        return "an attention mask other than the causal one (the op computes causal or full attention only)"
+    if isinstance(a["dropout_p"], fx.Node) or float(a["dropout_p"]) != 0.0:
+        return "attention dropout (the op draws no dropout mask)"
+    if isinstance(a["is_causal"], fx.Node) or isinstance(a["scale"], fx.Node):
+        return "is_causal / scale computed in the graph"
+    if q.shape[2] != k.shape[2]:
+        return f"query length {q.shape[2]} != key length {k.shape[2]} (the op computes self-attention)"
+    if q.shape[1] != k.shape[1] and not a["enable_gqa"]:
+        return "query and key/value head counts differ without enable_gqa"
+    if q.shape[1] % k.shape[1]:
+        return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads"
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.device.type == "meta":
+        return "meta tensors"
+    return ""
+
+
+def rewrite_attention_regions(gm: fx.GraphModule, chunk: int = 0) -> list[AttentionRegion]:
+    """Rewrite every eligible call in place (tile ``chunk``; 0: left for the planner); return all calls found."""
+    regions = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not any(node.target is f for f in _SDPA):
+            continue
+        a = _bound_args(node)
+        path = module_path(node) or "<top level>"
+        reason = _why_not(a)
+        if reason:
+            regions.append(AttentionRegion(module_path=path, rewritten=False, reason=reason))
+            continue
+        q, k, v = a["query"], a["key"], a["value"]
+        qv, kv, vv = _val(q), _val(k), _val(v)
+        add = node_adder(gm.graph, qv.fake_mode, module_stack_of=node, trace_of=node)
+        with gm.graph.inserting_before(node):
+            op = add(torch.ops.boundpass.chunked_attention_fwd.default, q, k, v, bool(a["is_causal"]),
+                     float(a["scale"] or 0.0), int(chunk))
+            out = add(operator.getitem, op, 0)
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+        regions.append(AttentionRegion(module_path=path, rewritten=True, tokens=qv.shape[0] * qv.shape[2],
+                                       batch=int(qv.shape[0]), length=qv.shape[2], heads=int(qv.shape[1]),
+                                       kv_heads=int(kv.shape[1]), head_dim=int(qv.shape[3]),
+                                       v_head_dim=int(vv.shape[3]), causal=bool(a["is_causal"]), dtype=qv.dtype,
+                                       chunk=int(chunk), op_node=op))
+    if any(r.rewritten for r in regions):
+        gm.recompile()
+    return regions
+
+
+class AttentionPass:
+    """scaled_dot_product_attention => chunked attention (boundpass.passes.pipeline's protocol); its knob: C_s."""
+    name = "attention"
+
+    def enabled(self, config) -> bool:
+        return config.attention.enable
+
+    def rewrite(self, gm: fx.GraphModule, ctx) -> list[AttentionRegion]:
+        return rewrite_attention_regions(gm, ctx.fixed.get("attention_chunk", 0))
+
+    def knobs(self, regions: list, ctx) -> list[Knob]:
+        from boundpass.bound import cost_model
+        rewritten = [r for r in regions if r.rewritten]
+        if not rewritten:
+            return []
+        lengths = [concrete_size(r.length, r.op_node) for r in rewritten]
+        hi = max(lengths)
+        lo = min(MIN_CHUNK, hi)
+
+        def knee_of(region, length) -> int:
+            b_acc = torch.promote_types(region.dtype or torch.float32, torch.float32).itemsize
+            device = getattr(_val(region.op_node.args[0]), "device", None)
+            return cost_model.chunked_attention_knee(
+                lo=lo, hi=hi, B=region.batch, L=length, A_q=region.heads, D=region.head_dim, D_v=region.v_head_dim,
+                causal=region.causal, b_acc=b_acc, costs=cost_model.costs_for(getattr(device, "type", "cpu")))
+        return [Knob("attention_chunk", ca.C_s_sym, lo=lo, hi=hi, arg="chunk",
+                     ops=(torch.ops.boundpass.chunked_attention_fwd.default,
+                          torch.ops.boundpass.chunked_attention_bwd.default),
+                     user=ctx.config.attention.chunk, regions=rewritten,
+                     knee=max(knee_of(r, n) for r, n in zip(rewritten, lengths)), owner=self.name)]
+
+    def diagnose(self, knob: Knob, where: str) -> Diagnosis:
+        region = knob.regions[0] if knob.regions else None
+        length = region.length if region is not None else "?"
+        return Diagnosis(fix=f"reduce the sequence length L (now {length}) or the micro-batch, or raise the budget: "
+                             f"even the narrowest tile C_s={knob.lo} does not fit beside q, k, v and the output",
+                         detail=f"at C_s={knob.value}", name=f"attention (chunked, C_s={knob.value}){where}")

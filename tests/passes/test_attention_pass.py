@@ -1,0 +1,177 @@
+"""The attention pass (boundpass/passes/attention_pass.py): scaled_dot_product_attention => chunked attention through
+boundpass.compile (attention_enable=True): rewritten where the op computes the call exactly, skipped with the reason
+otherwise; loss and gradients against the unrewritten model; the whole step certified both ways at torch's
+allocator; the tile chosen at the knee and refused just below the least certificate; torchtitan's attention."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import boundpass
+from boundpass.testing.whole_step import allocator_step_peak
+
+V, H = 256, 64
+
+
+class Attention(nn.Module):
+    """GQA with an MLA-style value head dim (24) unequal to the query/key head dim (16)."""
+
+    def __init__(self, heads=4, kv_heads=2, d=16, dv=24, mask=None, dropout=0.0):
+        super().__init__()
+        self.heads, self.kv_heads, self.d, self.dv, self.mask, self.dropout = heads, kv_heads, d, dv, mask, dropout
+        self.q = nn.Linear(H, heads * d, bias=False)
+        self.k = nn.Linear(H, kv_heads * d, bias=False)
+        self.v = nn.Linear(H, kv_heads * dv, bias=False)
+        self.o = nn.Linear(heads * dv, H, bias=False)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.heads, self.d).transpose(1, 2)
+        k = self.k(x).view(b, n, self.kv_heads, self.d).transpose(1, 2)
+        v = self.v(x).view(b, n, self.kv_heads, self.dv).transpose(1, 2)
+        if self.mask == "tensor":
+            keep = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout, enable_gqa=True)
+        return self.o(o.transpose(1, 2).reshape(b, n, -1))
+
+
+class LM(nn.Module):
+    def __init__(self, layers=2, **attention):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(V, H)
+        self.norms = nn.ModuleList(nn.RMSNorm(H) for _ in range(layers))
+        self.attn = nn.ModuleList(Attention(**attention) for _ in range(layers))
+        self.head = nn.Linear(H, V, bias=False)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for norm, attn in zip(self.norms, self.attn):
+            h = h + attn(norm(h))
+        return self.head(h)
+
+
+def _loss(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _batch(length, seed=0, batch=2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (batch, length), generator=g), torch.randint(0, V, (batch, length), generator=g)
+
+
+def _close_step(step, model, plain, batch, *, rtol=1e-5, atol=1e-5):
+    """The compiled step's loss and every gradient against the unrewritten model's (fp32: reordered sums only)."""
+    loss = step(*batch)
+    loss.backward()
+    ref = _loss(plain(batch[0]), batch[1])
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=rtol, atol=atol)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=name)
+
+
+def test_rewritten_exact_certified_both_ways_and_refused_just_below():
+    model = LM()
+    plain = copy.deepcopy(model)
+    step = boundpass.compile(model, loss_fn=_loss, budget="1GiB", attention_enable=True)
+    batch = _batch(512)
+    _close_step(step, model, plain, batch)
+    report = boundpass.explain(step)
+    regions = report.rewritten_of("attention")
+    assert len(regions) == 2 and all(r.causal and r.heads == 4 and r.kv_heads == 2 and r.v_head_dim == 24
+                                     for r in regions)
+    knob = next(k for k in step.certificates[-1].planner.knobs if k.name == "attention_chunk")
+    assert knob.why == "knee" and knob.lo <= knob.value == knob.knee <= 512
+    assert "attention_chunk = " in report.text(graph="none")
+
+    model.zero_grad(set_to_none=True)
+    measured = allocator_step_peak(step, model, None, [_batch(512, seed) for seed in range(3)])
+    cert = step.certificates[-1]
+    assert measured <= cert.table.total <= 1.10 * measured, (cert.table.total, measured)
+
+    least = cert.total_at(**{k.name: k.lo for k in cert.planner.knobs})
+    tight = boundpass.compile(copy.deepcopy(plain), loss_fn=_loss, budget=least - 1, attention_enable=True)
+    with pytest.raises(boundpass.InfeasibleBudgetError, match="cannot be met"):
+        tight(*batch)
+    assert all(p.grad is None for p in tight.model.parameters())
+
+
+def test_the_tile_the_budget_allows_and_the_users_tile():
+    """A budget between the least and the knee's certificate narrows the tile below the knee ("budget"); the user's
+    tile is used as given ("user"), and both steps stay exact."""
+    plain = LM()
+    batch = _batch(512)
+    probe = boundpass.compile(copy.deepcopy(plain), loss_fn=_loss, budget="1GiB", attention_enable=True)
+    probe(*batch)
+    cert = probe.certificates[-1]
+    knob = next(k for k in cert.planner.knobs if k.name == "attention_chunk")
+    narrow = cert.total_at(attention_chunk=knob.lo, vocab_block=V)
+    wide = cert.total_at(attention_chunk=knob.value, vocab_block=V)
+    assert narrow < wide
+    model = copy.deepcopy(plain)
+    step = boundpass.compile(model, loss_fn=_loss, budget=(narrow + wide) // 2, attention_enable=True)
+    _close_step(step, model, copy.deepcopy(plain), batch)
+    chosen = next(k for k in step.certificates[-1].planner.knobs if k.name == "attention_chunk")
+    assert chosen.why == "budget" and knob.lo <= chosen.value < knob.value
+    model = copy.deepcopy(plain)
+    step = boundpass.compile(model, loss_fn=_loss, budget="1GiB", attention_enable=True, attention_chunk=96)
+    _close_step(step, model, copy.deepcopy(plain), batch)
+    assert boundpass.explain(step).rewritten_of("attention")[0].chunk == 96
+
+
+def test_no_square_of_the_length_where_torch_takes_the_math_path():
+    """Unequal head dims keep torch's SDPA on its math path on this CPU ([B, A_q, L, L] scores in forward and
+    backward); rewritten, the certified step is below what the unrewritten step measures."""
+    batch = _batch(1024, batch=1)
+    plain = LM(layers=1)
+    off = boundpass.compile(copy.deepcopy(plain), loss_fn=_loss, budget="4GiB")
+    on = boundpass.compile(copy.deepcopy(plain), loss_fn=_loss, budget="4GiB", attention_enable=True)
+    measured_off = allocator_step_peak(off, off.model, None, [batch, batch])
+    measured_on = allocator_step_peak(on, on.model, None, [batch, batch])
+    scores = 4 * 1024 * 1024 * 4                       # one [A_q, L, L] fp32 tensor
+    assert measured_off > 2 * scores
+    assert on.certificates[-1].table.total < measured_off - scores, (on.certificates[-1].table.total, measured_off)
+    assert measured_on <= on.certificates[-1].table.total
+
+
+@pytest.mark.parametrize("kw,reason", [
+    (dict(mask="tensor"), "an attention mask other than the causal one"),
+    (dict(dropout=0.1), "attention dropout"),
+])
+def test_what_the_op_cannot_compute_is_skipped_with_the_reason(kw, reason):
+    model = LM(layers=1, **kw)
+    step = boundpass.compile(model, loss_fn=_loss, budget="1GiB", attention_enable=True)
+    step(*_batch(64)).backward()
+    report = boundpass.explain(step)
+    assert not report.rewritten_of("attention")
+    assert len(report.skipped_of("attention")) == 1
+    assert reason in report.skipped_of("attention")[0].reason
+
+
+def test_off_by_default():
+    step = boundpass.compile(LM(layers=1), loss_fn=_loss, budget="1GiB")
+    step(*_batch(64)).backward()
+    assert not boundpass.explain(step).rewritten_of("attention")
+    assert not boundpass.explain(step).skipped_of("attention")
+
+
+@pytest.mark.torchtitan
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_torchtitans_attention_is_rewritten(family):
+    """torchtitan's SDPA attention (MLA for deepseek_v3, GQA for qwen3) in every block, beside the other passes."""
+    pytest.importorskip("torchtitan")
+    from boundpass.recipes.models import build_debug_moe
+    model = build_debug_moe(family, vocab_size=512, seq_len=128)
+    plain = copy.deepcopy(model)
+    step = boundpass.compile(model, loss_fn=_loss, budget="8GiB", attention_enable=True)
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, 512, (2, 128), generator=g), torch.randint(0, 512, (2, 128), generator=g)
+    _close_step(step, model, plain, batch, rtol=1e-4, atol=1e-4)
+    report = boundpass.explain(step)
+    assert len(report.rewritten_of("attention")) == len(model.layers)
+    assert report.rewritten_of("vocab") and report.rewritten_of("dispatch")
