@@ -1,6 +1,7 @@
 """Bound terms and the per-rank budget check: every term is a sympy formula, its value here, and its knob."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import sympy
@@ -20,6 +21,19 @@ def device_peak(persistent, *phases):
     return persistent + max(phases)
 
 
+class TermKind(str, enum.Enum):
+    """When a term's bytes are live: the whole step ("persistent": parameters, buffers, optimizer state), in the
+    forward/backward phase ("transient"), in the optimizer phase ("step"), or on the host ("host"). A str: the plain
+    names compare equal, print and serialise as themselves."""
+    PERSISTENT = "persistent"
+    TRANSIENT = "transient"
+    STEP = "step"
+    HOST = "host"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class BoundTerm:
     """One memory term of a training step on one rank (bytes)."""
@@ -27,9 +41,15 @@ class BoundTerm:
     formula: sympy.Expr          # in the shared vocabulary (boundpass.core.symbols)
     value: int                   # bytes at this launch configuration
     knob: str                    # what a user changes to shrink it
-    kind: str = "transient"      # "persistent" state, "transient" (forward/backward), "step" (optimizer), "host"
+    kind: TermKind | str = TermKind.TRANSIENT  # a TermKind (by name too), or a phase of the composed budget
     counted: bool = True         # False: shown for comparison only (e.g. the schedule a rewrite replaced)
     where: str = ""              # module path of the region it bounds
+
+    def __post_init__(self):
+        # the composed budget (bound/composed.py) files its terms under finer phases ("grad_moe", "attention", ...)
+        # than a compiled step's four; those stay its names
+        if self.kind in TermKind._value2member_map_:
+            self.kind = TermKind(self.kind)
 
 
 @dataclass

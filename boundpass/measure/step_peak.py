@@ -17,6 +17,7 @@ tracker is the part that serves, and it is reused as is.
 """
 from __future__ import annotations
 
+import enum
 import operator
 
 from dataclasses import dataclass, field
@@ -42,6 +43,20 @@ class Held:
     label: str
 
 
+class StorageKind(str, enum.Enum):
+    """What a storage of the step is: a graph input, an activation, a tensor saved for backward, a gradient, an op's
+    workspace, or bytes a runtime holds outside the graph's values (SCO's prefetch). A str, as TermKind."""
+    INPUT = "input"
+    ACTIVATION = "activation"
+    SAVED = "saved"
+    GRADIENT = "gradient"
+    WORKSPACE = "workspace"
+    HELD = "held"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class Storage:
     """One storage of the step: what made it, how big it is (sympy bytes) and its life in program points."""
@@ -50,9 +65,12 @@ class Storage:
     shape: str
     dtype: str
     nbytes: sympy.Expr
-    kind: str            # "input", "activation", "saved", "gradient", "workspace", "held"
+    kind: StorageKind    # what holds it (a StorageKind or its name)
     start: int = 0       # first program point it is live at
     end: int = 1 << 62   # last program point it is live at
+
+    def __post_init__(self):
+        self.kind = StorageKind(self.kind)
 
 
 @dataclass
