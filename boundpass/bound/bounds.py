@@ -137,6 +137,23 @@ class Knob:
         """The region records' attribute that shows the value (the schema argument's name)."""
         return self.arg
 
+    def settle(self, widest: int | None) -> int:
+        """The knee rule, the one place it is written (docs/knobs.md), given the widest value the budget allows
+        (None: not even ``lo``): the user's value; else the knee when the budget allows it ("knee"); else the widest
+        that fits ("budget"; "widest" for a knob without a time model whose whole range fits; ``lo`` when nothing
+        fits). A knob written into op arguments keeps a user's value within its range. Returns the value."""
+        self.widest_fitting = widest
+        if self.user is not None:
+            self.value, self.why = (min(max(self.user, 1), self.hi) if self.ops else self.user), "user"
+        elif widest is None:
+            self.value, self.why = self.lo, "budget"
+        elif self.knee is not None and self.knee <= widest:
+            self.value, self.why = max(self.lo, self.knee), "knee"
+        else:
+            self.value = widest
+            self.why = "widest" if self.knee is None and widest == self.hi else "budget"
+        return self.value
+
 
 def raise_infeasible(table: BudgetTable, binding: BoundTerm, *, detail: str = "") -> None:
     """Raise InfeasibleBudgetError naming the binding term, its formula, value, the budget and the knob."""

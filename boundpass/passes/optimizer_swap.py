@@ -129,33 +129,18 @@ def choose_knobs(adamws, *, room: int, bucket: int | None, slots: int | None, b:
     b_knob = Knob("optimizer_bucket", sym.beta, lo=1, hi=hi, arg="bucket_params", ops=(), user=bucket)
     knee_beta, knee_slots = cost_model.offload_adamw_knee(beta=bucket, S=slots, **model)
     s_knob.knee = knee_slots
-    s_knob.widest_fitting = max(1, min(s_knob.hi, room // min(theta, MIN_OVERLAP_BUCKET)))
-    _settle(s_knob, slots, knee_slots)
+    s_knob.settle(max(1, min(s_knob.hi, room // min(theta, MIN_OVERLAP_BUCKET))))
     if s_knob.value != knee_slots and bucket is None:  # the budget took slots: the bucket's knee at the slots left
         knee_beta, _ = cost_model.offload_adamw_knee(S=s_knob.value, **model)
     b_knob.knee = knee_beta
-    b_knob.widest_fitting = max(1, min(hi, room // s_knob.value))
-    _settle(b_knob, bucket, knee_beta)
+    b_knob.settle(max(1, min(hi, room // s_knob.value)))
     return [b_knob, s_knob]
-
-
-def _settle(knob: Knob, user, knee: int) -> None:
-    """The knee rule (docs/knobs.md): the user's value, else the knee, else (the budget binds) the widest that fits."""
-    if user is not None:
-        knob.value, knob.why = user, "user"
-    elif knee <= knob.widest_fitting:
-        knob.value, knob.why = knee, "knee"
-    else:
-        knob.value, knob.why = knob.widest_fitting, "budget"
 
 
 def narrow_bucket(knob: Knob, widest: int) -> int:
     """The bucket once the step's graph shows what the optimizer phase really leaves (``widest`` elements per
     slot): min(widest, knee) by the same rule, never wider than before; the user's value is kept."""
-    knob.widest_fitting = max(1, min(knob.widest_fitting or knob.hi, widest))
-    if knob.user is None and knob.widest_fitting < knob.value:
-        knob.value, knob.why = knob.widest_fitting, "budget"
-    return knob.value
+    return knob.settle(max(1, min(knob.widest_fitting or knob.hi, widest)))
 
 
 def _kept_terms(phase: OptimizerPhase) -> list[BoundTerm]:

@@ -119,18 +119,7 @@ class StepPlanner:
             def fits(v: int, knob=knob, others=others) -> bool:
                 return self.fits(peak, self.values(**{**others, knob.name: v}))
 
-            knob.widest_fitting = best = largest_fitting(knob.lo, knob.hi, fits)
-            if knob.name in chosen:
-                continue
-            if best is None:
-                chosen[knob.name], knob.why = knob.lo, "budget"
-            elif knob.knee is not None and knob.knee <= best:
-                chosen[knob.name], knob.why = max(knob.lo, knob.knee), "knee"
-            else:
-                chosen[knob.name] = best
-                knob.why = "widest" if knob.knee is None and best == knob.hi else "budget"
-        for knob in self.knobs:
-            knob.value = chosen[knob.name]
+            chosen[knob.name] = knob.settle(largest_fitting(knob.lo, knob.hi, fits))
         self.agree()
         return self.values(**{k.name: k.value for k in self.knobs})
 
