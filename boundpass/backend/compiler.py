@@ -119,7 +119,7 @@ class BoundedModule(nn.Module):
 
         # the backend holds this module weakly: Dynamo keeps compiled functions as globals of the traced code's
         # module (torch._dynamo.reset() leaves them), and through them a strong reference kept the last model
-        # compiled alive after its owner let go (docs/results/test_times.md, session 11)
+        # compiled alive after its owner let go (docs/results/test_times.md)
         owner = weakref.ref(self)
 
         def backend(gm, example_inputs):
