@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import operator
+import re
 
 from dataclasses import dataclass, field
 from typing import Callable
@@ -188,12 +189,29 @@ def module_path(node: fx.Node) -> str:
     """The module a node came from (nn_module_stack's innermost entry, or the forward's for a node AOTAutograd made
     in the backward) as a dotted path from the compiled model, or '' (a node of no module)."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = str(list(stack.values())[-1][0])
+    return pretty_path(str(list(stack.values())[-1][0])) if stack else ""
+
+
+_CLOSURE_HOP = r"\.forward\.__closure__\[0\]\.cell_contents\.__self__"   # torchtitan's local_map forward wrappers
+_MODULES_HOP = r"__dict__(?:\['_modules'\]|\._modules)(?:\['([^']+)'\]|\.([A-Za-z_0-9]+))"  # a child in _modules
+
+
+def without_hops(path: str) -> str:
+    """A Dynamo module source with torchtitan's local_map closure hops dropped and ``_modules`` lookups written as
+    the child attributes they are (``__dict__['_modules']['moe']`` -> ``.moe``)."""
+    return re.sub(_MODULES_HOP, lambda m: "." + (m.group(1) or m.group(2)), re.sub(_CLOSURE_HOP, "", path))
+
+
+def pretty_path(path: str) -> str:
+    """Dynamo's source of a module (``L['self'].layers['0']``, a checkpoint wrapper's ``__dict__['_modules']``
+    lookups, torchtitan's local_map closures) as the dotted path the model's named_modules() gives."""
     for prefix in ("L['self']._model.", "L['self'].", "G['model'].", "L['model']."):
-        path = path.replace(prefix, "")
-    return path.replace("L['self']", "").replace("['", ".").replace("']", "")
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+            break
+    path = without_hops(path)
+    path = path.replace("._checkpoint_wrapped_module", "").replace("_checkpoint_wrapped_module.", "")
+    return path.replace("L['self']", "").replace("['", ".").replace("']", "").strip(".")
 
 
 def _describe(node: fx.Node) -> tuple[str, str]:

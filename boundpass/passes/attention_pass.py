@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from boundpass.bound.bounds import Knob
 from boundpass.measure.step_peak import module_path
-from boundpass.passes.graph_edit import concrete_size, example_value as _val, node_adder
+from boundpass.passes.graph_edit import concrete_size, graph_modules, node_adder
+from boundpass.passes.graph_edit import example_value as _val
 from boundpass.passes.protocol import Diagnosis
 from boundpass.runtime import chunked_attention as ca
 
@@ -89,10 +90,10 @@ def _why_not(a: dict) -> str:
 
 def rewrite_attention_regions(gm: fx.GraphModule, chunk: int = 0) -> list[AttentionRegion]:
     """Rewrite every eligible call in place (tile ``chunk``; 0: left for the planner); return all calls found."""
-    regions = []
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or not any(node.target is f for f in _SDPA):
-            continue
+    regions, touched = [], []
+    calls = [(sub, node) for sub in list(graph_modules(gm)) for node in sub.graph.nodes
+             if node.op == "call_function" and any(node.target is f for f in _SDPA)]
+    for sub, node in calls:  # checkpointed blocks keep theirs in the HOP's body
         a = _bound_args(node)
         path = module_path(node) or "<top level>"
         reason = _why_not(a)
@@ -101,20 +102,21 @@ def rewrite_attention_regions(gm: fx.GraphModule, chunk: int = 0) -> list[Attent
             continue
         q, k, v = a["query"], a["key"], a["value"]
         qv, kv, vv = _val(q), _val(k), _val(v)
-        add = node_adder(gm.graph, qv.fake_mode, module_stack_of=node, trace_of=node)
-        with gm.graph.inserting_before(node):
+        add = node_adder(sub.graph, qv.fake_mode, module_stack_of=node, trace_of=node)
+        with sub.graph.inserting_before(node):
             op = add(torch.ops.boundpass.chunked_attention_fwd.default, q, k, v, bool(a["is_causal"]),
                      float(a["scale"] or 0.0), int(chunk))
             out = add(operator.getitem, op, 0)
         node.replace_all_uses_with(out)
-        gm.graph.erase_node(node)
+        sub.graph.erase_node(node)
+        touched.append(sub)
         regions.append(AttentionRegion(module_path=path, rewritten=True, tokens=qv.shape[0] * qv.shape[2],
                                        batch=int(qv.shape[0]), length=qv.shape[2], heads=int(qv.shape[1]),
                                        kv_heads=int(kv.shape[1]), head_dim=int(qv.shape[3]),
                                        v_head_dim=int(vv.shape[3]), causal=bool(a["is_causal"]), dtype=qv.dtype,
                                        chunk=int(chunk), op_node=op))
-    if any(r.rewritten for r in regions):
-        gm.recompile()
+    for sub in {id(s): s for s in touched}.values():
+        sub.recompile()
     return regions
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import re
 from dataclasses import dataclass, field
 
 import torch
@@ -32,11 +31,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from boundpass.passes.graph_edit import example_value as _val
-from boundpass.passes.graph_edit import concrete_size, node_adder, op_arg, set_op_arg
+from boundpass.passes.graph_edit import concrete_size, graph_modules, node_adder, op_arg, set_op_arg
 # PipelinedLLEP planner defaults (LLEP's public defaults: docs/design.md §6); the cap c is set by the budget
 from boundpass.core import symbols as sym
 from boundpass.bound.bounds import Knob
 from boundpass.passes.protocol import Diagnosis
+from boundpass.measure.step_peak import pretty_path, without_hops
 from boundpass.runtime.llep_plan import DEFAULT_ALPHA, DEFAULT_IMBALANCE, DEFAULT_MIN_PIECE
 from boundpass.runtime.groups import group_name_of
 from boundpass.core.units import format_bytes
@@ -93,8 +93,6 @@ def _region_key(node: fx.Node, routed_cls) -> str | None:
     return None
 
 
-_CLOSURE_HOP = r"\.forward\.__closure__\[0\]\.cell_contents\.__self__"   # torchtitan's local_map forward wrappers
-_MODULES_HOP = r"__dict__\['_modules'\]\['([^']+)'\]"                     # a child looked up in _modules
 
 
 def _resolve(root: torch.nn.Module, path: str):
@@ -104,7 +102,7 @@ def _resolve(root: torch.nn.Module, path: str):
     ``__dict__['_modules']['_checkpoint_wrapped_module'].moe...`` under a per-block compile of a checkpointed block.
     The closure hops of torchtitan's local_map wrappers and ``_modules`` lookups are walked as the children they are.
     """
-    path = re.sub(_MODULES_HOP, r".\1", re.sub(_CLOSURE_HOP, "", path))
+    path = without_hops(path)
     if path.startswith("L['self']"):
         path = path[len("L['self']"):]
     if "__" in path or path.startswith("L["):
@@ -138,11 +136,8 @@ def _find_module(root, stack, key, routed_cls):
 
 
 def _pretty(path: str) -> str:
-    for prefix in ("L['self'].model.", "L['self']."):
-        if path.startswith(prefix):
-            path = path[len(prefix):]
-    path = re.sub(_MODULES_HOP, r".\1", re.sub(_CLOSURE_HOP, "", path)).replace("._checkpoint_wrapped_module", "")
-    return path.lstrip(".").replace("['", ".").replace("']", "")
+    """A region's path from the model (BoundedModule's ``model.`` left out, as torchtitan names its modules)."""
+    return pretty_path(path[len("L['self'].model."):] if path.startswith("L['self'].model.") else path)
 
 
 def _is(node, kind, target) -> bool:
@@ -202,14 +197,6 @@ def _classify_inputs(externals: list[fx.Node], weights: tuple, hidden: int):
     return (x, scores, ids), ""
 
 
-def _graphs(gm: fx.GraphModule):
-    """The root graph and every subgraph body (activation-checkpoint HOPs keep theirs as submodules)."""
-    yield gm
-    for _, sub in gm.named_modules():
-        if sub is not gm and isinstance(sub, fx.GraphModule):
-            yield sub
-
-
 def rewrite_dispatch_regions(gm: fx.GraphModule, root: torch.nn.Module,
                              borrowed_slots: int | None = None) -> list[DispatchRegion]:
     """Rewrite every eligible routed-experts region (cap left at 0; the compiler sets it); return all found.
@@ -222,13 +209,13 @@ def rewrite_dispatch_regions(gm: fx.GraphModule, root: torch.nn.Module,
     # below, which replaces the nodes this tells apart from them
     unmatched = _routed_by_structure(gm, routed_cls)
     if routed_cls is None:
-        for graph_module in _graphs(gm):
+        for graph_module in graph_modules(gm):
             graph_module.graph.lint()
             graph_module.recompile()
         return unmatched
     # group by the module itself: one module can appear under several stack paths (wrappers, local_map)
     groups: dict[object, list[tuple[fx.GraphModule, str, object, list[fx.Node]]]] = {}
-    for graph_module in list(_graphs(gm)):
+    for graph_module in list(graph_modules(gm)):
         modules: dict[str, object] = {}
         here: dict[object, tuple] = {}
         for node in graph_module.graph.nodes:
@@ -256,7 +243,7 @@ def rewrite_dispatch_regions(gm: fx.GraphModule, root: torch.nn.Module,
                                           reason=f"the region is split across {len(parts)} nested graphs"))
             continue
         regions.append(_rewrite_one(graph_module, key, module, nodes, borrowed_slots))
-    for graph_module in _graphs(gm):
+    for graph_module in graph_modules(gm):
         graph_module.graph.lint()
         graph_module.recompile()
     return regions + unmatched
@@ -288,7 +275,7 @@ def _routed_by_structure(gm: fx.GraphModule, routed_cls) -> list[DispatchRegion]
     from boundpass.passes.dispatch_structure import Skip, match_routed_experts
     from boundpass.passes.sorted_experts import match_sorted_experts
     out, seen = [], set()
-    for graph_module in list(_graphs(gm)):
+    for graph_module in list(graph_modules(gm)):
         routed_nodes = {n for n in graph_module.graph.nodes
                         if routed_cls is not None and _region_key(n, routed_cls) is not None}
         for node in list(graph_module.graph.nodes):
@@ -493,7 +480,7 @@ class DispatchPass:
                 if region.rewritten:
                     region.cap = ctx.fixed["dispatch_cap"]
                     set_op_arg(region.op_node, "cap", region.cap)
-            for graph_module in _graphs(gm):
+            for graph_module in graph_modules(gm):
                 graph_module.recompile()
         return regions
 

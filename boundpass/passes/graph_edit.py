@@ -85,3 +85,11 @@ def concrete_size(size, node: fx.Node | None) -> int:
     if expr.free_symbols and shape_env is not None:
         expr = expr.xreplace(shape_env.backed_var_to_val)
     return int(expr)
+
+
+def graph_modules(gm: fx.GraphModule):
+    """The root graph and every subgraph body (activation-checkpoint HOPs keep theirs as submodules)."""
+    yield gm
+    for _, sub in gm.named_modules():
+        if sub is not gm and isinstance(sub, fx.GraphModule):
+            yield sub

@@ -49,7 +49,11 @@ def _stock_vs_boundpass(rank, world, tmp, assets):
     # offload forced: the run also exercises the OptimizersContainer swap and the rebuilt LR schedulers
     bp = _train(tmp, "bp", "deepseek_v3_debug", ["--training.steps", "3", "--dump_folder", f"{tmp}/bp",
                                                  "--boundpass.budget", "2GiB", "--boundpass.optimizer.offload", "True"])
-    return stock, bp
+    # chunked attention through torchtitan's per-block compile (each block's SDPA inside its checkpoint body)
+    attention = _train(tmp, "attention", "deepseek_v3_debug", [
+        "--training.steps", "3", "--dump_folder", f"{tmp}/attention", "--compile.enable", "--compile.backend",
+        "aot_eager", "--boundpass.budget", "2GiB", "--boundpass.attention.enable"])
+    return stock, bp, attention
 
 
 def _ep2_save_resume(rank, world, tmp, assets):
@@ -71,7 +75,8 @@ def assets(tmp_path_factory):
 
 
 def test_one_rank_boundpass_follows_stock_torchtitan(tmp_path, assets):
-    stock_summary, bp_summary = run_on_ranks(_stock_vs_boundpass, 1, str(tmp_path), assets, timeout_s=300)[0]
+    stock_summary, bp_summary, attention_summary = run_on_ranks(_stock_vs_boundpass, 1, str(tmp_path), assets,
+                                                                timeout_s=400)[0]
     assert stock_summary == "boundpass off"
     assert "vocab regions rewritten: 1, skipped: 0" in bp_summary, bp_summary
     assert "OffloadStreamAdamW" in bp_summary or "offloaded" in bp_summary, bp_summary
@@ -80,6 +85,11 @@ def test_one_rank_boundpass_follows_stock_torchtitan(tmp_path, assets):
     assert stock[3] < stock[1] - 0.3, stock  # it trains: a skipped update would show here
     for step in stock:
         assert bp[step] == pytest.approx(stock[step], rel=REL_TOL), (step, stock, bp)
+    # every block graph's attention on the chunked op (reordered sums: the losses within the same tolerance)
+    assert attention_summary.count("REWRITTEN attention attention.inner_attention") == 2, attention_summary
+    attention = _losses(tmp_path / "attention.jsonl")
+    for step in stock:
+        assert attention[step] == pytest.approx(stock[step], rel=REL_TOL), (step, stock, attention)
 
 
 def test_ep2_over_gloo_trains_and_resumes_identically(tmp_path, assets):
