@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.fx_passes.memory_estimator import GraphAliasTracker, StorageKey
 
+from boundpass.measure import aten_contracts
 from boundpass.runtime import contracts
 from boundpass.runtime.contracts import as_expr  # noqa: F401  (the passes' size expressions)
 from boundpass.core.units import format_bytes
@@ -318,6 +319,9 @@ def _walk_graph(walk: _Walk, graph: fx.Graph, phase: str, *, counted: Callable[[
         for h in starts.get(node, ()):
             walk.add(("held", id(h)), Storage(h.label, module_path(node), "", "", h.nbytes, "held"))
     return alias
+
+
+aten_contracts.register()  # torch kernels' hidden workspaces (measure/aten_contracts.py)
 
 
 def op_bound(node: fx.Node, ctx: dict) -> sympy.Expr | None:
