@@ -328,6 +328,8 @@ def op_bound(node: fx.Node, ctx: dict) -> sympy.Expr | None:
     """The whole device bound a boundpass op declares at this node (boundpass.runtime.contracts), or None."""
     if not contracts.has_bound(node.target):
         return None
+    if not ctx.get("kernel_workspace", True) and not str(node.target).startswith("boundpass."):
+        return None  # a caller that measures tensors only (plan's block traces) leaves torch kernels' workspace out
     args = contracts.call_arguments(node.target, node.args, node.kwargs,
                                     lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
     return contracts.device_bound(node.target, args, ctx)

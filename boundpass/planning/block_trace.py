@@ -234,8 +234,10 @@ def _analyze(captured: dict, *, weight_grads, count_inputs, ctx, split: bool = F
     fw, bw = captured["fw"], captured["bw"]
     n_state, n_in, inputs = captured["n_state"], captured["n_in"], captured["inputs"]
     symbolic_tokens, token_dim = captured["symbolic_tokens"], captured["token_dim"]
+    # plan's block terms are held against the live-storage tracker, which sees tensors, not a kernel's internal
+    # blocks: torch kernels' workspace contracts (measure/aten_contracts.py) are left out of the traces
     peak = analyze_graphs(fw, bw, static_inputs=set(range(n_state)), num_user_outputs=captured["num_fwd_outputs"],
-                          ctx=ctx)
+                          ctx={**(ctx or {}), "kernel_workspace": False})
     # what the composed budget counts elsewhere: the inputs (a checkpoint boundary) and the weights' gradients
     drop = set()
     if not count_inputs:
