@@ -1,11 +1,11 @@
 """Bound terms and the per-rank budget check: every term is a sympy formula, its value here, and its knob."""
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import sympy
 
+from boundpass.core.kinds import NamedKind
 from boundpass.core.errors import InfeasibleBudgetError
 from boundpass.core import textwidth
 from boundpass.core.units import format_bytes
@@ -21,7 +21,7 @@ def device_peak(persistent, *phases):
     return persistent + max(phases)
 
 
-class TermKind(str, enum.Enum):
+class TermKind(NamedKind):
     """When a term's bytes are live: the whole step ("persistent": parameters, buffers, optimizer state), in the
     forward/backward phase ("transient"), in the optimizer phase ("step"), or on the host ("host"). A str: the plain
     names compare equal, print and serialise as themselves."""
@@ -29,9 +29,6 @@ class TermKind(str, enum.Enum):
     TRANSIENT = "transient"
     STEP = "step"
     HOST = "host"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass

@@ -17,7 +17,6 @@ tracker is the part that serves, and it is reused as is.
 """
 from __future__ import annotations
 
-import enum
 import operator
 import re
 
@@ -32,6 +31,7 @@ from torch._inductor.fx_passes.memory_estimator import GraphAliasTracker, Storag
 from boundpass.measure import aten_contracts
 from boundpass.runtime import contracts
 from boundpass.runtime.contracts import as_expr  # noqa: F401  (the passes' size expressions)
+from boundpass.core.kinds import NamedKind
 from boundpass.core.units import format_bytes
 
 
@@ -45,7 +45,7 @@ class Held:
     label: str
 
 
-class StorageKind(str, enum.Enum):
+class StorageKind(NamedKind):
     """What a storage of the step is: a graph input, an activation, a tensor saved for backward, a gradient, an op's
     workspace, or bytes a runtime holds outside the graph's values (SCO's prefetch). A str, as TermKind."""
     INPUT = "input"
@@ -54,9 +54,6 @@ class StorageKind(str, enum.Enum):
     GRADIENT = "gradient"
     WORKSPACE = "workspace"
     HELD = "held"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass
