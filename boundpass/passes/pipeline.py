@@ -1,7 +1,8 @@
 """The graph passes behind one protocol, and the driver that runs them on a Dynamo graph.
 
 A graph pass turns the regions of one unbounded peak into a bounded runtime op (vocab: projection -> cross-entropy
-=> Ring-DTP; dispatch: routed experts => PipelinedLLEP). Each declares:
+=> Ring-DTP; dispatch: routed experts => PipelinedLLEP; attention: scaled_dot_product_attention => chunked
+attention). Each declares:
 
 - ``name`` and ``enabled(config)``: whether boundpass.Config asks for it;
 - ``rewrite(gm, ctx)``: find -> match -> rewrite in place; one region record per region found, rewritten or
