@@ -128,8 +128,8 @@ def main(argv=None) -> int:
         dist.all_reduce(valid)
     measured = measured_step_peak(compiled, model, optimizers[0], [(*batch, valid)] * 2)
     certified = boundpass.explain(compiled).table.total
-    _say(rank, f"\n== the whole step vs the budget (parameters, buffers, gradients, optimizer state, every activation;"
-               f" live-storage tracker, real tensors)")
+    _say(rank, "\n== the whole step vs the budget (parameters, buffers, gradients, optimizer state, every activation;"
+               " live-storage tracker, real tensors)")
     _say(rank, f"  budget {format_bytes(compiled.budget)}  >=  certified peak {format_bytes(certified)}  >=  "
                f"measured peak {format_bytes(measured)}  ({certified / measured:.3f}x measured)")
     if not measured <= certified <= compiled.budget:

@@ -655,9 +655,8 @@ def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
     / False decides the offload_adamw operator as boundpass.compile does); InfeasibleBudgetError naming the binding
     term when it does not fit. Measured against torch's allocator and the live-storage tracker: docs/recipe.md."""
     from boundpass.bound import composed
-    from boundpass.bound.bounds import Knob, largest_fitting
-    from boundpass.core import symbols as sym
     from boundpass.planning import full_scale as plan
+    from boundpass.planning import planner
     from boundpass.runtime import offload_adamw as oa
 
     bp, training = config.boundpass, config.training
@@ -690,10 +689,8 @@ def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
     def offloaded():
         bucket = bp.optimizer.bucket
         if bucket is None:  # the largest β (up to the composed default) whose staging fits, by the planner's rule
-            knob = Knob("optimizer_bucket", sym.beta, lo=1, hi=oa.DEFAULT_BUCKET, arg="bucket_params", ops=())
-            # nothing fits: the smallest bucket, and the check below names what binds there
-            bucket = knob.settle(largest_fitting(1, oa.DEFAULT_BUCKET, lambda beta: composed.compose(
-                shape, launch(True, beta), budget=budget, host_budget=host_budget, fast=True).fits()))
+            bucket = planner.composed_bucket(shape, lambda beta: launch(True, beta), budget=budget,
+                                             host_budget=host_budget, hi=oa.DEFAULT_BUCKET)
         return composed.check(shape, launch(True, bucket), budget=budget, host_budget=host_budget), bucket
 
     if bp.optimizer.offload is True:

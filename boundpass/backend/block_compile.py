@@ -156,7 +156,7 @@ class CompiledBlocks(BoundedModule):
         self.graph_rows: list[list[BoundTerm]] = []  # per graph: the carry rows its certificate holds
         self.graph_cert: list[int | None] = []  # per graph: its index in self.certificates (None: no backward)
         self.first_input = 0               # the first block's input, held for its backward through the step
-        # SCO across the blocks (one runtime for every block graph; boundpass/passes/sco_pass.find_block_sco): the
+        # SCO across the blocks (one runtime for every block graph; boundpass/passes/sco_pass.SCOPass.find_block): the
         # first ``sco_count`` blocks (forward order) offload their input boundary to the host pool
         # a block graph's input and output are the trunk's hidden states, which the caller passes from block to block
         # and does not hold through backward: the graph analysis counts them as the graph sees them, the rows below
@@ -200,23 +200,25 @@ class CompiledBlocks(BoundedModule):
 
     def _find_sco(self, gm, host_pool: int | None):
         """Every block graph shares one SCO runtime; the host pool takes a forward prefix of the blocks."""
-        from boundpass.passes import sco_pass
+        from boundpass.passes.pipeline import SCO
+        from boundpass.passes.sco_pass import boundary_device, cap_plan
         from boundpass.runtime import sco as sco_rt
         if self.sco_runtime is None and self.boundpass_config.sco.enable is not False:
             runs = self.runs  # not self: the runtime is reachable from the compiled graphs (see _counting)
-            self.sco_runtime = sco_rt.BlockSCO(self.num_blocks, 0, sco_pass._boundary_device(gm),
+            self.sco_runtime = sco_rt.BlockSCO(self.num_blocks, 0, boundary_device(gm),
                                                current_block=lambda: len(runs) - 1)
         first = next((n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"), None)
         if isinstance(first, torch.Tensor) and first.is_floating_point():
             # the block's first argument: the trunk's hidden states, block i-1's output (see _block_rows)
             self.hidden = max(self.hidden, first.numel() * first.element_size())
-        plan = sco_pass.find_block_sco(gm, self.boundpass_config.sco.enable, runtime=self.sco_runtime, most=0)
+        plan = SCO.find_block(gm, self.boundpass_config, runtime=self.sco_runtime)
         if plan.eligible:
             self.boundary = max(self.boundary, plan.eligible[0].boundary_bytes)
             pool = host_pool if host_pool is not None else self.num_blocks * self.boundary
             self.sco_runtime.host_budget = pool
             plan.host_pool = host_pool
-            self._cap_sco(plan, sco_rt.planned_offloaded_layers([self.boundary] * self.num_blocks, pool))
+            cap_plan(plan, sco_rt.planned_offloaded_layers([self.boundary] * self.num_blocks, pool),
+                     self.boundpass_config.sco.max_layers)
         return plan
 
     def offloaded_blocks(self, trial: int | None = None) -> list[bool]:

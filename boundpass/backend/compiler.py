@@ -24,9 +24,8 @@ from boundpass.core.config import Config, config_from
 from boundpass.core.errors import BoundpassError, BoundpassInputError, NotCertifiedError
 from boundpass.planning.explain import ExplainReport
 from boundpass.backend.lowering import lower
-from boundpass.passes import sco_pass
 from boundpass.passes.optimizer_swap import plan_optimizer
-from boundpass.passes.pipeline import PassContext, run_passes
+from boundpass.passes.pipeline import SCO, PassContext, run_passes
 from boundpass.planning.planner import Knob, StepPlanner, binding_state_term, infeasible, raise_step_infeasible
 from boundpass.runtime.agreement import agree, fail_together
 from boundpass.runtime.groups import group_name_of
@@ -293,15 +292,8 @@ class BoundedModule(nn.Module):
         return compiled
 
     def _find_sco(self, gm: torch.fx.GraphModule, host_pool: int | None):
-        """SCO's plan for this graph (boundpass/passes/sco_pass.py); per-block compile overrides it."""
-        plan = sco_pass.find_sco(gm, self.boundpass_config.sco.enable, host_pool=host_pool)
-        self._cap_sco(plan, plan.most)
-        return plan
-
-    def _cap_sco(self, plan, most: int) -> None:
-        """The most boundaries SCO may offload (``plan.most``): what the host pool holds, at most sco.max_layers."""
-        cap = self.boundpass_config.sco.max_layers
-        plan.most, plan.capped = (most, False) if cap is None or most <= cap else (cap, True)
+        """SCO's plan for this graph (the partition-stage pass); per-block compile overrides it."""
+        return SCO.find(gm, self.boundpass_config, host_pool=host_pool)
 
     def _grads_held(self) -> bool:
         return any(p.grad is not None for p in self.model.parameters())
@@ -356,20 +348,7 @@ class _PlanningPartitioner:
             nonlocal held
             fw, bw = base(joint, joint_inputs, **kwargs)
             saved_tensors_before_opaque(fw, bw, outputs)
-            held = []
-            if plan.dynamic:  # per-block: the input boundary always goes through the shared runtime
-                if plan.eligible:
-                    sco_pass.apply_count(plan, count)
-                    if owner.inner == "inductor":
-                        plan.runtime.offload_waits = True  # see CompiledSCO.offload_waits
-                    sco_pass.rewrite_block_boundary(plan, joint, fw, bw, outputs)
-            elif plan.eligible:
-                sco_pass.apply_count(plan, count)
-                if count:
-                    if owner.inner == "inductor":
-                        plan.runtime.offload_waits = True  # see CompiledSCO.offload_waits
-                    sco_pass.rewrite_partitioned(plan, joint, fw, bw, outputs)
-                    held = sco_pass.held_intervals(plan, bw)
+            held = SCO.rewrite(plan, count, joint, fw, bw, outputs, waits=owner.inner == "inductor")
             start = time.perf_counter()
             peak = analyze_graphs(fw, bw, static_inputs=static, num_user_outputs=outputs, held=held, ctx=ctx)
             timing["analysis"] += time.perf_counter() - start
@@ -411,7 +390,7 @@ class _PlanningPartitioner:
             fw, bw, peak = attempt(count)
         values = planner.choose(peak)
         # per-block SCO: the host pool of every block is one row of the composition (block_compile.carry_terms)
-        extra = [sco_pass.host_term(plan)] if plan.offloaded and not plan.dynamic else []
+        extra = SCO.host_terms(plan)
         cert = planner.certify(peak, values, extra_terms=extra, sco_count=plan.offloaded)
         cert.sco_trials = trials
         cert.analysis_s = timing["analysis"]                   # the graph walks (every SCO candidate)

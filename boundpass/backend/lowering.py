@@ -54,8 +54,8 @@ def lower(gm: torch.fx.GraphModule, example_inputs, inner: str, partition_fn, *,
                     on_inference(graph, kw.get("static_input_idxs") or ())
                 return compile_fx_inner(graph, inputs, **kw)
             # fx_graph_cache off: its key pickles the graphs, whose boundpass op arguments hold cyclic runtime
-            # objects; it never hit ("Failed to pickle cache key"), and on a deep checkpointed graph with SCO the
-            # pickler's RecursionError was fatal. Inductor's kernel cache (compiled C++) is unaffected.
+            # objects, so it cannot hit ("Failed to pickle cache key"), and on a deep checkpointed graph with SCO the
+            # pickler's RecursionError is fatal. Inductor's kernel cache (compiled C++) is unaffected.
             patches = {"custom_partitioner_fn": InductorPartitioner(partition_fn), "fx_graph_cache": False}
             return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 

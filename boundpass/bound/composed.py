@@ -42,7 +42,6 @@ the live model (``boundpass.plan.shape_of_module``) for its fail-fast check: the
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import math
@@ -373,7 +372,7 @@ def _terms(shape: ModelShape, launch: Launch) -> tuple:
 @functools.lru_cache(maxsize=None)
 def _step_counter_term(tensors: int) -> tuple:
     # torch.optim.AdamW's state['step'] is a float32 scalar tensor per parameter, on the parameter's device when
-    # fused or capturable (found by the traced head: the prediction was 164 B = 41 counters short of measured)
+    # fused or capturable: one 4-byte row per parameter tensor, which the traced head checks against torch's allocator
     value = sympy.Integer(4 * tensors)
     return (("optimizer step counters on device (torch AdamW: one fp32 scalar per parameter tensor)", value,
              "persistent", "enable offload_adamw", _lambdify(value)),)
@@ -516,7 +515,7 @@ def _term_formulas(has_dense: bool, has_moe: bool, has_shared: bool, ops: frozen
 
 def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied=False, accumulate=False,
                first_dense_only=False, fsdp_param_b=0) -> list:
-    N, H, E, E_p, k, I, I_f = sym.N, sym.H, sym.E, sym.E_p, sym.k, sym.I, sym.I_f
+    N, H, E, E_p, I, I_f = sym.N, sym.H, sym.E, sym.E_p, sym.I, sym.I_f
     b, b_acc, W, Theta = sym.b, sym.b_acc, sym.W, sym.Theta
     out = [("parameters (ZeRO-3 shard, Θ/W)", Theta * b, "persistent", "more ranks W (ZeRO-3 shards Θ/W)")]
     # Gradients by when backward produces them (ZeRO-3 shards; Θ/W rounds up, the embedding's share down, so the
@@ -745,35 +744,6 @@ def total_formula(shape: ModelShape, launch: Launch, *, host_budget: int | None 
     p = lambda kind: parts.get(kind, sympy.Integer(0))  # noqa: E731
     phases = [value for alts in _phase_alternatives(p, set(parts)).values() for value, _ in alts]
     return device_peak(p("persistent"), *phases)
-
-
-def largest_tokens_per_rank(shape: ModelShape, launch: Launch, *, budget: int, host_budget: int | None = None,
-                            multiple: int = 1, limit: int = 1 << 34) -> int:
-    """Largest N (a multiple of ``multiple``) whose composed budget fits device and host; 0 if none does.
-
-    The device peak is monotone in N (every term is a sum of N-linear pieces, maxima of such, and ceilings; the
-    SCO host subset L_off shrinks as N grows, which moves bytes back to the device), so the inequality
-    total(N) ≤ budget is solved by bisection on its exact evaluation; the answer is checked at N and N + multiple.
-    """
-    def fits(units: int, fast: bool = True) -> bool:
-        trial = dataclasses.replace(launch, tokens_per_rank=units * multiple)
-        return compose(shape, trial, budget=budget, host_budget=host_budget, fast=fast).fits()
-
-    if not fits(1, fast=False):
-        return 0
-    lo, hi = 1, 2
-    while fits(hi):
-        lo, hi = hi, hi * 2
-        if hi * multiple > limit:
-            return lo * multiple
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    while lo > 0 and not fits(lo, fast=False):  # exact check at the answer (float rounding at the edge)
-        lo -= 1
-    while fits(lo + 1, fast=False):
-        lo += 1
-    return lo * multiple
 
 
 def describe(table: ComposedBudget) -> str:

@@ -13,8 +13,9 @@ attention). Each declares:
 
 Adding an operator: its runtime module (which registers its memory contract, ``boundpass.runtime.contracts``), its
 pass with these four members, its tests, and one entry in ``GRAPH_PASSES``. SCO, whose regions only exist once
-AOTAutograd has partitioned the joint graph, is the partition-stage pass (``boundpass.passes.sco_pass``);
-the optimizer swap acts on the optimizer, before any graph (``boundpass.passes.optimizer_swap``).
+AOTAutograd has partitioned the joint graph, is the partition-stage pass ``SCO`` (``protocol.PartitionPass``:
+find on the Dynamo graph, rewrite the partitioned graphs for each offload count the planner tries, its host rows,
+its fix); the optimizer swap acts on the optimizer, before any graph (``boundpass.passes.optimizer_swap``).
 """
 from __future__ import annotations
 
@@ -24,10 +25,13 @@ from boundpass.bound.bounds import Knob
 from boundpass.passes.attention_pass import AttentionPass
 from boundpass.passes.dispatch_pass import DispatchPass
 from boundpass.passes.protocol import Diagnosis, PassContext, PassRun, SkippedPass
+from boundpass.passes.sco_pass import SCOPass
 from boundpass.passes.vocab_pass import VocabPass
 
 # the graph passes, in the order they run (vocab first: its region ends the graph); adding an operator adds a line
 GRAPH_PASSES = (VocabPass(), DispatchPass(), AttentionPass())
+# the partition-stage pass: checkpoint boundaries, found before AOTAutograd, rewritten after it partitions
+SCO = SCOPass()
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes=None, *, plan_knobs: bool = True) -> PassRun:

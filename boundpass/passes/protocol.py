@@ -45,6 +45,24 @@ class GraphPass(Protocol):
     def diagnose(self, knob: Knob, where: str) -> Diagnosis: ...
 
 
+class PartitionPass(Protocol):
+    """A pass whose regions exist only once AOTAutograd has partitioned the joint graph (SCO: a checkpoint boundary
+    is a saved tensor of the forward graph). It finds its regions on the Dynamo graph, the planner chooses how many
+    to take (``plan.most`` at most) and it rewrites the partitioned forward / backward for each count tried."""
+    name: str
+
+    def enabled(self, config) -> bool: ...
+
+    def find(self, gm: fx.GraphModule, config, *, host_pool: int | None): ...
+
+    def rewrite(self, plan, count: int, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule,
+                num_fwd_outputs: int, *, waits: bool) -> list: ...
+
+    def host_terms(self, plan) -> list: ...
+
+    def diagnose(self, plan) -> str | None: ...
+
+
 @dataclass
 class SkippedPass:
     """A pass not run on a graph at all, and why (explain lists it as a skipped region)."""

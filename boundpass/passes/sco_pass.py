@@ -164,6 +164,64 @@ def host_term(plan: SCOPlan) -> BoundTerm:
                      knob="boundpass.compile(..., host_budget=<larger>) or sco_enable=False")
 
 
+class SCOPass:
+    """Selective checkpoint offload as a partition-stage pass (``boundpass.passes.protocol.PartitionPass``)."""
+    name = "sco"
+
+    def enabled(self, config) -> bool:
+        return config.sco.enable is not False
+
+    def find(self, gm: fx.GraphModule, config, *, host_pool: int | None) -> SCOPlan:
+        """Every checkpointed block of a whole-model graph, and the most the host pool (and sco.max_layers) takes."""
+        plan = find_sco(gm, config.sco.enable, host_pool=host_pool)
+        cap_plan(plan, plan.most, config.sco.max_layers)
+        return plan
+
+    def find_block(self, gm: fx.GraphModule, config, *, runtime: sco_rt.BlockSCO) -> SCOPlan:
+        """The one boundary of a per-block graph (its input), through the runtime every block graph shares."""
+        return find_block_sco(gm, config.sco.enable, runtime=runtime, most=0)
+
+    def rewrite(self, plan: SCOPlan, count: int, joint, fw: fx.GraphModule, bw: fx.GraphModule,
+                num_fwd_outputs: int, *, waits: bool) -> list:
+        """Offload the first ``count`` boundaries (the planner's L_off) in the partitioned graphs, in place; returns
+        the intervals the runtime holds a prefetched boundary outside the graphs (for the step analysis).
+        ``waits``: the graphs are lowered by Inductor (see CompiledSCO.offload_waits)."""
+        if not plan.eligible:
+            return []
+        apply_count(plan, count)
+        if not plan.dynamic and not count:  # per-block graphs always go through the shared runtime
+            return []
+        if waits:
+            plan.runtime.offload_waits = True
+        if plan.dynamic:
+            rewrite_block_boundary(plan, joint, fw, bw, num_fwd_outputs)
+            return []
+        rewrite_partitioned(plan, joint, fw, bw, num_fwd_outputs)
+        return held_intervals(plan, bw)
+
+    def host_terms(self, plan: SCOPlan) -> list[BoundTerm]:
+        """The host pool of a whole-model graph's offloaded boundaries (per-block: one row of the composition)."""
+        return [host_term(plan)] if plan.offloaded and not plan.dynamic else []
+
+    def diagnose(self, plan: SCOPlan) -> str | None:
+        """The fix to offer when saved boundaries bind and more offload could help (None when it cannot: every
+        eligible boundary the host could take is offloaded already)."""
+        if not plan.eligible or (plan.mode is not False and plan.most >= len(plan.eligible)):
+            return None
+        if plan.mode is False:
+            return "boundpass.compile(..., sco_enable='auto', host_budget=<host bytes>) offloads checkpoint boundaries"
+        if plan.capped:
+            return (f"boundpass.compile(..., sco_max_layers=<larger>): {plan.most} of {len(plan.eligible)} checkpoint "
+                    f"boundaries may be offloaded")
+        return (f"boundpass.compile(..., host_budget=<larger>): the host pool holds {plan.most} of "
+                f"{len(plan.eligible)} checkpoint boundaries")
+
+
+def cap_plan(plan: SCOPlan, most: int, cap: int | None) -> None:
+    """The most boundaries SCO may offload (``plan.most``): what the host pool holds, at most sco.max_layers."""
+    plan.most, plan.capped = (most, False) if cap is None or most <= cap else (cap, True)
+
+
 def find_sco(gm: fx.GraphModule, mode, *, host_pool: int | None) -> SCOPlan:
     """Checkpointed blocks of the Dynamo graph and the most SCO may offload (``plan.most``); the planner picks."""
     plan = SCOPlan(mode=mode)
@@ -181,7 +239,7 @@ def find_sco(gm: fx.GraphModule, mode, *, host_pool: int | None) -> SCOPlan:
     plan.host_pool = host_pool
     pool = host_pool if host_pool is not None else sum(r.boundary_bytes for r in eligible)
     plan.most = sco_rt.planned_offloaded_layers([r.boundary_bytes for r in eligible], pool)
-    plan.device = _boundary_device(gm)
+    plan.device = boundary_device(gm)
     return plan
 
 
@@ -254,7 +312,7 @@ def held_intervals(plan: SCOPlan, bw: fx.GraphModule) -> list:
     return out
 
 
-def _boundary_device(gm) -> torch.device:
+def boundary_device(gm) -> torch.device:
     for node in gm.graph.nodes:
         val = node.meta.get("example_value")
         if isinstance(val, Tensor) and val.is_floating_point():

@@ -28,6 +28,7 @@ from boundpass.core.config import PLAN_BUDGET
 from boundpass.core.model_source import ModelSource, default_source
 from boundpass.core.plan_input import DTYPE_BYTES, OPERATORS, CostModel, PlanInput, locate, make_input  # noqa: F401
 from boundpass.core.units import format_bytes
+from boundpass.planning import planner
 
 @dataclass
 class PlanResult:
@@ -445,12 +446,12 @@ def solve_context(inp: PlanInput, shape: ModelShape) -> dict:
         # N = context·G / W must be an integer: context in multiples of W / gcd(W, G)
         step = inp.ranks // math.gcd(inp.ranks, per)
         n_step = step * per // inp.ranks
-        n = composed.largest_tokens_per_rank(shape, launch, budget=inp.budget, host_budget=inp.host_budget,
+        n = planner.largest_tokens(shape, launch, budget=inp.budget, host_budget=inp.host_budget,
                                              multiple=n_step)
         value = n * inp.ranks // per
         return {"what": "context (tokens per sequence)", "value": value, "tokens_per_rank": n,
                 "next": value + step, "global_batch": per, "ceiling": n > 0 and _next_fits(shape, launch, inp, n + n_step)}
-    n = composed.largest_tokens_per_rank(shape, launch, budget=inp.budget, host_budget=inp.host_budget)
+    n = planner.largest_tokens(shape, launch, budget=inp.budget, host_budget=inp.host_budget)
     return {"what": "tokens per rank N", "value": n, "tokens_per_rank": n, "next": n + 1,
             "ceiling": _next_fits(shape, launch, inp, n + 1)}
 

@@ -13,9 +13,14 @@ that still fits, but never past the knob's knee (the smallest value within a few
 different program points, so each is chosen with the others at their narrowest. The planner writes the chosen values into the graphs' op nodes by
 argument name and raises InfeasibleBudgetError, before any real compute, when even the narrowest setting of
 every knob does not fit.
+
+The composed (analytic) budget of ``boundpass.bound.composed`` is planned here too, by the same rules: the longest
+tokens per rank it fits (``largest_tokens``: plan --solve) and OffloadStreamAdamW's bucket beta at a launch
+(``composed_bucket``: the torchtitan recipe's MoP layout), each with ``largest_fitting`` and ``Knob.settle``.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import sympy
@@ -23,7 +28,7 @@ import torch
 
 from boundpass.bound.bounds import BoundTerm, BudgetTable, Knob, device_peak, largest_fitting  # noqa: F401
 from boundpass.passes.graph_edit import set_op_arg
-from boundpass.passes.pipeline import diagnose  # noqa: F401  (the knob write-back)
+from boundpass.passes.pipeline import SCO, diagnose
 from boundpass.core.errors import InfeasibleBudgetError
 from boundpass.measure.step_peak import GraphPeak, ProgramPoint, render_point
 from boundpass.core.units import format_bytes
@@ -234,6 +239,46 @@ class StepPlanner:
         return cert
 
 
+def largest_tokens(shape, launch, *, budget: int, host_budget: int | None = None, multiple: int = 1,
+                   limit: int = 1 << 34) -> int:
+    """Largest tokens per rank N (a multiple of ``multiple``) whose composed budget fits device and host; 0 if none.
+
+    The composed device peak is monotone in N (every term is a sum of N-linear pieces, maxima of such, and ceilings;
+    the SCO host subset L_off shrinks as N grows, which moves bytes back to the device), so the range is found by
+    doubling and the answer by ``largest_fitting`` on the fast evaluation, then checked exactly at N and N + multiple
+    (float rounding at the edge)."""
+    from boundpass.bound import composed
+
+    def fits(units: int, fast: bool = True) -> bool:
+        trial = dataclasses.replace(launch, tokens_per_rank=units * multiple)
+        return composed.compose(shape, trial, budget=budget, host_budget=host_budget, fast=fast).fits()
+
+    if not fits(1, fast=False):
+        return 0
+    hi = 2
+    while fits(hi):
+        if 2 * hi * multiple > limit:
+            return hi * multiple
+        hi *= 2
+    units = largest_fitting(hi // 2, hi - 1, fits)
+    while units > 0 and not fits(units, fast=False):
+        units -= 1
+    while fits(units + 1, fast=False):
+        units += 1
+    return units * multiple
+
+
+def composed_bucket(shape, launch_at, *, budget: int, host_budget: int | None, hi: int) -> int:
+    """OffloadStreamAdamW's bucket beta for a composed launch (``launch_at(beta)``): the widest in [1, hi] whose
+    budget fits, settled by the knob rule (``Knob.settle``); 1 when none fits, so that the check that follows names
+    what binds at the narrowest bucket."""
+    from boundpass.bound import composed
+    from boundpass.core import symbols as sym
+    knob = Knob("optimizer_bucket", sym.beta, lo=1, hi=hi, arg="bucket_params", ops=())
+    return knob.settle(largest_fitting(1, hi, lambda beta: composed.compose(
+        shape, launch_at(beta), budget=budget, host_budget=host_budget, fast=True).fits()))
+
+
 def sco_knob(plan, cert: StepCertificate, budget: int) -> Knob | None:
     """The SCO offload count as a knob, for explain: value, why and what the budget alone needs.
 
@@ -307,17 +352,9 @@ def raise_step_infeasible(cert: StepCertificate, knobs: list[Knob], plan, *, opt
         if diagnosis is not None:
             infeasible(cert, knob=diagnosis.fix, detail=diagnosis.detail, name=diagnosis.name)
     saved = sum(n for s, n in cert.peak.live_at(point, cert.values, top=10**6) if s.kind == "saved") if point else 0
-    if plan.eligible and saved and (plan.mode is False or plan.most < len(plan.eligible)):
-        # more offload can only help when boundaries are still on the device that the host pool could take
-        if plan.mode is False:
-            knob = "boundpass.compile(..., sco_enable='auto', host_budget=<host bytes>) offloads checkpoint boundaries"
-        elif plan.capped:
-            knob = (f"boundpass.compile(..., sco_max_layers=<larger>): {plan.most} of {len(plan.eligible)} checkpoint "
-                    f"boundaries may be offloaded")
-        else:
-            knob = (f"boundpass.compile(..., host_budget=<larger>): the host pool holds {plan.most} of "
-                    f"{len(plan.eligible)} checkpoint boundaries")
-        infeasible(cert, knob=knob)
+    sco_fix = SCO.diagnose(plan) if saved else None  # more offload helps only while boundaries stay on the device
+    if sco_fix is not None:
+        infeasible(cert, knob=sco_fix)
     opt = optimizer_plan
     if opt is not None and not opt.offloaded and any(t.name.startswith("optimizer state") for t in table.terms):
         state = sum(t.value for t in table.terms if t.name.startswith("optimizer state") and t.counted)

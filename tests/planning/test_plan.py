@@ -284,6 +284,29 @@ def test_solve_gives_a_context_that_fits_and_the_next_size_up_does_not():
         assert table.fits() is fits, (context, table.total, inp.budget)
 
 
+def test_the_planner_fits_the_composed_bucket_widest_first_and_the_next_one_up_does_not():
+    """composed_bucket (the recipe's MoP beta) is the planner's rule on the composed budget: the widest fitting."""
+    from boundpass.planning import planner
+    result = plan("deepseek_v3", "debugmodel", ranks=2, ep=2, context=64, budget="2GiB", host_budget="4GiB",
+                  dtype="fp32", do_trace=False)
+    shape, host = result.shape, 4 << 30
+
+    def launch(beta):  # few tokens: the optimizer phase (gradients + S·beta staging) is the step's peak
+        return composed.Launch(ranks=2, ep=2, ring=2, tokens_per_rank=64, b=4, operators=frozenset(
+            {"offload_adamw", "ring_dtp"}), optimizer_bucket=beta)
+
+    def total(beta):
+        return composed.compose(shape, launch(beta), budget=1 << 40, host_budget=host).total
+
+    wide = 1 << 24  # S·beta·4 B = 512 MiB: past the activations
+    budget = total(wide // 2)
+    assert total(1) < budget < total(wide)  # the staging term binds across the range
+    beta = planner.composed_bucket(shape, launch, budget=budget, host_budget=host, hi=wide)
+    assert beta == wide // 2 and total(beta + 1) > budget
+    # nothing fits: the narrowest bucket, for the check that follows to name what binds
+    assert planner.composed_bucket(shape, launch, budget=total(1) - 1, host_budget=host, hi=wide) == 1
+
+
 def test_operators_only_lower_the_bound_and_the_binding_term_names_a_knob():
     kw = dict(ranks=8, ep=8, context=65_536, budget="139GiB", host_budget="256GiB", do_trace=False)
     base = plan("gpt_oss", "120b", operators=(), **kw)
