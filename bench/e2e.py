@@ -186,7 +186,7 @@ def render_blocks(data: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ reach
-def _host_storages(trainer) -> dict[int, int]:
+def host_storages(trainer) -> dict[int, int]:
     """data_ptr -> bytes of every host buffer boundpass holds by design (not device memory): OffloadStreamAdamW's
     flat fp32 state (masters, moments) and the SCO host pool of the block graphs. On a CPU they live in the same
     allocator as everything else, so the device peak is measured without them."""
@@ -202,16 +202,16 @@ def _host_storages(trainer) -> dict[int, int]:
     return out
 
 
-def _measured_step(trainer, data):
+def measured_step(trainer, data):
     """One training step under torch's allocator (boundpass.testing.whole_step.allocator_peak_of, the profiler's
     allocation events): (device peak bytes, bytes live at the step's start, host bytes excluded, what the
     allocations live at the peak were made by (op, bytes), host bytes allocated inside the step). The state live
     at the start is the trainer's own `_device_state()` (parameters, buffers, optimizer state; last step's gradients
-    are cleared first) less the host buffers of `_host_storages`."""
+    are cleared first) less the host buffers of `host_storages`."""
     import gc
 
     from boundpass.testing.whole_step import allocator_peak_of
-    host = _host_storages(trainer)
+    host = host_storages(trainer)
     # last step's gradients go before the measured step starts, as the trainer's own --boundpass.measure_peak does
     # and as both trainers do first thing in a step (zero_grad): listed as live state they were counted through the
     # whole step (their frees at zero_grad did not bring the profiler's running sum below its start), 186 MiB of
@@ -228,7 +228,7 @@ def _measured_step(trainer, data):
     # (the op that allocated < its caller < ...: the first three frames of the profiler's event tree)
     holders = [(" < ".join(op.split(" < ")[:3]), n) for op, n in detail["held"]][:8]
     at_start = detail["at_start"]
-    after = _host_storages(trainer)
+    after = host_storages(trainer)
     grown = sum(n for ptr, n in after.items() if ptr not in host)  # counted in the peak (conservative)
     return peak, at_start, sum(host.values()), holders, grown
 
@@ -263,7 +263,7 @@ def _reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens,
     import torch
     from torchtitan.tools.logging import init_logger
     from boundpass.core.errors import InfeasibleBudgetError
-    from boundpass.recipes.train import _config_manager_class
+    from boundpass.recipes.train import config_manager_class
     from boundpass.core.units import format_bytes
     init_logger()
     import logging
@@ -274,14 +274,14 @@ def _reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens,
     out = dict(variant=variant, seq=seq, budget=budget, accepted=None, peak=None, reason="",
                args=[a for a in args if a != dump.name and a != "--dump_folder"])
     start = time.perf_counter()
-    config = _config_manager_class()().parse_args(args)
+    config = config_manager_class()().parse_args(args)
     from torchtitan.distributed.activation_checkpoint import FullAC
     if not isinstance(config.activation_checkpoint, FullAC.Config):
         raise RuntimeError(f"reach: FullAC was asked, the config has {type(config.activation_checkpoint)}")
     try:
         trainer = config.build()
     except Exception as exc:
-        return _refused(out, exc, InfeasibleBudgetError)
+        return refused(out, exc, InfeasibleBudgetError)
     try:
         data = trainer.batch_generator(trainer.dataloader)
         trainer.step = 1
@@ -293,7 +293,7 @@ def _reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens,
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
                 trainer.train_step(data)
         except Exception as exc:
-            return _refused(out, exc, InfeasibleBudgetError)
+            return refused(out, exc, InfeasibleBudgetError)
         out["step1_seconds"] = time.perf_counter() - start
         if variant != "stock":
             out["accepted"] = True
@@ -307,7 +307,7 @@ def _reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens,
             out["summary"] = trainer.summary()
         trainer.step = 2
         t0 = time.perf_counter()
-        peak, at_start, host, holders, grown = _measured_step(trainer, data)
+        peak, at_start, host, holders, grown = measured_step(trainer, data)
         out.update(peak=peak, state_bytes=at_start, host_bytes=host, holders=holders, host_grown_in_step=grown,
                    earlier_bytes=getattr(trainer, "_reach_earlier", None),
                    measured_step_seconds=time.perf_counter() - t0)
@@ -326,17 +326,17 @@ def _reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens,
         dump.cleanup()
 
 
-def _refused(out: dict, exc: BaseException, kind) -> dict:
+def refused(out: dict, exc: BaseException, kind) -> dict:
     """``out`` marked "not accepted" when ``exc`` is boundpass's fail-fast refusal (a budget that does not fit is a
     result, not a crash); any other exception is raised again."""
-    refusal = _refusal(exc, kind)
+    refusal = refusal_of(exc, kind)
     if refusal is None:
         raise exc
     out["accepted"], out["reason"] = False, "boundpass refused the budget: " + str(refusal).splitlines()[0]
     return out
 
 
-def _refusal(exc, kind):
+def refusal_of(exc, kind):
     """The InfeasibleBudgetError behind `exc` (itself, its cause / context, or Dynamo's inner_exception), or None."""
     seen = set()
     while exc is not None and id(exc) not in seen:
@@ -347,7 +347,7 @@ def _refusal(exc, kind):
     return None
 
 
-def _fits(run: dict, budget_bytes: int) -> bool:
+def fits_budget(run: dict, budget_bytes: int) -> bool:
     """A step fits a budget when its measured device peak is within it (and, for boundpass, boundpass accepted the
     budget: a refusal before the step ran = does not fit)."""
     if run["accepted"] is False or run["peak"] is None:
@@ -411,10 +411,10 @@ def run_reach(budgets: list[str], start: int, max_seq: int, assets: str, *, back
     def ladder(variant, budget):
         limit = largest if budget is None else parse_bytes(budget)
         seq, last_fit, first_miss = (start if variant == "stock" else bp_start.get(budget, start)), None, None
-        if _fits(one(variant, seq, budget), limit):
+        if fits_budget(one(variant, seq, budget), limit):
             last_fit, seq = seq, seq * 2
             while seq <= max_seq:  # double until a step does not fit
-                if not _fits(one(variant, seq, budget), limit):
+                if not fits_budget(one(variant, seq, budget), limit):
                     first_miss = seq
                     break
                 last_fit, seq = seq, seq * 2
@@ -422,7 +422,7 @@ def run_reach(budgets: list[str], start: int, max_seq: int, assets: str, *, back
             first_miss = seq
             while seq // 2 >= start:
                 seq //= 2
-                if _fits(one(variant, seq, budget), limit):
+                if fits_budget(one(variant, seq, budget), limit):
                     last_fit = seq
                     break
                 first_miss = seq
@@ -432,8 +432,8 @@ def run_reach(budgets: list[str], start: int, max_seq: int, assets: str, *, back
         for limit in ([parse_bytes(b) for b in budgets] if variant == "stock" else [limit]):
             mine = sorted((r for r in list(runs) if r["variant"] == variant and r["budget"] == budget
                            and not r["timing_run"]), key=lambda r: r["seq"])
-            fit = max((r["seq"] for r in mine if _fits(r, limit)), default=None)
-            miss = min((r["seq"] for r in mine if not _fits(r, limit) and (fit is None or r["seq"] > fit)),
+            fit = max((r["seq"] for r in mine if fits_budget(r, limit)), default=None)
+            miss = min((r["seq"] for r in mine if not fits_budget(r, limit) and (fit is None or r["seq"] > fit)),
                        default=None)
             if fit is not None and miss is not None and miss - fit > 256:
                 one(variant, (fit + miss) // 2 // 256 * 256, budget)
@@ -449,7 +449,7 @@ def run_reach(budgets: list[str], start: int, max_seq: int, assets: str, *, back
                      and (variant == "stock" or r["budget"] == budget)), key=lambda r: r["seq"])
         best, capped = 0, True
         for r in rs:  # the longest fitting length below the first that does not fit
-            if not _fits(r, bytes_):
+            if not fits_budget(r, bytes_):
                 capped = False
                 break
             best = r["seq"]
@@ -513,9 +513,9 @@ def render_reach(reach: dict) -> tuple[list[str], list[dict]]:
     for r in reach["runs"]:
         if r.get("timing_run"):
             continue
-        fits = ", ".join(f"{fmt_bytes(parse_bytes(b))}: {'yes' if _fits(r, parse_bytes(b)) else 'no'}"
+        fits = ", ".join(f"{fmt_bytes(parse_bytes(b))}: {'yes' if fits_budget(r, parse_bytes(b)) else 'no'}"
                          for b in reach["budgets"]) if r["variant"] == "stock" else (
-            "yes" if _fits(r, parse_bytes(r["budget"])) else "**no**")
+            "yes" if fits_budget(r, parse_bytes(r["budget"])) else "**no**")
         top = ", ".join(f"{op} {n / 2**20:.0f} MiB" for op, n in (r.get("holders") or [])[:3])
         rows.append([r["variant"], r["budget"] or "—", f"{r['seq']:,}", fmt_bytes(r["peak"]),
                      fmt_bytes(r.get("state_bytes")), fmt_bytes(r.get("certified")), fmt_bytes(r.get("host_bytes")),

@@ -16,7 +16,7 @@ from boundpass.core.quiet import filter_upstream_warnings
 from boundpass.recipes import cpu_support
 
 
-def _config_manager_class():
+def config_manager_class():
     from torchtitan.config import ConfigManager
     from boundpass.recipes.assets import point_config_at_assets
     from boundpass.recipes.trainer import upgrade_config
@@ -48,7 +48,7 @@ def build_in_process(argv: list[str]):
     torch._dynamo.reset()  # a previous trainer's graphs must not be reused (they hold its modules)
     # torchtitan's init_distributed does this, but skips it when the process group already exists
     torch.autograd.set_multithreading_enabled(False)
-    config = _config_manager_class()().parse_args(list(argv))
+    config = config_manager_class()().parse_args(list(argv))
     return config.build()
 
 
@@ -86,7 +86,7 @@ def main() -> None:
     init_logger()
     if shims:
         logger.info(f"[boundpass] no GPU: CPU shims applied: {', '.join(shims)}")
-    tt_train.ConfigManager = _config_manager_class()
+    tt_train.ConfigManager = config_manager_class()
     tt_train.main()
 
 

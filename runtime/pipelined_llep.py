@@ -369,7 +369,7 @@ def _schedule(counts: tuple, k: int, cap: int, strided: bool, plan_args: tuple, 
     return plan, routes, _ChunkLayout(routes, rank, cap)
 
 
-def _schedule_of(counts_rows, k, cap, strided, alpha, min_piece, imbalance_threshold, max_borrowed, rank):
+def schedule_of(counts_rows, k, cap, strided, alpha, min_piece, imbalance_threshold, max_borrowed, rank):
     plan_args = (("alpha", alpha), ("min_piece", min_piece), ("imbalance_threshold", imbalance_threshold),
                  ("max_borrowed", None if max_borrowed < 0 else max_borrowed))
     return _schedule(tuple(tuple(int(n) for n in row) for row in counts_rows), k, cap, strided, plan_args, rank)
@@ -449,7 +449,7 @@ def pipelined_llep_forward(x: Tensor, topk_ids: Tensor, topk_scores: Tensor, w1:
     perm = _chunk_order(order, routes)
     del order
     k, acc, cd = topk_ids.shape[1], _acc_dtype(x.dtype), compute_dtype or x.dtype
-    plan, _, lay = _schedule_of(counts, k, cap, strided, alpha, min_piece, imbalance_threshold, max_borrowed,
+    plan, _, lay = schedule_of(counts, k, cap, strided, alpha, min_piece, imbalance_threshold, max_borrowed,
                                 grp.rank)
     native = (w1, w2, w3)
     slots = _transfer_weights(grp, plan, native)
@@ -518,7 +518,7 @@ def pipelined_llep_backward(grad_out: Tensor, x: Tensor, topk_ids: Tensor, topk_
         raise BoundpassInputError(f"PipelinedLLEP backward: {len(counts)} counts and {perm.numel()} routes do not "
                                   f"match E_p = {grp.size}, E = {E} and {topk_ids.numel()} routes")
     rows_of = [counts[r * E:(r + 1) * E] for r in range(grp.size)]
-    plan, _, lay = _schedule_of(rows_of, k, cap, strided, alpha, min_piece, imbalance_threshold, max_borrowed,
+    plan, _, lay = schedule_of(rows_of, k, cap, strided, alpha, min_piece, imbalance_threshold, max_borrowed,
                                 grp.rank)
     acc, cd = _acc_dtype(x.dtype), compute_dtype or x.dtype
     native = (w1, w2, w3)

@@ -344,7 +344,7 @@ def _terms(shape: ModelShape, launch: Launch) -> tuple:
     """(name, formula, kind, knob, float function) of every term at this launch; formulas in the shared symbols."""
     branch = rd.choose_branch(launch.tokens_per_rank, shape.vocab, launch.ring) if "ring_dtp" in launch.operators \
         else ""
-    terms = _term_formulas(shape.dense_layers > 0, shape.moe_layers > 0, shape.shared_hidden > 0,
+    terms = term_formulas(shape.dense_layers > 0, shape.moe_layers > 0, shape.shared_hidden > 0,
                            frozenset(launch.operators), launch.routing, launch.b < launch.b_acc, branch,
                            shape.tied_embeddings, launch.grad_accumulation > 1, _first_dense_only(shape),
                            launch.fsdp_param_b or 0)
@@ -355,7 +355,7 @@ def _terms(shape: ModelShape, launch: Launch) -> tuple:
         terms = tuple(t for t in terms if t[2] not in ("dispatch_forward", "dispatch_backward"))
         if uses_trace(shape, launch):
             blocks = tuple(t for t in shape.traced if t[0] in ("dense", "moe"))
-            head = _traced_head(shape, launch)
+            head = traced_head(shape, launch)
             # the traced head holds its own weight gradients as its backward writes them: grad_head (only ever in
             # the head's phase) would count them from the head's start
             drop = _TRACED_KINDS | ({"head", "grad_head"} if head else set())
@@ -430,7 +430,7 @@ def _wide_traced(terms: tuple, shape: ModelShape) -> tuple:
         elif t[2] not in _TRACED_KINDS:
             kept.append(t)
     kinds = {t[0] for t in blocks}
-    return tuple(kept) + _traced_terms(blocks, own_grads=False) + _exchange_terms() + _tail_in_trace(
+    return tuple(kept) + _traced_terms(blocks, own_grads=False) + exchange_terms() + _tail_in_trace(
         "dense" in kinds, "moe" in kinds)
 
 
@@ -446,7 +446,7 @@ def _tail_in_trace(dense: bool, moe: bool) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def _exchange_terms() -> tuple:
+def exchange_terms() -> tuple:
     """What sequence-to-head attention holds on W > 1 ranks beyond its one-rank schedule (the traced one): its
     bound at W less its bound at W = 1 (exchange buffers, gathered copies, k/v replication), for its own peak
     and for what it keeps while the FFN runs."""
@@ -465,7 +465,7 @@ def _exchange_terms() -> tuple:
     return tuple(out)
 
 
-def _traced_head(shape: ModelShape, launch: Launch) -> tuple:
+def traced_head(shape: ModelShape, launch: Launch) -> tuple:
     """The traced loss head of this launch's schedule (Ring-DTP when it is on, else full logits): one term of
     kind "head" (the head's phase stays; the head's own gradients are in it), or () when that head was not traced."""
     which = "ring_dtp" if "ring_dtp" in launch.operators else "full_logits"
@@ -505,7 +505,7 @@ def _first_dense_only(shape: ModelShape) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _term_formulas(has_dense: bool, has_moe: bool, has_shared: bool, ops: frozenset, routing: str, mixed: bool,
+def term_formulas(has_dense: bool, has_moe: bool, has_shared: bool, ops: frozenset, routing: str, mixed: bool,
                    branch: str, tied: bool = False, accumulate: bool = False, first_dense_only: bool = False,
                    fsdp_param_b: int = 0) -> tuple:
     out = _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied, accumulate, first_dense_only,

@@ -95,7 +95,7 @@ class GraphPeak:
 
     def bind(self, values: dict) -> None:
         """Put ``values`` (symbol -> int) into every byte expression, in place: the data-dependent sizes at their
-        upper bound (``compiler._data_dependent_sizes``). Why before any Max is built: those symbols carry no
+        upper bound (the compiler's data-dependent sizes). Why before any Max is built: those symbols carry no
         sign assumption for sympy, so ``max_of`` cannot prune by dominance and sympy.Max compares the program
         points pairwise (measured: minutes for a plain-PyTorch MoE whose eight expert batches are data-dependent)."""
         if not values:

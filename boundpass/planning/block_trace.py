@@ -440,12 +440,12 @@ def trace_torchtitan_blocks(net: torch.nn.Module, heads_config, *, wide: bool = 
                                   dtype=next(block.parameters()).dtype, device="meta", requires_grad=True)
     blocks = _first_blocks(net)
     side = None
-    if len(blocks) > 1 and _can_fork():
+    if len(blocks) > 1 and can_fork():
         kind, block = blocks[-1]
         if progress:
             for _, message in _captures(kind, wide, one_rank):
                 progress(f"{message} (in a second process)")
-        side = _forked(lambda: _block_terms(kind, block, x(block), heads_config, wide=wide, one_rank=one_rank))
+        side = forked(lambda: _block_terms(kind, block, x(block), heads_config, wide=wide, one_rank=one_rank))
     results = [_block_terms(kind, block, x(block), heads_config, wide=wide, one_rank=one_rank, progress=progress)
                for kind, block in (blocks[:-1] if side else blocks)]
     if side:
@@ -491,7 +491,7 @@ FORK_CAPTURES = False
 FORK_TIMEOUT_S = 300.0
 
 
-def _can_fork() -> bool:
+def can_fork() -> bool:
     import os
     import sys
     import threading
@@ -499,7 +499,7 @@ def _can_fork() -> bool:
             and threading.active_count() == 1 and not torch.cuda.is_initialized())
 
 
-def _forked(fn: Callable):
+def forked(fn: Callable):
     """Start fn() in a forked child; returns a function that waits for its (pickled) result: the result, or None
     when the child failed, died or ran past FORK_TIMEOUT_S (the caller then computes it itself)."""
     import gc
@@ -615,7 +615,7 @@ def trace_torchtitan_head(net: torch.nn.Module, *, progress=None, loss_fn=None) 
     (final norm + lm_head + CrossEntropyLoss, and the same region as the Ring-DTP op on one rank) traced forward +
     backward at symbolic N through the step analysis. Its input (the last block's output, which the norm saves)
     and the labels are counted, and the head's weight gradients as its backward writes them (the composed budget
-    then leaves its grad_head term out: composed._traced_head). loss_fn: makes the loss (None: the default
+    then leaves its grad_head term out: composed.traced_head). loss_fn: makes the loss (None: the default
     model source's, boundpass/core/model_source.py)."""
     weight = net.lm_head.weight
     h = torch.empty(1, 8, weight.shape[1], dtype=weight.dtype, device="meta", requires_grad=True)

@@ -289,7 +289,7 @@ def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2, progres
                 if progress:
                     progress(f"tracing one {key.split('_')[0]} block at N = {tokens:,} (FakeTensorMode)")
                 blk = cfg.layers[at].build()
-                padded = _fuse_unequal_head_dims(blk, cfg.layers[at].attention) or padded
+                padded = fuse_unequal_head_dims(blk, cfg.layers[at].attention) or padded
                 x = torch.empty(1, tokens, cfg.dim, dtype=dtype, requires_grad=True)
                 with LiveStorageTracker() as tracker:
                     y = blk(x, None, None)
@@ -317,7 +317,7 @@ def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2, progres
     return out, notes
 
 
-def _fuse_unequal_head_dims(block: torch.nn.Module, attention_config) -> bool:
+def fuse_unequal_head_dims(block: torch.nn.Module, attention_config) -> bool:
     """Wrap the block's inner attention in SeqToHeadAttention (no group) when its qk and v head dims differ."""
     qk = getattr(attention_config, "qk_nope_head_dim", None)
     v = getattr(attention_config, "v_head_dim", None)

@@ -50,7 +50,7 @@ def test_fsdp_casts_count_in_the_embedding_backward():
     from boundpass.core import symbols as sym
 
     def term(cast):
-        terms = composed._term_formulas(True, True, False, frozenset(), "worst", False, "", fsdp_param_b=cast)
+        terms = composed.term_formulas(True, True, False, frozenset(), "worst", False, "", fsdp_param_b=cast)
         return next(formula for name, formula, *_ in terms if name.startswith("embedding backward under ZeRO-3"))
     extra = sympy.simplify(term(2) - term(0))
     assert sympy.simplify(extra - sympy.Min(1, sym.W - 1) * sym.V * sym.H * (3 * 2 + sym.b - 2 * sym.b)) == 0, extra

@@ -159,7 +159,7 @@ def test_the_recipe_section_is_config_and_parses_every_knob():
     boundpass.recipes.train` parses it: every knob of Config, by its path, into the same Config."""
     pytest.importorskip("torchtitan")
     from boundpass.recipes.mop import MoPOptions
-    from boundpass.recipes.train import _config_manager_class
+    from boundpass.recipes.train import config_manager_class
     from boundpass.recipes.trainer import BoundpassConfig
     assert issubclass(BoundpassConfig, Config)
     assert {f.name: f.default for f in dataclasses.fields(Config)}.items() <= \
@@ -178,11 +178,11 @@ def test_the_recipe_section_is_config_and_parses_every_knob():
             section in ("vocab", "dispatch") else [f"--boundpass.{KNOBS[keyword]}"] \
             if keyword in ("allow_uncertified", "vocab_keep_logits", "attention_enable") \
             else [f"--boundpass.{KNOBS[keyword]}", str(value)]
-    parsed = _config_manager_class()().parse_args(argv).boundpass
+    parsed = config_manager_class()().parse_args(argv).boundpass
     assert isinstance(parsed, BoundpassConfig) and parsed.flat() == values
     assert config_from(parsed) == Config(**{f.name: getattr(parsed, f.name) for f in dataclasses.fields(Config)})
     with pytest.raises(SystemExit):  # tyro reports __post_init__'s error and exits, as for any bad argument
-        _config_manager_class()().parse_args([*argv[:4], "--boundpass.dispatch.cap", "0"])
+        config_manager_class()().parse_args([*argv[:4], "--boundpass.dispatch.cap", "0"])
     # the MoP layout's knobs carry the same names and defaults
     options = {f.name: f.default for f in dataclasses.fields(MoPOptions)}
     assert options["dispatch_cap"] is options["vocab_block"] is options["dispatch_borrowed_slots"] is None

@@ -104,13 +104,13 @@ def test_traced_torchtitan_deepseek_block_matches_its_measured_fwd_bwd(layer):
     the MoE block with its router, EP = 1 token dispatch and grouped experts: at EP = 1 the dispatch's shapes
     do not depend on the routing), traced once on meta-built weights, measured with real ones."""
     pytest.importorskip("torchtitan")
-    from boundpass.planning.full_scale import _fuse_unequal_head_dims, model_config
+    from boundpass.planning.full_scale import fuse_unequal_head_dims, model_config
     cfg = model_config("deepseek_v3", "debugmodel", seq_len=1024)
     torch.manual_seed(0)
     block = cfg.layers[layer].build()
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    _fuse_unequal_head_dims(block, cfg.layers[layer].attention)
+    fuse_unequal_head_dims(block, cfg.layers[layer].attention)
     x = torch.empty(1, 8, cfg.dim, device="meta", requires_grad=True)
     peak, _ = block_peak(block, (x, None, None), weight_grads=True)
     expr = peak.peak_expr()  # one symbolic peak, evaluated at each N
@@ -136,12 +136,12 @@ cfg = model_config("deepseek_v3", "debugmodel")
 with torch.device("meta"):
     net = cfg.build()
 block_trace.FORK_CAPTURES = True
-assert block_trace._can_fork(), "a fresh process on this machine cannot fork its captures"
+assert block_trace.can_fork(), "a fresh process on this machine cannot fork its captures"
 lines = []
 forked = block_trace.trace_torchtitan_blocks(net, cfg.layers[-1].attention, one_rank=False, progress=lines.append)
-checks = [block_trace._forked(lambda: ("terms", 2))(), block_trace._forked(lambda: 1 / 0)()]
+checks = [block_trace.forked(lambda: ("terms", 2))(), block_trace.forked(lambda: 1 / 0)()]
 block_trace.FORK_TIMEOUT_S = 0.5
-checks.append(block_trace._forked(lambda: time.sleep(30))())
+checks.append(block_trace.forked(lambda: time.sleep(30))())
 print(json.dumps({"terms": [str(t) for t in forked], "lines": lines, "checks": checks}))
 """
 

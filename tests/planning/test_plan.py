@@ -412,11 +412,11 @@ def test_gradients_follow_the_phases_of_a_step():
 
 
 def test_exchange_terms_built_unevaluated_are_the_evaluated_max():
-    """composed._exchange_terms builds its Max unevaluated (sympy's pairwise comparisons of the parts took ~0.6 s
+    """composed.exchange_terms builds its Max unevaluated (sympy's pairwise comparisons of the parts took ~0.6 s
     of every plan at W > 1): it must be the very expression sympy's evaluation gives (no part dominated)."""
     import sympy
     W = composed.sym.W
-    for (_, formula, *_), part in zip(composed._exchange_terms(), ("peak", "saved")):
+    for (_, formula, *_), part in zip(composed.exchange_terms(), ("peak", "saved")):
         full = composed.attention_bound(part)
         evaluated = sympy.Max(0, full - full.subs(W, 1))
         if part == "peak":

@@ -344,7 +344,7 @@ def _sparse_rank(rank, world, strided):
     """Every source sends one route to the last rank's experts, the rest to rank 0's: the last rank receives
     nothing in most chunks (the layout says which). Pipelined (overlapped) vs standard EP, and overlap on/off
     bit-equal."""
-    from boundpass.runtime.pipelined_llep import _schedule_of
+    from boundpass.runtime.pipelined_llep import schedule_of
     T, H, I, E, k, cap = 12, 6, 5, 2 * world, 2, 2
     g = torch.Generator().manual_seed(5)
     xs, ids, scores, grads, experts = _problem(5, "one_rank", (T,) * world, H, I, E, k)
@@ -357,7 +357,7 @@ def _sparse_rank(rank, world, strided):
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, **TOL)
     counts = [torch.bincount(i.reshape(-1), minlength=E).tolist() for i in ids]
-    _, _, lay = _schedule_of(counts, k, cap, strided, 1.1, 1, 100.0, E // world, world - 1)
+    _, _, lay = schedule_of(counts, k, cap, strided, 1.1, 1, 100.0, E // world, world - 1)
     empty_chunks = sum(1 for r in lay.rows if r == 0)
     # the eager pair with and without overlap: the same operations in the same order, so the same bits
     e = E // world

@@ -1,0 +1,560 @@
+"""Reach at equal per-rank budget on 4 gloo ranks: FSDP2-best (stock torchtitan) against boundpass's MoP layout.
+
+For a torchtitan MoE debug model (deepseek_v3 or qwen3, V = --vocab, fp32) and each per-rank budget B: the longest
+sequence L that each side trains for 2 steps with no rank's step peaking above B at torch's allocator.
+
+  FSDP2-best  stock torchtitan's trainer (boundpass off): FSDP2 over the 4 ranks, every rank a whole sequence (local
+              batch 1: 4 sequences per step), the best (longest L) over its memory settings that run on CPU: expert
+              parallel degree EP in --fsdp-ep, FullAC (SelectiveAC keeps more activations: measured once, beside),
+              its ChunkedLossWrapper with chunks of at most --chunk-tokens tokens. Context parallelism: tried once
+              (--try-cp; the report says what happened).
+  boundpass   the MoP layout through the same trainer (--config <model>_debug_mop, recipes/mop.py): one sequence
+              split over the 4 ranks, sequence-to-head attention, EP = 2 with PipelinedLLEP, the Ring-DTP head,
+              FullAC, AdamW's state on the host when the budget needs it; the budget is checked before launch.
+
+Attention is the same on both sides: causal SDPA on torch's fused CPU kernel, MLA's v zero-padded to the qk head
+dim (what the MoP layout does; without it the stock side would run the math path with [L, L] scores).
+
+Measured: each run builds the trainer on 4 ranks, runs step 1, measures step 2 at torch's allocator on every rank
+(bench/e2e.py measured_step: the state live at the step's start + every allocation of the step; boundpass's host
+buffers, the offloaded optimizer state, left out by design) and times --timed-steps more steps (the slowest rank's).
+A point fits B when every rank's peak is <= B (and, for boundpass, B was accepted).
+
+FSDP2-best: its peak does not depend on B, so one ladder per setting (L doubling from --start) serves every budget,
+then --bisect midpoints per budget between the last fit and the first miss.
+boundpass: the certificate's longest L per budget (the trainer's own check, run here on the meta model, bisected in
+steps of --granule tokens) is "certified"; measured points check it both ways (measured <= certified, certified /
+measured) at every length up to --bp-max-measured, and at the certified longest L when that is not longer.
+plan: `boundpass.plan` on the same model and budgets (its --solve), beside both.
+
+Writes docs/results/reach.json and reach.md.
+
+    python bench/reach.py --model deepseek_v3 --budgets 384MiB,512MiB,1GiB
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable for `bench.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import fmt_bytes, fmt_seconds, markdown_table, publish, run_metadata, targets_section
+from bench.e2e import fits_budget, measured_step, refused
+from boundpass.core.units import parse_bytes
+from boundpass.testing.distributed import run_on_ranks
+
+WORLD = 4
+MOP_EP = 2
+TARGET_REACH = 8.0
+CONFIGS = {"deepseek_v3": ("deepseek_v3_debug", "deepseek_v3_debug_mop", "deepseek_v3", "debugmodel"),
+           "qwen3": ("qwen3_moe_debug", "qwen3_moe_debug_mop", "qwen3", "debugmodel_moe")}
+
+
+# ------------------------------------------------------------------------------------------ one run
+def _pad_v_attention() -> None:
+    """torchtitan's SDPA module with MLA's narrower v zero-padded to the qk head dim, as the MoP layout runs it
+    (runtime/seq_to_head.py _attend): zero v columns give zero output columns, sliced off; the scale stays
+    1/sqrt(D_qk). Same function; torch's fused CPU kernel instead of the math path."""
+    import torch.nn.functional as F
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    forward = ScaledDotProductAttention.forward
+    if getattr(forward, "_reach_padded", False):
+        return
+
+    def padded(self, q, k, v, *, scale=None, **kwargs):
+        d_qk, d_v = q.shape[-1], v.shape[-1]
+        if d_v >= d_qk:
+            return forward(self, q, k, v, scale=scale, **kwargs)
+        out = forward(self, q, k, F.pad(v, (0, d_qk - d_v)), scale=d_qk ** -0.5 if scale is None else scale, **kwargs)
+        return out[..., :d_v]
+    padded._reach_padded = True
+    ScaledDotProductAttention.forward = padded
+
+
+def _args(side: str, model: str, seq: int, *, ep: int, ac: str, chunk_tokens: int, budget: str | None,
+          host_budget: str, steps: int, cp: int = 1) -> list[str]:
+    fsdp_config, mop_config, _, _ = CONFIGS[model]
+    args = ["--module", "boundpass.recipes", "--training.seq_len", str(seq), "--training.local_batch_size", "1",
+            "--training.steps", str(steps), "--lr_scheduler.decay_ratio", "0"]
+    if side == "fsdp2":
+        args += ["--config", fsdp_config, "--parallelism.expert_parallel_degree", str(ep),
+                 "--loss.num_chunks", str(max(8, seq // chunk_tokens))]
+        if cp > 1:
+            args += ["--parallelism.context_parallel_degree", str(cp)]
+    else:
+        args += ["--config", mop_config, "--boundpass.budget", budget, "--boundpass.host_budget", host_budget,
+                 "--boundpass.no-report"]
+    return args + [f"activation-checkpoint:{ac}"]  # tyro: a subcommand's arguments follow it, so it goes last
+
+
+def _configure(args: list[str], vocab: int):
+    """The trainer config of `args` with the bench's attention (causal SDPA everywhere, v padded) and vocabulary."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    from boundpass.recipes.config_registry import set_vocab
+    from boundpass.recipes.train import config_manager_class
+    config = config_manager_class()().parse_args(args)
+    for layer in config.model_spec.model.layers:  # stock debug configs use flex attention with document masks
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    set_vocab(config, vocab)
+    config.validator.enable = False
+    return config
+
+
+def _run_job(rank, world, assets, args, vocab, timed_steps):
+    """One trainer on this rank: step 1, step 2 measured at torch's allocator, `timed_steps` steps timed."""
+    os.environ["BOUNDPASS_ASSETS"] = assets
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import logging
+    import warnings
+
+    from boundpass.recipes import cpu_support
+    cpu_support.apply_runtime_shims()
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+    from torchtitan.tools.logging import init_logger
+
+    from boundpass.core.errors import InfeasibleBudgetError
+    init_logger()
+    logging.getLogger().setLevel(logging.WARNING)
+    torch.autograd.set_multithreading_enabled(False)
+    _pad_v_attention()
+    dump = tempfile.TemporaryDirectory(prefix="bp_reach_")
+    out = dict(rank=rank, accepted=None, peak=None, reason="", certified=None)
+    config = _configure([*args[:-1], "--dump_folder", dump.name, args[-1]], vocab)
+    try:
+        trainer = config.build()
+    except Exception as exc:  # noqa: BLE001 (a refusal is a result; anything else is raised again by refused)
+        return refused(out, exc, InfeasibleBudgetError)
+    try:
+        data = trainer.batch_generator(trainer.dataloader)
+        trainer.step = 1
+        start = time.perf_counter()
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True):  # see bench/e2e.py _reach_job
+            trainer.train_step(data)
+        out["step1_seconds"] = time.perf_counter() - start
+        if config.boundpass.enable and config.boundpass.budget is not None:
+            out["accepted"] = True
+            out["certified"] = trainer.certified_peak()
+            out["certified_host"] = trainer.certified_host()
+            table = max(trainer._tables(), key=lambda t: t.total)
+            bind = table.binding()
+            out["binding"] = f"{bind.name} ({fmt_bytes(bind.value)})"
+            out["optimizer_offloaded"] = bool(getattr(trainer, "mop_offload", False))
+        trainer.step = 2
+        peak, at_start, host, holders, _ = measured_step(trainer, data)
+        out.update(peak=peak, state_bytes=at_start, host_bytes=host, holders=holders[:4])
+        times = []
+        for step in range(3, 3 + timed_steps):
+            trainer.step = step
+            dist.barrier()
+            t0 = time.perf_counter()
+            trainer.train_step(data)
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+        out["step_seconds"] = times
+        return out
+    finally:
+        trainer.close()
+        dump.cleanup()
+
+
+def run_point(side: str, model: str, seq: int, *, assets: str, vocab: int, timed_steps: int, log=print,
+              **kwargs) -> dict:
+    """One 4-rank run; the per-rank results folded: the largest peak, the slowest step."""
+    args = _args(side, model, seq, steps=2 + timed_steps, **kwargs)
+    start = time.perf_counter()
+    try:
+        ranks = run_on_ranks(_run_job, WORLD, assets, args, vocab, timed_steps, timeout_s=3600)
+    except Exception as exc:  # noqa: BLE001 (a setting torchtitan cannot run here is a result: reported)
+        log(f"  {side} L={seq} {kwargs}: failed: {str(exc).splitlines()[0][:300]}")
+        return dict(side=side, seq=seq, accepted=None, peak=None, failed=str(exc)[:2000],
+                    wall_s=time.perf_counter() - start, **{k: v for k, v in kwargs.items() if k != "host_budget"})
+    peaks = [r["peak"] for r in ranks]
+    out = dict(side=side, seq=seq, wall_s=time.perf_counter() - start,
+               accepted=ranks[0]["accepted"], reason=ranks[0]["reason"],
+               peak=max(peaks) if None not in peaks else None, peaks=peaks,
+               certified=max((r["certified"] or 0 for r in ranks), default=None) or None,
+               binding=ranks[0].get("binding"), optimizer_offloaded=ranks[0].get("optimizer_offloaded"),
+               host_bytes=max(r.get("host_bytes") or 0 for r in ranks),
+               step_s=(statistics.median([max(t) for t in zip(*(r["step_seconds"] for r in ranks))])
+                       if ranks[0].get("step_seconds") else None),
+               holders=ranks[max(range(WORLD), key=lambda i: peaks[i] or 0)].get("holders"),
+               **{k: v for k, v in kwargs.items() if k != "host_budget"})
+    tokens = seq * (WORLD if side == "fsdp2" else 1)
+    out["tokens_per_step"] = tokens
+    out["tokens_per_s"] = tokens / out["step_s"] if out["step_s"] else None
+    if os.environ.get("REACH_RUNS_FILE"):  # every run as it ends (a long sweep survives a crash)
+        with open(os.environ["REACH_RUNS_FILE"], "a") as f:
+            f.write(json.dumps(out, default=str) + "\n")
+    log(f"  {side} L={seq} {({k: v for k, v in kwargs.items() if k != 'host_budget'})}: "
+        f"peak {fmt_bytes(out['peak']) if out['peak'] else '-'}"
+        + (f", certified {fmt_bytes(out['certified'])}" if out["certified"] else "")
+        + (f", refused: {out['reason'][:160]}" if out["accepted"] is False else "")
+        + (f", step {fmt_seconds(out['step_s'])}" if out["step_s"] else "") + f" ({out['wall_s']:.0f} s)")
+    return out
+
+
+# ------------------------------------------------------------------------------------ the certificate
+def certified_total(model: str, seq: int, budget: str, host_budget: str, vocab: int):
+    """(accepted, certified total bytes or None, binding line): the MoP trainer's own pre-launch check
+    (recipes/trainer.check_mop_budget) on the meta model, here in one process for W = 4 ranks, E_p = 2."""
+    import types
+
+    import torch
+    from torchtitan.components.loss import ChunkedLossWrapper
+
+    from boundpass.core.errors import InfeasibleBudgetError
+    from boundpass.recipes.mop import MoPOptions
+    from boundpass.recipes.trainer import check_mop_budget
+    config = _configure(_args("mop", model, seq, ep=MOP_EP, ac="full", chunk_tokens=seq, budget=budget,
+                              host_budget=host_budget, steps=2), vocab)
+    bp = config.boundpass
+    options = MoPOptions(pipelined_llep=bp.mop_pipelined_llep, dispatch_cap=bp.dispatch.cap,
+                         dispatch_borrowed_slots=bp.dispatch.borrowed_slots, ring_dtp=bp.mop_ring_dtp,
+                         vocab_block=bp.vocab.block)
+    if options.ring_dtp and isinstance(config.loss, ChunkedLossWrapper.Config):
+        config.loss = config.loss.loss_fn  # as the trainer does under the layout (its Ring-DTP head)
+    with torch.device("meta"):
+        meta = config.model_spec.model.build()
+    dims = types.SimpleNamespace(world_size=WORLD, ep=config.parallelism.expert_parallel_degree)
+    try:
+        table, _, _ = check_mop_budget(meta, config, dims, options)
+    except InfeasibleBudgetError as err:
+        return False, None, f"{err.term}: {fmt_bytes(err.value_bytes)}"
+    bind = table.binding()
+    return True, table.total, f"{bind.name} ({fmt_bytes(bind.value)})"
+
+
+def certified_longest(model: str, budget: str, host_budget: str, vocab: int, granule: int, limit: int,
+                      log=print) -> dict:
+    """The longest L (a multiple of W) the certificate accepts: doubling in steps of `granule` tokens, then
+    bisection to W tokens."""
+    checked = {}
+
+    def ok(seq: int) -> bool:
+        if seq not in checked:
+            checked[seq] = certified_total(model, seq, budget, host_budget, vocab)
+        return checked[seq][0]
+
+    if not ok(granule):
+        return dict(seq=0, checks=len(checked), first_refused=granule, refused_binding=checked[granule][2])
+    lo, hi = granule, 2 * granule
+    while ok(hi):
+        if hi >= limit:
+            return dict(seq=hi, total=checked[hi][1], binding=checked[hi][2], checks=len(checked),
+                        first_refused=None, refused_binding=None)
+        lo, hi = hi, 2 * hi
+    while hi - lo > WORLD:
+        mid = (lo + hi) // 2 // WORLD * WORLD
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    out = dict(seq=lo, total=checked[lo][1], binding=checked[lo][2], checks=len(checked), first_refused=hi,
+               refused_binding=checked[hi][2])
+    log(f"  certified longest L at {budget}: {lo} ({len(checked)} checks; {hi} refused: {checked[hi][2]})")
+    return out
+
+
+def plan_longest(model: str, budget: str, host_budget: str, vocab: int) -> dict:
+    """`boundpass.plan --solve` on the same model (the registry's flavor at this vocabulary), W = 4, E_p = 2, one
+    sequence per step, the operators the MoP run uses."""
+    from boundpass.core.model_source import default_source
+    from boundpass.planning.full_scale import plan
+
+    source = default_source()
+
+    class _AtVocab:  # the registry's model at the bench's vocabulary (set_vocab, as the runs do)
+        name = getattr(source, "name", "torchtitan")
+
+        def __getattr__(self, attr):
+            return getattr(source, attr)
+
+        def config(self, m, f, *, seq_len=None):
+            cfg = source.config(m, f, seq_len=seq_len)
+            cfg.vocab_size, cfg.tok_embeddings.num_embeddings, cfg.lm_head.out_features = vocab, vocab, vocab
+            return cfg
+
+    _, _, family, flavor = CONFIGS[model]
+    start = time.perf_counter()
+    result = plan(family, flavor, ranks=WORLD, ep=MOP_EP, context=1024, global_batch=1, budget=budget,
+                  host_budget=host_budget, dtype="fp32", operators=("ring_dtp", "pipelined_llep", "offload_adamw"),
+                  solve=True, source=_AtVocab())
+    return dict(seq=result.solve["value"], seconds=time.perf_counter() - start)
+
+
+# --------------------------------------------------------------------------------------------- sweep
+def fsdp2_ladder(model: str, setting: dict, *, start: int, max_seq: int, limit: int, common: dict, log) -> list:
+    """Stock runs at L = start, 2 start, ... until a step peaks above `limit` (the largest budget) or fails."""
+    runs, seq = [], start
+    while seq <= max_seq:
+        run = run_point("fsdp2", model, seq, **setting, **common, log=log)
+        runs.append(run)
+        if run["peak"] is None or run["peak"] > limit:
+            break
+        seq *= 2
+    return runs
+
+
+def bisect_between(side, model, runs, budget_bytes, *, steps, granule, setting, common, log) -> None:
+    """`steps` midpoints between the last fitting and the first missing length of `runs` (appended)."""
+    for _ in range(steps):
+        fit = max((r["seq"] for r in runs if fits_budget(r, budget_bytes)), default=None)
+        miss = min((r["seq"] for r in runs if not fits_budget(r, budget_bytes) and (fit is None or r["seq"] > fit)),
+                   default=None)
+        if fit is None or miss is None or miss - fit <= granule:
+            return
+        mid = (fit + miss) // 2 // granule * granule
+        if mid in {r["seq"] for r in runs}:
+            return
+        runs.append(run_point(side, model, mid, **setting, **common, log=log))
+
+
+def longest_fit(runs: list, budget_bytes: int) -> int:
+    """The longest measured length that fits, provided every shorter measured length fits too."""
+    best = 0
+    for run in sorted(runs, key=lambda r: r["seq"]):
+        if not fits_budget(run, budget_bytes):
+            break
+        best = run["seq"]
+    return best
+
+
+def run(model: str, budgets: list[str], *, start: int, max_seq: int, fsdp_ep: list[int], chunk_tokens: int,
+        host_budget: str, vocab: int, timed_steps: int, bisect: int, granule: int, bp_max_measured: int,
+        try_cp: bool, selective: bool, assets: str, log=print) -> dict:
+    common = dict(assets=assets, vocab=vocab, timed_steps=timed_steps, chunk_tokens=chunk_tokens,
+                  host_budget=host_budget)
+    limit = max(parse_bytes(b) for b in budgets)
+    data = dict(model=model, vocab=vocab, budgets=budgets, world=WORLD, mop_ep=MOP_EP, fsdp={}, cp=None,
+                selective=None, boundpass={}, plan={})
+    for ep in fsdp_ep:
+        name = f"FSDP2, EP={ep}, FullAC"
+        log(f"{name}: ladder from {start}")
+        setting = dict(ep=ep, ac="full")
+        runs = fsdp2_ladder(model, setting, start=start, max_seq=max_seq, limit=limit, common=common, log=log)
+        for budget in budgets:
+            bisect_between("fsdp2", model, runs, parse_bytes(budget), steps=bisect, granule=granule,
+                           setting=setting, common=common, log=log)
+        data["fsdp"][name] = dict(setting=setting, runs=runs)
+    best_ep = _best_setting(data, budgets)
+    if selective:
+        log("FSDP2 SelectiveAC, at the best EP's first length")
+        data["selective"] = run_point("fsdp2", model, start, ep=best_ep, ac="selective", **common, log=log)
+    if try_cp:
+        log("FSDP2 + context parallelism (CP = 4), at the first length")
+        data["cp"] = run_point("fsdp2", model, start, ep=1, ac="full", cp=WORLD, **common, log=log)
+    for budget in budgets:
+        log(f"boundpass at {budget}")
+        cert = certified_longest(model, budget, host_budget, vocab, granule, max_seq * 64, log=log)
+        try:
+            predicted = plan_longest(model, budget, host_budget, vocab)
+        except Exception as exc:  # noqa: BLE001 (reported beside the measurement)
+            predicted = dict(seq=None, error=str(exc).splitlines()[0][:300])
+        data["plan"][budget] = predicted
+        log(f"  plan --solve: {predicted}")
+        lengths, seq = [], start
+        while seq <= min(cert["seq"], bp_max_measured):
+            lengths.append(seq)
+            seq *= 2
+        if cert["seq"] and cert["seq"] <= bp_max_measured and cert["seq"] not in lengths:
+            lengths.append(cert["seq"])
+        fsdp_best = max(longest_fit(v["runs"], parse_bytes(budget)) for v in data["fsdp"].values())
+        if fsdp_best and fsdp_best not in lengths and fsdp_best <= cert["seq"]:
+            lengths.append(fsdp_best)  # step time at FSDP2-best's longest length
+        runs = [run_point("mop", model, L, ep=MOP_EP, ac="full", budget=budget, **common, log=log)
+                for L in sorted(lengths)]
+        data["boundpass"][budget] = dict(certified=cert, runs=runs)
+    return data
+
+
+def _best_setting(data: dict, budgets: list[str]) -> int:
+    """The EP of the FSDP2 setting that reaches furthest at the largest budget."""
+    budget = max(parse_bytes(b) for b in budgets)
+    name = max(data["fsdp"], key=lambda n: longest_fit(data["fsdp"][n]["runs"], budget))
+    return data["fsdp"][name]["setting"]["ep"]
+
+
+# -------------------------------------------------------------------------------------------- report
+def summary_rows(data: dict) -> list[dict]:
+    rows = []
+    for budget in data["budgets"]:
+        b = parse_bytes(budget)
+        per = {n: longest_fit(v["runs"], b) for n, v in data["fsdp"].items()}
+        best_name = max(per, key=per.get)
+        best = per[best_name]
+        bp = data["boundpass"][budget]
+        cert = bp["certified"]["seq"]
+        measured = longest_fit(bp["runs"], b)
+        at_best = next((r for r in bp["runs"] if r["seq"] == best), None)
+        fsdp_at_best = next((r for r in data["fsdp"][best_name]["runs"] if r["seq"] == best), None)
+        rows.append(dict(budget=budget, fsdp_best=best, fsdp_best_setting=best_name, fsdp_each=per,
+                         bp_certified=cert, bp_measured=measured, plan=data["plan"][budget].get("seq"),
+                         reach_certified=cert / best if best else None,
+                         reach_measured=measured / best if best else None,
+                         step_fsdp=fsdp_at_best["step_s"] if fsdp_at_best else None,
+                         step_bp=at_best["step_s"] if at_best else None,
+                         tps_fsdp=fsdp_at_best["tokens_per_s"] if fsdp_at_best else None,
+                         tps_bp=at_best["tokens_per_s"] if at_best else None))
+    return rows
+
+
+def _first_miss(runs: list, budget_bytes: int):
+    fit = longest_fit(runs, budget_bytes)
+    return min((r for r in runs if r["seq"] > fit), key=lambda r: r["seq"], default=None)
+
+
+def render(data: dict) -> str:
+    meta = data["meta"]
+    lines = [f"# Reach at equal per-rank budget: FSDP2-best vs boundpass's MoP layout ({data['world']} gloo ranks, "
+             "CPU)" + (" — quick run" if data.get("quick") else ""), "",
+             f"Model: torchtitan {data['model']} debug MoE, V = {data['vocab']:,}, fp32. Run: {meta['date_utc']}, "
+             f"torch {meta['torch']}, {meta['nproc']} cores ({meta['processor']}); wall "
+             f"{data['wall_seconds'] / 60:.0f} min. Command: `{data['command']}`.", "",
+             "Per-rank peak = the largest over the 4 ranks of one whole training step (step 2: forward, backward, "
+             "optimizer) at torch's allocator, the state live at its start included; boundpass's host buffers "
+             "(the offloaded optimizer state) left out by design. A length fits B when every rank's peak is <= B "
+             "and, for boundpass, the trainer accepted B before launch. FSDP2 ranks each train a whole sequence "
+             "(4 sequences per step); the MoP layout splits one sequence over the 4 ranks. Both sides run causal "
+             "SDPA on torch's fused CPU kernel (MLA's v zero-padded to the qk head dim on both).", "",
+             "## Longest sequence per budget", ""]
+    rows = summary_rows(data)
+    table = []
+    for r in rows:
+        table.append([fmt_bytes(parse_bytes(r["budget"])), f"{r['fsdp_best']:,}" if r["fsdp_best"] else "none",
+                      r["fsdp_best_setting"] if r["fsdp_best"] else "-",
+                      f"{r['bp_measured']:,}" if r["bp_measured"] else "none",
+                      f"{r['bp_certified']:,} (certified)",
+                      f"{r['plan']:,}" if r["plan"] else "-",
+                      f"{r['reach_measured']:.2f}x" if r["reach_measured"] else "-",
+                      f"{r['reach_certified']:.2f}x" if r["reach_certified"] else "-"])
+    lines += markdown_table(["budget/rank", "FSDP2-best longest L (measured)", "its setting",
+                             "boundpass longest L (measured)", "boundpass longest L accepted by the certificate",
+                             "plan --solve", "reach (measured)", "reach (certified / FSDP2-best measured)"], table)
+    lines += ["", "Each FSDP2 setting's longest measured L: " + "; ".join(
+        f"{fmt_bytes(parse_bytes(r['budget']))}: " + ", ".join(f"{n} {L:,}" for n, L in r["fsdp_each"].items())
+        for r in rows), ""]
+    lines += ["## Step time at FSDP2-best's longest length", ""]
+    table = [[fmt_bytes(parse_bytes(r["budget"])), f"{r['fsdp_best']:,}" if r["fsdp_best"] else "-",
+              fmt_seconds(r["step_fsdp"]) if r["step_fsdp"] else "-", fmt_seconds(r["step_bp"]) if r["step_bp"] else "-",
+              f"{r['step_bp'] / r['step_fsdp']:.2f}" if r["step_bp"] and r["step_fsdp"] else "-",
+              f"{r['tps_fsdp']:.0f}" if r["tps_fsdp"] else "-", f"{r['tps_bp']:.0f}" if r["tps_bp"] else "-"]
+             for r in rows]
+    lines += markdown_table(["budget/rank", "L", "FSDP2-best step", "boundpass step", "ratio", "FSDP2-best tokens/s",
+                             "boundpass tokens/s"], table)
+    lines += ["", "FSDP2 trains 4 sequences of L per step, the MoP layout one: tokens/s compares the work done.", "",
+              "## Every run", ""]
+    table = []
+    for name, v in data["fsdp"].items():
+        for r in sorted(v["runs"], key=lambda r: r["seq"]):
+            table.append([name, f"{r['seq']:,}", fmt_bytes(r["peak"]) if r["peak"] else "-", "-", "-",
+                          fmt_seconds(r["step_s"]) if r.get("step_s") else "-",
+                          (r.get("failed") or "")[:120] or _holder(r)])
+    for budget, v in data["boundpass"].items():
+        for r in v["runs"]:
+            ratio = f"{r['certified'] / r['peak']:.3f}" if r.get("certified") and r["peak"] else "-"
+            table.append([f"boundpass MoP at {fmt_bytes(parse_bytes(budget))}", f"{r['seq']:,}",
+                          fmt_bytes(r["peak"]) if r["peak"] else "-",
+                          fmt_bytes(r["certified"]) if r.get("certified") else "refused", ratio,
+                          fmt_seconds(r["step_s"]) if r.get("step_s") else "-",
+                          (r.get("binding") or r.get("reason") or r.get("failed") or "")[:120]])
+    for label in ("selective", "cp"):
+        r = data.get(label)
+        if r:
+            table.append([f"FSDP2, EP={r.get('ep')}, {'SelectiveAC' if label == 'selective' else 'FullAC, CP=4'}",
+                          f"{r['seq']:,}", fmt_bytes(r["peak"]) if r.get("peak") else "-", "-", "-",
+                          fmt_seconds(r["step_s"]) if r.get("step_s") else "-",
+                          (r.get("failed") or "")[:200] or _holder(r)])
+    lines += markdown_table(["run", "L", "peak/rank (max)", "certified", "certified / measured", "step",
+                             "binding term (boundpass) / largest holder at the peak (FSDP2) / failure"], table)
+    lines += ["", "## What binds at the first miss", ""]
+    for r in rows:
+        b = parse_bytes(r["budget"])
+        name = r["fsdp_best_setting"]
+        miss = _first_miss(data["fsdp"][name]["runs"], b)
+        cert = data["boundpass"][r["budget"]]["certified"]
+        lines.append(f"- {fmt_bytes(b)}: FSDP2-best ({name}) at L = {miss['seq']:,}: "
+                     f"{fmt_bytes(miss['peak']) if miss and miss['peak'] else '-'}, {_holder(miss)}; "
+                     if miss else f"- {fmt_bytes(b)}: FSDP2-best never missed up to the ladder's end; ")
+        lines[-1] += (f"boundpass refused L = {cert['first_refused']:,}: {cert['refused_binding']}"
+                      if cert.get("first_refused") else "boundpass: the certificate's search ended at its limit")
+    lines += ["", *targets_section([dict(target=t, figures=f, met=m) for t, f, m in _targets(data, rows)])]
+    if data.get("notes"):
+        lines += ["", "## Notes", "", *data["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def _holder(run) -> str:
+    holders = (run or {}).get("holders") or []
+    return "; ".join(f"{op} {fmt_bytes(n)}" for op, n in holders[:2])
+
+
+def _targets(data: dict, rows: list[dict]) -> list[tuple]:
+    out = []
+    for r in rows:
+        if not r["fsdp_best"]:
+            continue
+        out.append((f"{fmt_bytes(parse_bytes(r['budget']))}: measured reach >= {TARGET_REACH:.0f}x FSDP2-best",
+                    f"{r['bp_measured']:,} / {r['fsdp_best']:,} = {r['reach_measured']:.2f}x (certified "
+                    f"{r['reach_certified']:.2f}x)", r["reach_measured"] >= TARGET_REACH))
+        if r["plan"]:
+            ref = r["bp_certified"]
+            out.append((f"{fmt_bytes(parse_bytes(r['budget']))}: plan's longest L within 10% of the accepted one, "
+                        "never above", f"plan {r['plan']:,} vs certificate {ref:,}",
+                        r["plan"] <= ref and r["plan"] >= 0.9 * ref))
+        if r["step_bp"] and r["step_fsdp"]:
+            out.append((f"{fmt_bytes(parse_bytes(r['budget']))}: tokens/s at FSDP2-best's longest L >= FSDP2-best's",
+                        f"{r['tps_bp']:.0f} vs {r['tps_fsdp']:.0f}", r["tps_bp"] >= r["tps_fsdp"]))
+    for budget, v in data["boundpass"].items():
+        for r in v["runs"]:
+            if r.get("certified") and r["peak"]:
+                out.append((f"boundpass at {fmt_bytes(parse_bytes(budget))}, L = {r['seq']:,}: measured <= "
+                            "certified <= 1.10x measured", f"{r['certified'] / r['peak']:.3f}",
+                            r["peak"] <= r["certified"] <= 1.10 * r["peak"]))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="deepseek_v3", choices=sorted(CONFIGS))
+    p.add_argument("--budgets", default="384MiB,512MiB,1GiB")
+    p.add_argument("--vocab", type=int, default=4096, help="the recipe tokenizer's vocabulary (recipes/assets.py)")
+    p.add_argument("--start", type=int, default=512)
+    p.add_argument("--max-seq", type=int, default=16384)
+    p.add_argument("--fsdp-ep", default="1,2,4")
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--host-budget", default="16GiB")
+    p.add_argument("--timed-steps", type=int, default=2)
+    p.add_argument("--bisect", type=int, default=1)
+    p.add_argument("--granule", type=int, default=256)
+    p.add_argument("--bp-max-measured", type=int, default=8192)
+    p.add_argument("--try-cp", action="store_true")
+    p.add_argument("--selective", action="store_true")
+    p.add_argument("--notes", help="a markdown file whose lines are appended under Notes")
+    p.add_argument("--out", default="reach", help="docs/results/<out>.json and .md")
+    args = p.parse_args(argv)
+    from boundpass.recipes.assets import ensure_assets
+    assets = str(Path(ensure_assets()["tokenizer"]).parent)
+    started = time.perf_counter()
+    data = run(args.model, args.budgets.split(","), start=args.start, max_seq=args.max_seq,
+               fsdp_ep=[int(e) for e in args.fsdp_ep.split(",")], chunk_tokens=args.chunk_tokens,
+               host_budget=args.host_budget, vocab=args.vocab, timed_steps=args.timed_steps, bisect=args.bisect,
+               granule=args.granule, bp_max_measured=args.bp_max_measured, try_cp=args.try_cp,
+               selective=args.selective, assets=assets)
+    data.update(meta=run_metadata(),
+                command="python bench/reach.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    if args.notes:
+        data["notes"] = Path(args.notes).read_text().splitlines()
+    publish(args.out, data, render, started)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
