@@ -68,21 +68,26 @@ def _pad_v_attention() -> None:
     if getattr(forward, "_reach_padded", False):
         return
 
-    def padded(self, q, k, v, *, scale=None, **kwargs):
-        d_qk, d_v = q.shape[-1], v.shape[-1]
+    # the argument names are torchtitan's own: its local_map sharding spec is keyed by them
+    def padded(self, q_BLNH, k_BLNH, v_BLNH, *, scale=None, **kwargs):
+        d_qk, d_v = q_BLNH.shape[-1], v_BLNH.shape[-1]
         if d_v >= d_qk:
-            return forward(self, q, k, v, scale=scale, **kwargs)
-        out = forward(self, q, k, F.pad(v, (0, d_qk - d_v)), scale=d_qk ** -0.5 if scale is None else scale, **kwargs)
+            return forward(self, q_BLNH, k_BLNH, v_BLNH, scale=scale, **kwargs)
+        out = forward(self, q_BLNH, k_BLNH, F.pad(v_BLNH, (0, d_qk - d_v)),
+                      scale=d_qk ** -0.5 if scale is None else scale, **kwargs)
         return out[..., :d_v]
     padded._reach_padded = True
     ScaledDotProductAttention.forward = padded
 
 
-def _args(side: str, model: str, seq: int, *, ep: int, ac: str, chunk_tokens: int, budget: str | None,
+def _args(side: str, model: str, seq: int, *, ep: int, ac: str, chunk_tokens: int, budget: str | None = None,
           host_budget: str, steps: int, cp: int = 1) -> list[str]:
     fsdp_config, mop_config, _, _ = CONFIGS[model]
     args = ["--module", "boundpass.recipes", "--training.seq_len", str(seq), "--training.local_batch_size", "1",
-            "--training.steps", str(steps), "--lr_scheduler.decay_ratio", "0"]
+            "--training.steps", str(steps), "--lr_scheduler.decay_ratio", "0",
+            # fp32 on both sides: the composed budget counts activations at 4 bytes (torchtitan's bf16 default would
+            # hold 2, and the certificate would be loose by that, not wrong)
+            "--training.mixed_precision_param", "float32"]
     if side == "fsdp2":
         args += ["--config", fsdp_config, "--parallelism.expert_parallel_degree", str(ep),
                  "--loss.num_chunks", str(max(8, seq // chunk_tokens))]
@@ -176,8 +181,9 @@ def run_point(side: str, model: str, seq: int, *, assets: str, vocab: int, timed
     try:
         ranks = run_on_ranks(_run_job, WORLD, assets, args, vocab, timed_steps, timeout_s=3600)
     except Exception as exc:  # noqa: BLE001 (a setting torchtitan cannot run here is a result: reported)
-        log(f"  {side} L={seq} {kwargs}: failed: {str(exc).splitlines()[0][:300]}")
-        return dict(side=side, seq=seq, accepted=None, peak=None, failed=str(exc)[:2000],
+        last = [ln for ln in str(exc).splitlines() if ln.strip() and not ln.startswith(" ")][-1]
+        log(f"  {side} L={seq} {kwargs}: failed: {last[:300]}")
+        return dict(side=side, seq=seq, accepted=None, peak=None, failed=last[:1000], traceback=str(exc)[-6000:],
                     wall_s=time.perf_counter() - start, **{k: v for k, v in kwargs.items() if k != "host_budget"})
     peaks = [r["peak"] for r in ranks]
     out = dict(side=side, seq=seq, wall_s=time.perf_counter() - start,
