@@ -491,10 +491,50 @@ def render(data: dict) -> str:
                      if miss else f"- {fmt_bytes(b)}: FSDP2-best never missed up to the ladder's end; ")
         lines[-1] += (f"boundpass refused L = {cert['first_refused']:,}: {cert['refused_binding']}"
                       if cert.get("first_refused") else "boundpass: the certificate's search ended at its limit")
+    lines += ["", *_simulated_section()]
     lines += ["", *targets_section([dict(target=t, figures=f, met=m) for t, f, m in _targets(data, rows)])]
     if data.get("notes"):
         lines += ["", "## Notes", "", *data["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def simulated_rows(plan_json: Path) -> list[dict]:
+    """Paper-scale rows of bench/plan.py's run (docs/results/plan.json): boundpass's longest context against the
+    best of plan's baseline variants (ZeRO-3 + EP, full logits, standard EP, AdamW on device or on the host), all
+    predicted by the composed budget on fake tensors."""
+    if not plan_json.is_file():
+        return []
+    plan_data = json.loads(plan_json.read_text())
+    rows = []
+    for row in plan_data["rows"]:
+        variants = row["variants"]
+        ours = variants.get("boundpass (all four)", {}).get("context")
+        base = {name: v.get("context") for name, v in variants.items() if name.startswith("baseline")}
+        best_name = max(base, key=lambda n: base[n] or 0)
+        rows.append(dict(label=f"{row['class']} ({row['model']} {row['flavor']})", ranks=row["ranks"],
+                         paper=row.get("paper_pair"), baseline=base[best_name], baseline_name=best_name,
+                         boundpass=ours, date=plan_data["meta"]["date_utc"]))
+    return rows
+
+
+def _simulated_section() -> list[str]:
+    rows = simulated_rows(Path(__file__).resolve().parents[1] / "docs" / "results" / "plan.json")
+    if not rows:
+        return []
+    table = [[r["label"] + (" *" if r["paper"] else ""), str(r["ranks"]),
+              f"{r['baseline']:,}" if r["baseline"] else "none fits", r["baseline_name"] if r["baseline"] else "-",
+              f"{r['boundpass']:,}" if r["boundpass"] else "none fits",
+              f"{r['boundpass'] / r['baseline']:.1f}x" if r["boundpass"] and r["baseline"] else "-"]
+             for r in rows]
+    return ["## At paper scale: simulated (predicted by the composed budget, fake tensors; nothing ran)", "",
+            f"From bench/plan.py's run of {rows[0]['date']} (docs/results/plan.md: 139 GiB per rank, 256 GiB host "
+            "per rank, bf16): the longest context per sequence. The baseline column is the best of plan's baseline "
+            "variants: FSDP2 (ZeRO-3) with expert parallelism, full logits, AdamW on the device or on the host, in "
+            "the layout plan composes (the sequence split over the ranks); plan has no model of context "
+            "parallelism's ring attention or of data-parallel whole sequences, so this is plan's baseline, not a "
+            "measured FSDP2-best. `*` = the paper's model / rank pairing.", "",
+            markdown_table(["model", "W", "baseline (best variant)", "which", "boundpass (all four)",
+                            "reach"], table), ""]
 
 
 def _holder(run) -> str:
@@ -545,7 +585,16 @@ def main(argv=None) -> int:
     p.add_argument("--selective", action="store_true")
     p.add_argument("--notes", help="a markdown file whose lines are appended under Notes")
     p.add_argument("--out", default="reach", help="docs/results/<out>.json and .md")
+    p.add_argument("--rerender", action="store_true", help="render docs/results/<out>.json again, run nothing")
     args = p.parse_args(argv)
+    if args.rerender:
+        from bench.common import write_results
+        data = json.loads((Path(__file__).resolve().parents[1] / "docs" / "results" / f"{args.out}.json").read_text())
+        if args.notes:
+            data["notes"] = Path(args.notes).read_text().splitlines()
+        write_results(args.out, data, render(data))
+        print(render(data))
+        return 0
     from boundpass.recipes.assets import ensure_assets
     assets = str(Path(ensure_assets()["tokenizer"]).parent)
     started = time.perf_counter()
