@@ -335,7 +335,9 @@ def longest_fit(runs: list, budget_bytes: int) -> int:
 
 def run(model: str, budgets: list[str], *, start: int, max_seq: int, fsdp_ep: list[int], chunk_tokens: int,
         host_budget: str, vocab: int, timed_steps: int, bisect: int, granule: int, bp_max_measured: int,
-        try_cp: bool, selective: bool, assets: str, log=print) -> dict:
+        try_cp: bool, selective: bool, assets: str, reuse: list[dict] = (), log=print) -> dict:
+    """``reuse``: runs of an earlier sweep (REACH_RUNS_FILE lines) taken instead of running them again: the FSDP2
+    ladders of the settings it has, its SelectiveAC / CP runs, and its boundpass runs of a budget."""
     common = dict(assets=assets, vocab=vocab, timed_steps=timed_steps, chunk_tokens=chunk_tokens,
                   host_budget=host_budget)
     limit = max(parse_bytes(b) for b in budgets)
@@ -343,18 +345,23 @@ def run(model: str, budgets: list[str], *, start: int, max_seq: int, fsdp_ep: li
                 selective=None, boundpass={}, plan={})
     for ep in fsdp_ep:
         name = f"FSDP2, EP={ep}, FullAC"
-        log(f"{name}: ladder from {start}")
         setting = dict(ep=ep, ac="full")
-        runs = fsdp2_ladder(model, setting, start=start, max_seq=max_seq, limit=limit, common=common, log=log)
+        runs = [r for r in reuse if r["side"] == "fsdp2" and r.get("ep") == ep and r.get("ac") == "full"
+                and not r.get("cp")]
+        if not runs:
+            log(f"{name}: ladder from {start}")
+            runs = fsdp2_ladder(model, setting, start=start, max_seq=max_seq, limit=limit, common=common, log=log)
         for budget in budgets:
             bisect_between("fsdp2", model, runs, parse_bytes(budget), steps=bisect, granule=granule,
                            setting=setting, common=common, log=log)
         data["fsdp"][name] = dict(setting=setting, runs=runs)
     best_ep = _best_setting(data, budgets)
-    if selective:
+    data["selective"] = next((r for r in reuse if r["side"] == "fsdp2" and r.get("ac") == "selective"), None)
+    data["cp"] = next((r for r in reuse if r["side"] == "fsdp2" and r.get("cp")), None)
+    if selective and data["selective"] is None:
         log("FSDP2 SelectiveAC, at the best EP's first length")
         data["selective"] = run_point("fsdp2", model, start, ep=best_ep, ac="selective", **common, log=log)
-    if try_cp:
+    if try_cp and data["cp"] is None:
         log("FSDP2 + context parallelism (CP = 4), at the first length")
         data["cp"] = run_point("fsdp2", model, start, ep=1, ac="full", cp=WORLD, **common, log=log)
     for budget in budgets:
@@ -375,8 +382,10 @@ def run(model: str, budgets: list[str], *, start: int, max_seq: int, fsdp_ep: li
         fsdp_best = max(longest_fit(v["runs"], parse_bytes(budget)) for v in data["fsdp"].values())
         if fsdp_best and fsdp_best not in lengths and fsdp_best <= cert["seq"]:
             lengths.append(fsdp_best)  # step time at FSDP2-best's longest length
-        runs = [run_point("mop", model, L, ep=MOP_EP, ac="full", budget=budget, **common, log=log)
-                for L in sorted(lengths)]
+        runs = [r for r in reuse if r["side"] == "mop" and r.get("budget") == budget]
+        if not runs:
+            runs = [run_point("mop", model, L, ep=MOP_EP, ac="full", budget=budget, **common, log=log)
+                    for L in sorted(lengths)]
         data["boundpass"][budget] = dict(certified=cert, runs=runs)
     return data
 
@@ -585,6 +594,7 @@ def main(argv=None) -> int:
     p.add_argument("--selective", action="store_true")
     p.add_argument("--notes", help="a markdown file whose lines are appended under Notes")
     p.add_argument("--out", default="reach", help="docs/results/<out>.json and .md")
+    p.add_argument("--reuse", help="a REACH_RUNS_FILE of an earlier sweep: its runs are not run again")
     p.add_argument("--rerender", action="store_true", help="render docs/results/<out>.json again, run nothing")
     args = p.parse_args(argv)
     if args.rerender:
@@ -602,7 +612,8 @@ def main(argv=None) -> int:
                fsdp_ep=[int(e) for e in args.fsdp_ep.split(",")], chunk_tokens=args.chunk_tokens,
                host_budget=args.host_budget, vocab=args.vocab, timed_steps=args.timed_steps, bisect=args.bisect,
                granule=args.granule, bp_max_measured=args.bp_max_measured, try_cp=args.try_cp,
-               selective=args.selective, assets=assets)
+               selective=args.selective, assets=assets,
+               reuse=[json.loads(ln) for ln in Path(args.reuse).read_text().splitlines()] if args.reuse else ())
     data.update(meta=run_metadata(),
                 command="python bench/reach.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     if args.notes:

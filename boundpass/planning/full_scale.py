@@ -99,7 +99,9 @@ class PlanResult:
                        f"(2^34 tokens/rank), the budget does not bind below it")
         elif self.solve:
             out.append(f"solve: largest {self.solve['what']} that fits: {self.solve['value']:,} "
-                       f"({self.solve['tokens_per_rank']:,} tokens/rank); {self.solve['next']:,} does not fit")
+                       f"({self.solve['tokens_per_rank']:,} tokens/rank); {self.solve['next']:,} does not fit"
+                       + (f"; OffloadStreamAdamW's bucket there: beta = {self.solve['optimizer_bucket']:,}"
+                          if self.solve.get("optimizer_bucket") else ""))
         if self.search:
             best = self.search.get("best")
             out.append("search: " + (f"best {best['knobs']} at predicted step {best['step_seconds']:.3g} s "
@@ -371,7 +373,9 @@ def plan(model, flavor: str | None = None, *, ranks: int, ep: int = 1, ring: int
     # without their routed experts); --solve and --search keep W, so they read the same ones
     shape = model_shape(model, flavor, dtype_bytes=DTYPE_BYTES[dtype], trace=trace_blocks, progress=progress,
                         source=source, traces="one_rank" if inp.ranks == 1 else "wide")
-    launch = launch_of(inp)
+    # OffloadStreamAdamW's bucket, when not given, is the planner's (the widest that fits, up to the default), as
+    # the recipe and boundpass.compile choose it
+    launch = planner.planned_launch(shape, launch_of(inp), budget=inp.budget, host_budget=inp.host_budget)
     table = composed.compose(shape, launch, budget=inp.budget, host_budget=inp.host_budget)  # checks degrees
     result = PlanResult(inp, shape, table)
     result.trace_notes.append(block_terms_note(shape, launch, model))
@@ -439,26 +443,32 @@ def _attach_trace(result: PlanResult, traced: dict, library: str = "torchtitan")
 
 
 def solve_context(inp: PlanInput, shape: ModelShape) -> dict:
-    """Largest context (with global_batch sequences), or largest N when given N, whose budget fits."""
+    """Largest context (with global_batch sequences), or largest N when given N, whose budget fits; with
+    OffloadStreamAdamW's bucket the planner takes there (``optimizer_bucket``, None when not offloaded)."""
     launch = launch_of(inp)
     if inp.context is not None:
         per = inp.global_batch
         # N = context·G / W must be an integer: context in multiples of W / gcd(W, G)
         step = inp.ranks // math.gcd(inp.ranks, per)
         n_step = step * per // inp.ranks
-        n = planner.largest_tokens(shape, launch, budget=inp.budget, host_budget=inp.host_budget,
-                                             multiple=n_step)
+        n = planner.largest_tokens(shape, launch, budget=inp.budget, host_budget=inp.host_budget, multiple=n_step)
         value = n * inp.ranks // per
-        return {"what": "context (tokens per sequence)", "value": value, "tokens_per_rank": n,
-                "next": value + step, "global_batch": per, "ceiling": n > 0 and _next_fits(shape, launch, inp, n + n_step)}
-    n = planner.largest_tokens(shape, launch, budget=inp.budget, host_budget=inp.host_budget)
-    return {"what": "tokens per rank N", "value": n, "tokens_per_rank": n, "next": n + 1,
-            "ceiling": _next_fits(shape, launch, inp, n + 1)}
+        out = {"what": "context (tokens per sequence)", "value": value, "tokens_per_rank": n,
+               "next": value + step, "global_batch": per,
+               "ceiling": n > 0 and _next_fits(shape, launch, inp, n + n_step)}
+    else:
+        n = planner.largest_tokens(shape, launch, budget=inp.budget, host_budget=inp.host_budget)
+        out = {"what": "tokens per rank N", "value": n, "tokens_per_rank": n, "next": n + 1,
+               "ceiling": _next_fits(shape, launch, inp, n + 1)}
+    at = planner.planned_launch(shape, dataclasses.replace(launch, tokens_per_rank=max(n, 1)), budget=inp.budget,
+                                host_budget=inp.host_budget)
+    out["optimizer_bucket"] = at.optimizer_bucket if "offload_adamw" in launch.operators and n else None
+    return out
 
 
 def _next_fits(shape: ModelShape, launch: Launch, inp: PlanInput, tokens: int) -> bool:
     """True when the size after the answer fits too: the search stopped at its ceiling, not at the budget."""
-    trial = dataclasses.replace(launch, tokens_per_rank=tokens)
+    trial = dataclasses.replace(planner.narrowest_bucket(launch), tokens_per_rank=tokens)
     return composed.compose(shape, trial, budget=inp.budget, host_budget=inp.host_budget).fits()
 
 

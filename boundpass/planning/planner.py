@@ -16,7 +16,8 @@ every knob does not fit.
 
 The composed (analytic) budget of ``boundpass.bound.composed`` is planned here too, by the same rules: the longest
 tokens per rank it fits (``largest_tokens``: plan --solve) and OffloadStreamAdamW's bucket beta at a launch
-(``composed_bucket``: the torchtitan recipe's MoP layout), each with ``largest_fitting`` and ``Knob.settle``.
+(``composed_bucket``: plan's table and the torchtitan recipe's MoP layout), each with ``largest_fitting`` and
+``Knob.settle``.
 """
 from __future__ import annotations
 
@@ -248,6 +249,7 @@ def largest_tokens(shape, launch, *, budget: int, host_budget: int | None = None
     doubling and the answer by ``largest_fitting`` on the fast evaluation, then checked exactly at N and N + multiple
     (float rounding at the edge)."""
     from boundpass.bound import composed
+    launch = narrowest_bucket(launch)
 
     def fits(units: int, fast: bool = True) -> bool:
         trial = dataclasses.replace(launch, tokens_per_rank=units * multiple)
@@ -266,6 +268,25 @@ def largest_tokens(shape, launch, *, budget: int, host_budget: int | None = None
     while fits(units + 1, fast=False):
         units += 1
     return units * multiple
+
+
+def narrowest_bucket(launch):
+    """``launch`` with OffloadStreamAdamW's bucket at its narrowest (beta = 1) when the optimizer is offloaded and
+    no bucket is given: beta is a knob the planner narrows until the step fits (``composed_bucket``), so a size fits
+    exactly when it fits at the narrowest bucket (the staging term only grows with beta)."""
+    if "offload_adamw" not in launch.operators or launch.optimizer_bucket is not None:
+        return launch
+    return dataclasses.replace(launch, optimizer_bucket=1)
+
+
+def planned_launch(shape, launch, *, budget: int, host_budget: int | None):
+    """``launch`` with the knobs the planner chooses for a composed budget: OffloadStreamAdamW's bucket (when the
+    optimizer is offloaded and no bucket is given) at ``composed_bucket``'s value, up to the default bucket."""
+    if narrowest_bucket(launch) is launch:
+        return launch
+    beta = composed_bucket(shape, lambda b: dataclasses.replace(launch, optimizer_bucket=b), budget=budget,
+                           host_budget=host_budget, hi=launch.resolved("optimizer_bucket"))
+    return dataclasses.replace(launch, optimizer_bucket=beta)
 
 
 def composed_bucket(shape, launch_at, *, budget: int, host_budget: int | None, hi: int) -> int:
