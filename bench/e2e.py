@@ -251,24 +251,31 @@ def _reach_args(variant: str, seq: int, budget: str | None, backend: str, chunk_
     return args + ["activation-checkpoint:full"]  # tyro: a subcommand's arguments follow it, so it goes last
 
 
-def _reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens, host_budget, timed_steps):
-    """One trainer at one sequence length: step 1 (compile, lazy optimizer state), step 2 measured at torch's
-    allocator, then `timed_steps` steps timed (nothing measured)."""
+def trainer_rank_setup(assets: str) -> None:
+    """A rank process about to build torchtitan's trainer for a bench: the recipe's assets, CPU shims, warnings and
+    torchtitan's log quiet, autograd on the calling thread (the allocator measure follows that thread)."""
     os.environ["BOUNDPASS_ASSETS"] = assets
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import logging
     import warnings
+
     from boundpass.recipes import cpu_support
     cpu_support.apply_runtime_shims()
     warnings.filterwarnings("ignore")
     import torch
     from torchtitan.tools.logging import init_logger
-    from boundpass.core.errors import InfeasibleBudgetError
-    from boundpass.recipes.train import config_manager_class
-    from boundpass.core.units import format_bytes
     init_logger()
-    import logging
     logging.getLogger().setLevel(logging.WARNING)
     torch.autograd.set_multithreading_enabled(False)
+
+
+def _reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens, host_budget, timed_steps):
+    """One trainer at one sequence length: step 1 (compile, lazy optimizer state), step 2 measured at torch's
+    allocator, then `timed_steps` steps timed (nothing measured)."""
+    trainer_rank_setup(assets)
+    from boundpass.core.errors import InfeasibleBudgetError
+    from boundpass.core.units import format_bytes
+    from boundpass.recipes.train import config_manager_class
     dump = tempfile.TemporaryDirectory(prefix="bp_e2e_reach_")
     args = _reach_args(variant, seq, budget, backend, chunk_tokens, host_budget, 2 + timed_steps, dump.name)
     out = dict(variant=variant, seq=seq, budget=budget, accepted=None, peak=None, reason="",

@@ -46,7 +46,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import fmt_bytes, fmt_seconds, markdown_table, publish, run_metadata, targets_section
-from bench.e2e import fits_budget, measured_step, refused
+from bench.e2e import fits_budget, measured_step, refused, trainer_rank_setup
 from boundpass.core.units import parse_bytes
 from boundpass.testing.distributed import run_on_ranks
 
@@ -115,22 +115,10 @@ def _configure(args: list[str], vocab: int):
 
 def _run_job(rank, world, assets, args, vocab, timed_steps):
     """One trainer on this rank: step 1, step 2 measured at torch's allocator, `timed_steps` steps timed."""
-    os.environ["BOUNDPASS_ASSETS"] = assets
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    import logging
-    import warnings
-
-    from boundpass.recipes import cpu_support
-    cpu_support.apply_runtime_shims()
-    warnings.filterwarnings("ignore")
-    import torch
+    trainer_rank_setup(assets)
     import torch.distributed as dist
-    from torchtitan.tools.logging import init_logger
 
     from boundpass.core.errors import InfeasibleBudgetError
-    init_logger()
-    logging.getLogger().setLevel(logging.WARNING)
-    torch.autograd.set_multithreading_enabled(False)
     _pad_v_attention()
     dump = tempfile.TemporaryDirectory(prefix="bp_reach_")
     out = dict(rank=rank, accepted=None, peak=None, reason="", certified=None)
