@@ -133,6 +133,9 @@ class Launch:
     # the reduce dtype) beside the reduce-scatter input (measured: torch's allocator, tests/recipes/test_recipe_mop.py).
     # None: FSDP2 computes in b.
     fsdp_param_b: int | None = None
+    # bytes of the batch the training loop holds on this rank through the whole step, optimizer step included (the
+    # caller's, not the model's: torchtitan's trainer under the MoP layout, recipes/trainer.py); 0: not counted
+    held_batch_bytes: int = 0
 
     def resolved(self, knob: str) -> int:
         """A Config knob's value at this launch: the one given, else what boundpass/core/config.py says a knob left to
@@ -366,7 +369,16 @@ def _terms(shape: ModelShape, launch: Launch) -> tuple:
         terms += _shared_inputs_term(shape.shared_block_input_bytes)
     if shape.param_tensors and "offload_adamw" not in launch.operators:
         terms += _step_counter_term(shape.param_tensors)
+    if launch.held_batch_bytes:
+        terms += _held_batch_term(launch.held_batch_bytes)
     return terms
+
+
+@functools.lru_cache(maxsize=None)
+def _held_batch_term(nbytes: int) -> tuple:
+    value = sympy.Integer(nbytes)
+    return (("the batch the training loop holds through the step (token ids, labels, positions)", value,
+             "persistent", "a shorter context or a smaller batch", _lambdify(value)),)
 
 
 @functools.lru_cache(maxsize=None)
