@@ -186,26 +186,31 @@ def render_blocks(data: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ reach
-def host_storages(trainer) -> dict[int, int]:
-    """data_ptr -> bytes of every host buffer boundpass holds by design (not device memory): OffloadStreamAdamW's
-    flat fp32 state (masters, moments) and the SCO host pool of the block graphs. On a CPU they live in the same
-    allocator as everything else, so the device peak is measured without them."""
+def host_storages_tensors(trainer) -> list:
+    """Every host buffer boundpass holds by design (not device memory): OffloadStreamAdamW's flat fp32 state
+    (masters, moments) and the SCO host pool of the block graphs. On a CPU they live in the same allocator as
+    everything else, so the device peak is measured without them."""
     from boundpass.runtime.offload_adamw import OffloadStreamAdamW
-    out = {}
+    out = []
     for opt in getattr(trainer.optimizers, "optimizers", []):
         if isinstance(opt, OffloadStreamAdamW) and opt._host is not None:
-            for t in opt._host.values():
-                out[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            out.extend(opt._host.values())
     runtime = getattr(getattr(trainer, "blocks", None), "sco_runtime", None)
-    for buf in (getattr(runtime, "_pool", None) or {}).values():
-        out[buf.untyped_storage().data_ptr()] = buf.untyped_storage().nbytes()
+    out.extend((getattr(runtime, "_pool", None) or {}).values())
     return out
+
+
+def host_storages(trainer) -> dict[int, int]:
+    """data_ptr -> bytes of `host_storages_tensors`."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in host_storages_tensors(trainer)}
 
 
 def measured_step(trainer, data):
     """One training step under torch's allocator (boundpass.testing.whole_step.allocator_peak_of, the profiler's
     allocation events): (device peak bytes, bytes live at the step's start, host bytes excluded, what the
-    allocations live at the peak were made by (op, bytes), host bytes allocated inside the step). The state live
+    allocations live at the peak were made by (op, bytes), host bytes allocated inside the step, the counting
+    allocator's peak or None: boundpass.measure.counting_allocator, every CPU block live, whatever thread frees it,
+    host buffers set aside). The state live
     at the start is the trainer's own `_device_state()` (parameters, buffers, optimizer state; last step's gradients
     are cleared first) less the host buffers of `host_storages`."""
     import gc
@@ -221,7 +226,13 @@ def measured_step(trainer, data):
     state = [t for t in trainer._device_state() if getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
              not in host]
     detail = {}
+    from boundpass.measure import counting_allocator
+    if counting_allocator.installed():
+        for storage in host_storages_tensors(trainer):
+            counting_allocator.exclude(storage)
+        counting_allocator.reset_peak()
     _, peak = allocator_peak_of(lambda: trainer.train_step(data), state, breakdown=detail)
+    counted = counting_allocator.peak_bytes() if counting_allocator.installed() else None
     del state
     # storages live when the step started that no state names and the step freed (counted in the peak)
     trainer._reach_earlier = detail["earlier"]
@@ -230,7 +241,7 @@ def measured_step(trainer, data):
     at_start = detail["at_start"]
     after = host_storages(trainer)
     grown = sum(n for ptr, n in after.items() if ptr not in host)  # counted in the peak (conservative)
-    return peak, at_start, sum(host.values()), holders, grown
+    return peak, at_start, sum(host.values()), holders, grown, counted
 
 
 def _reach_args(variant: str, seq: int, budget: str | None, backend: str, chunk_tokens: int, host_budget: str,
@@ -267,6 +278,9 @@ def trainer_rank_setup(assets: str) -> None:
     init_logger()
     logging.getLogger().setLevel(logging.WARNING)
     torch.autograd.set_multithreading_enabled(False)
+    # every CPU block the trainer allocates from here on is counted, whatever thread frees it (measured_step)
+    from boundpass.measure import counting_allocator
+    counting_allocator.install()
 
 
 def _reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens, host_budget, timed_steps):
@@ -314,7 +328,8 @@ def _reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens,
             out["summary"] = trainer.summary()
         trainer.step = 2
         t0 = time.perf_counter()
-        peak, at_start, host, holders, grown = measured_step(trainer, data)
+        peak, at_start, host, holders, grown, counted = measured_step(trainer, data)
+        out["counted"] = counted
         out.update(peak=peak, state_bytes=at_start, host_bytes=host, holders=holders, host_grown_in_step=grown,
                    earlier_bytes=getattr(trainer, "_reach_earlier", None),
                    measured_step_seconds=time.perf_counter() - t0)

@@ -16,8 +16,11 @@ Attention is the same on both sides: causal SDPA on torch's fused CPU kernel, ML
 dim (what the MoP layout does; without it the stock side would run the math path with [L, L] scores).
 
 Measured: each run builds the trainer on 4 ranks, runs step 1, measures step 2 at torch's allocator on every rank
-(bench/e2e.py measured_step: the state live at the step's start + every allocation of the step; boundpass's host
-buffers, the offloaded optimizer state, left out by design) and times --timed-steps more steps (the slowest rank's).
+and times --timed-steps more steps (the slowest rank's). The peak is the counting allocator's
+(boundpass/measure/counting_allocator.py: every CPU block live, whatever thread frees it; boundpass's host buffers,
+the offloaded optimizer state, left out by design); the profiler's measure (bench/e2e.py measured_step: the state
+live at the step's start + every allocation of the step) is kept beside it: it misses the frees gloo's threads do,
+so it is an upper bound of the peak, by up to tens of MiB at 4 ranks.
 A point fits B when every rank's peak is <= B (and, for boundpass, B was accepted).
 
 FSDP2-best: its peak does not depend on B, so one ladder per setting (L doubling from --start) serves every budget,
@@ -144,8 +147,8 @@ def _run_job(rank, world, assets, args, vocab, timed_steps):
             out["binding"] = f"{bind.name} ({fmt_bytes(bind.value)})"
             out["optimizer_offloaded"] = bool(getattr(trainer, "mop_offload", False))
         trainer.step = 2
-        peak, at_start, host, holders, _ = measured_step(trainer, data)
-        out.update(peak=peak, state_bytes=at_start, host_bytes=host, holders=holders[:4])
+        peak, at_start, host, holders, _, counted = measured_step(trainer, data)
+        out.update(peak=peak, state_bytes=at_start, host_bytes=host, holders=holders[:4], counted=counted)
         times = []
         for step in range(3, 3 + timed_steps):
             trainer.step = step
@@ -173,10 +176,16 @@ def run_point(side: str, model: str, seq: int, *, assets: str, vocab: int, timed
         log(f"  {side} L={seq} {kwargs}: failed: {last[:300]}")
         return dict(side=side, seq=seq, accepted=None, peak=None, failed=last[:1000], traceback=str(exc)[-6000:],
                     wall_s=time.perf_counter() - start, **{k: v for k, v in kwargs.items() if k != "host_budget"})
-    peaks = [r["peak"] for r in ranks]
+    # the peak is the counting allocator's (every free seen, whatever thread frees it); the profiler's, an upper
+    # bound where gloo's threads free a collective's buffers (boundpass/measure/counting_allocator.py), kept beside it
+    profiled = [r["peak"] for r in ranks]
+    counted = [r.get("counted") for r in ranks]
+    peaks = counted if None not in counted else profiled
     out = dict(side=side, seq=seq, wall_s=time.perf_counter() - start,
                accepted=ranks[0]["accepted"], reason=ranks[0]["reason"],
                peak=max(peaks) if None not in peaks else None, peaks=peaks,
+               measure="counting allocator" if peaks is counted else "profiler",
+               profiler_peak=max(profiled) if None not in profiled else None,
                certified=max((r["certified"] or 0 for r in ranks), default=None) or None,
                binding=ranks[0].get("binding"), optimizer_offloaded=ranks[0].get("optimizer_offloaded"),
                host_bytes=max(r.get("host_bytes") or 0 for r in ranks),
@@ -424,8 +433,9 @@ def render(data: dict) -> str:
              f"torch {meta['torch']}, {meta['nproc']} cores ({meta['processor']}); wall "
              f"{data['wall_seconds'] / 60:.0f} min. Command: `{data['command']}`.", "",
              "Per-rank peak = the largest over the 4 ranks of one whole training step (step 2: forward, backward, "
-             "optimizer) at torch's allocator, the state live at its start included; boundpass's host buffers "
-             "(the offloaded optimizer state) left out by design. A length fits B when every rank's peak is <= B "
+             "optimizer) at torch's allocator, counted by boundpass's counting CPU allocator (every block live, "
+             "whatever thread frees it: the state live at the step's start, the batch, every activation); "
+             "boundpass's host buffers (the offloaded optimizer state) left out by design. A length fits B when every rank's peak is <= B "
              "and, for boundpass, the trainer accepted B before launch. FSDP2 ranks each train a whole sequence "
              "(4 sequences per step); the MoP layout splits one sequence over the 4 ranks. Both sides run causal "
              "SDPA on torch's fused CPU kernel (MLA's v zero-padded to the qk head dim on both).", "",

@@ -649,15 +649,6 @@ def check_mop_launch(config: Trainer.Config, world: int) -> None:
             f"{type(config.activation_checkpoint).__qualname__}. Add activation-checkpoint:full or drop the budget")
 
 
-def _held_batch_bytes(training, world: int) -> int:
-    """Bytes of the batch torchtitan's trainer holds on every rank under the MoP layout through a whole step
-    (live when the step starts, freed during it; measured at torch's allocator on 4 gloo ranks, bench/reach.py):
-    six int64 storages of the whole batch (the data generator's input ids and labels, the trainer's input dict, the
-    global positions and their copies) and two of this rank's L/W shard (its token ids and labels)."""
-    tokens = training.local_batch_size * training.seq_len
-    return 8 * (6 * tokens + 2 * tokens // world)
-
-
 def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
     """(composed per-rank budget of this MoP launch, OffloadStreamAdamW bucket β or None, whether AdamW's state goes
     to the host), read off the model built on meta (boundpass.bound.composed; `--boundpass.optimizer.offload` auto / True
@@ -694,7 +685,7 @@ def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
             # Ring-DTP's runtime strip is the whole local vocab shard unless a width is given
             vocab_block=(options.vocab_block or shape.vocab // world) if options.ring_dtp else None,
             optimizer_bucket=bucket, optimizer_slots=bp.optimizer.slots,
-            held_batch_bytes=_held_batch_bytes(training, world))
+            held_batch_per_token=composed.trainer_held_batch(world))
 
     def offloaded():
         bucket = bp.optimizer.bucket

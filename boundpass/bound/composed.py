@@ -133,9 +133,10 @@ class Launch:
     # the reduce dtype) beside the reduce-scatter input (measured: torch's allocator, tests/recipes/test_recipe_mop.py).
     # None: FSDP2 computes in b.
     fsdp_param_b: int | None = None
-    # bytes of the batch the training loop holds on this rank through the whole step, optimizer step included (the
-    # caller's, not the model's: torchtitan's trainer under the MoP layout, recipes/trainer.py); 0: not counted
-    held_batch_bytes: int = 0
+    # bytes per token of N of the batch the training loop holds on this rank through the whole step, optimizer step
+    # included (the caller's, not the model's: torchtitan's trainer under the MoP layout, ``trainer_held_batch``);
+    # 0: not counted
+    held_batch_per_token: int = 0
 
     def resolved(self, knob: str) -> int:
         """A Config knob's value at this launch: the one given, else what boundpass/core/config.py says a knob left to
@@ -369,16 +370,31 @@ def _terms(shape: ModelShape, launch: Launch) -> tuple:
         terms += _shared_inputs_term(shape.shared_block_input_bytes)
     if shape.param_tensors and "offload_adamw" not in launch.operators:
         terms += _step_counter_term(shape.param_tensors)
-    if launch.held_batch_bytes:
-        terms += _held_batch_term(launch.held_batch_bytes)
+    if launch.held_batch_per_token:
+        terms += _held_batch_term(launch.held_batch_per_token)
     return terms
 
 
+def trainer_held_batch(ranks: int) -> int:
+    """Bytes per token of N of the batch torchtitan's trainer holds on every rank under the MoP layout through a
+    whole step, optimizer step included (measured at torch's allocator on 4 gloo ranks by a counting allocator,
+    boundpass.measure.counting_allocator, at N = 256 and 853): six int64 storages of the whole batch of W·N tokens
+    (the data generator's input ids and labels, the trainer's input dict, the global positions and their copies) and
+    three of this rank's N (its token ids, positions and labels): 8·(6·W + 3). The recipe's check and ``plan`` count
+    it, with ``TRAINER_STEP_SCALARS`` beside it."""
+    return 8 * (6 * ranks + 3)
+
+
+# the scalars the training loop holds at the optimizer step beside the batch (the loss and its detached copy, the
+# local and global valid-token counts, the gradient norm): 64 B measured with ``trainer_held_batch``
+TRAINER_STEP_SCALARS = 64
+
+
 @functools.lru_cache(maxsize=None)
-def _held_batch_term(nbytes: int) -> tuple:
-    value = sympy.Integer(nbytes)
-    return (("the batch the training loop holds through the step (token ids, labels, positions)", value,
-             "persistent", "a shorter context or a smaller batch", _lambdify(value)),)
+def _held_batch_term(per_token: int) -> tuple:
+    value = per_token * sym.N + TRAINER_STEP_SCALARS
+    return (("the batch and scalars the training loop holds through the step (token ids, labels, positions, loss)",
+             value, "persistent", "a shorter context or a smaller batch", _lambdify(value)),)
 
 
 @functools.lru_cache(maxsize=None)

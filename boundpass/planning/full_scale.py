@@ -121,7 +121,8 @@ def launch_of(inp: PlanInput, tokens_per_rank: int | None = None) -> Launch:
                   operators=inp.operators, b=DTYPE_BYTES[inp.dtype], b_acc=4, dispatch_cap=inp.dispatch_cap,
                   dispatch_borrowed_slots=inp.dispatch_borrowed_slots, vocab_block=inp.vocab_block,
                   optimizer_bucket=inp.optimizer_bucket,
-                  optimizer_slots=inp.optimizer_slots, sco_max_layers=inp.sco_max_layers, routing=inp.routing)
+                  optimizer_slots=inp.optimizer_slots, sco_max_layers=inp.sco_max_layers, routing=inp.routing,
+                  held_batch_per_token=composed.trainer_held_batch(inp.ranks))
 
 
 # ------------------------------------------------------------------------------------------- the model

@@ -283,7 +283,8 @@ def test_solve_gives_a_context_that_fits_and_the_next_size_up_does_not():
     for context, fits, bucket in ((answer["value"], True, answer["optimizer_bucket"]), (answer["next"], False, 1)):
         n = context * inp.global_batch // inp.ranks
         table = composed.compose(shape, composed.Launch(ranks=2, ep=2, ring=2, tokens_per_rank=n, b=4,
-                                                        optimizer_bucket=bucket),
+                                                        optimizer_bucket=bucket,
+                                                        held_batch_per_token=composed.trainer_held_batch(2)),
                                  budget=inp.budget, host_budget=inp.host_budget)
         assert table.fits() is fits, (context, table.total, inp.budget)
 
@@ -378,7 +379,8 @@ def test_search_picks_knobs_that_fit_and_reports_none_when_nothing_can():
     best = result.search["best"]
     assert best is not None and result.search["candidates"] > 1
     knobs = best["knobs"]
-    launch = composed.Launch(tokens_per_rank=4096, b=4, ranks=2, **knobs)
+    launch = composed.Launch(tokens_per_rank=4096, b=4, ranks=2, held_batch_per_token=composed.trainer_held_batch(2),
+                             **knobs)
     table = composed.compose(result.shape, launch, budget=result.inputs.budget, host_budget=result.inputs.host_budget)
     assert table.fits() and table.total == best["peak_bytes"]
     assert best["step_seconds"] == pytest.approx(sum(v for k, v in best["parts"].items() if k != "total"))
