@@ -231,7 +231,7 @@ def certified_total(model: str, seq: int, budget: str, host_budget: str, vocab: 
         meta = config.model_spec.model.build()
     dims = types.SimpleNamespace(world_size=WORLD, ep=config.parallelism.expert_parallel_degree)
     try:
-        table, _, _ = check_mop_budget(meta, config, dims, options)
+        table, _, _, _ = check_mop_budget(meta, config, dims, options)
     except InfeasibleBudgetError as err:
         return False, None, f"{err.term}: {fmt_bytes(err.value_bytes)}"
     bind = table.binding()

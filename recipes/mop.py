@@ -57,7 +57,8 @@ class MoPOptions:
     ``vocab_block`` are boundpass.Config's knobs by the same names, validated by it (boundpass/core/config.py)."""
     sequence_to_head: bool = True
     pipelined_llep: bool = False
-    dispatch_cap: int | None = None  # PipelinedLLEP chunk cap c (None: config.PLAN_DISPATCH_CAP, no planner here)
+    # PipelinedLLEP chunk cap c (None: config.PLAN_DISPATCH_CAP; with a budget the trainer passes the planner's c)
+    dispatch_cap: int | None = None
     dispatch_borrowed_slots: int | None = None  # PipelinedLLEP borrowed-expert slots s_b (None: e = E / E_p)
     ring_dtp: bool = False
     vocab_block: int | None = None  # Ring-DTP strip width C (None: the whole local vocab shard, the runtime's default)

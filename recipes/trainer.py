@@ -265,10 +265,13 @@ class BoundpassTrainer(Trainer):
         self.mop_offload = bp.optimizer.offload is True  # without a budget, "auto" keeps AdamW on the device
 
         def parallelize_under_mop(model, *, parallel_dims, **kwargs):
+            layout = options
             if bp.budget is not None:  # model still on meta: nothing of size has been allocated
-                self.mop_budget, self.mop_bucket, self.mop_offload = check_mop_budget(model, config, parallel_dims,
-                                                                                      options)
-            state = prepare_mop(model, parallel_dims, options)
+                self.mop_budget, self.mop_bucket, self.mop_offload, cap = check_mop_budget(model, config,
+                                                                                           parallel_dims, options)
+                if cap is not None:  # the chunk cap the budget was certified at is the one the op runs
+                    layout = dataclasses.replace(options, dispatch_cap=cap)
+            state = prepare_mop(model, parallel_dims, layout)
             if "compile_config" in kwargs:  # PipelinedLLEP: torchtitan's per-block compile, boundpass's dispatch pass
                 kwargs["compile_config"] = compile_config_under_mop(kwargs["compile_config"], state)
             elif state.dispatch_backend is not None:
@@ -651,13 +654,14 @@ def check_mop_launch(config: Trainer.Config, world: int) -> None:
 
 def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
     """(composed per-rank budget of this MoP launch, OffloadStreamAdamW bucket β or None, whether AdamW's state goes
-    to the host), read off the model built on meta (boundpass.bound.composed; `--boundpass.optimizer.offload` auto / True
-    / False decides the offload_adamw operator as boundpass.compile does); InfeasibleBudgetError naming the binding
-    term when it does not fit. Measured against torch's allocator and the live-storage tracker: docs/recipe.md."""
+    to the host, PipelinedLLEP's chunk cap c), read off the model built on meta (boundpass.bound.composed;
+    `--boundpass.optimizer.offload` auto / True / False decides the offload_adamw operator as boundpass.compile does;
+    c and β, where not given, are the one planner's: boundpass.planning.planner.planned_launch);
+    InfeasibleBudgetError naming the binding term when it does not fit. Measured against torch's allocator and the
+    live-storage tracker: docs/recipe.md."""
     from boundpass.bound import composed
     from boundpass.planning import full_scale as plan
     from boundpass.planning import planner
-    from boundpass.runtime import offload_adamw as oa
 
     bp, training = config.boundpass, config.training
     layers = config.model_spec.model.layers
@@ -672,7 +676,7 @@ def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
 
     budget, host_budget = bp.budget_bytes, bp.host_budget_bytes
 
-    def launch(offload: bool, bucket: int | None = None):
+    def launch(offload: bool):
         return composed.Launch(
             ranks=world, ep=dims.ep, ring=world, tokens_per_rank=training.local_batch_size * training.seq_len // world,
             operators=base | {"offload_adamw"} if offload else base,
@@ -680,30 +684,37 @@ def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
             # (only the gathered copies are bf16), and the composed budget counts both at b (b = 2 would undercount
             # them); activations are then counted at 4 bytes where torchtitan holds 2 (conservative there)
             b=4, b_acc=4, fsdp_param_b=_fsdp_cast_bytes(training),
-            dispatch_cap=options.cap if options.pipelined_llep else None,
+            # None: the planner's (the widest that fits, up to the dispatch time model's knee on this device)
+            dispatch_cap=options.dispatch_cap if options.pipelined_llep else None,
             dispatch_borrowed_slots=options.dispatch_borrowed_slots if options.pipelined_llep else None,
             # Ring-DTP's runtime strip is the whole local vocab shard unless a width is given
             vocab_block=(options.vocab_block or shape.vocab // world) if options.ring_dtp else None,
-            optimizer_bucket=bucket, optimizer_slots=bp.optimizer.slots,
+            optimizer_bucket=bp.optimizer.bucket, optimizer_slots=bp.optimizer.slots,
             held_batch_per_token=composed.trainer_held_batch(world))
 
-    def offloaded():
-        bucket = bp.optimizer.bucket
-        if bucket is None:  # the largest β (up to the composed default) whose staging fits, by the planner's rule
-            bucket = planner.composed_bucket(shape, lambda beta: launch(True, beta), budget=budget,
-                                             host_budget=host_budget, hi=oa.DEFAULT_BUCKET)
-        return composed.check(shape, launch(True, bucket), budget=budget, host_budget=host_budget), bucket
+    def checked(offload: bool):
+        at = planner.planned_launch(shape, launch(offload), budget=budget, host_budget=host_budget,
+                                    device=_device_type())
+        table = composed.check(shape, at, budget=budget, host_budget=host_budget)
+        cap = at.dispatch_cap if options.pipelined_llep else None
+        return table, (at.optimizer_bucket if offload else None), offload, cap
 
     if bp.optimizer.offload is True:
-        return (*offloaded(), True)
+        return checked(True)
     try:
-        return composed.check(shape, launch(False), budget=budget, host_budget=host_budget), None, False
+        return checked(False)
     except InfeasibleBudgetError:
         if bp.optimizer.offload is False:
             raise
         # "auto": AdamW's state on the host when that makes it fit; if it still does not, the error names what
         # binds with the state already offloaded
-        return (*offloaded(), True)
+        return checked(True)
+
+
+def _device_type() -> str:
+    """The device type this trainer runs on (the dispatch time model's constants are read for it)."""
+    accelerator = torch.accelerator.current_accelerator()
+    return accelerator.type if accelerator is not None else "cpu"
 
 
 def _fsdp_cast_bytes(training) -> int | None:

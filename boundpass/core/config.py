@@ -32,9 +32,11 @@ MODES = ("auto", True, False)  # the three-way switches (sco.enable, optimizer.o
 PLAN_KNOBS = ("budget", "host_budget", "vocab_block", "dispatch_cap", "dispatch_borrowed_slots", "sco_max_layers",
               "optimizer_bucket", "optimizer_slots")
 
-# What a knob left at None ("the planner's choice") is taken as where no planner chooses it: boundpass.plan and the
-# composed budget (composed.Launch), the MoP recipe layout, an OffloadStreamAdamW built by hand. boundpass.compile's
-# planner picks min(the widest value the budget allows, the knee of the modelled time) instead (docs/knobs.md).
+# What a knob left at None ("the planner's choice") is taken as where no planner chooses it: the composed budget
+# (composed.Launch) evaluated as given, the MoP recipe layout without a budget, an OffloadStreamAdamW built by hand.
+# boundpass.compile's planner, and for a composed launch planner.planned_launch (plan, the MoP recipe with a budget:
+# the dispatch cap c and the bucket β), pick min(the widest value the budget allows, the knee of the modelled time)
+# instead (docs/knobs.md).
 PLAN_BUDGET = "139GiB"         # boundpass.plan's device budget when none is given: one H200 (141 GB less headroom)
 PLAN_VOCAB_BLOCK = 4096        # vocab.block (Ring-DTP strip width C)
 PLAN_DISPATCH_CAP = 4096       # dispatch.cap (PipelinedLLEP tokens per source rank per chunk, c)

@@ -17,6 +17,7 @@ import ctypes
 import hashlib
 import os
 import pathlib
+import shlex
 import subprocess
 
 import torch
@@ -41,16 +42,20 @@ def _build() -> pathlib.Path:
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    # each process builds into a name of its own: ranks starting at once on a fresh cache each build, then each
+    # renames a whole file into place (a shared temporary name let one rank's rename take another's file away)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     lib_dirs = cpp_extension.library_paths()
-    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC", str(_SOURCE),
+    # CXX as make reads it: a compiler with its own leading arguments ("ccache g++") is split like a shell word list
+    cmd = [*shlex.split(os.environ.get("CXX", "c++")), "-O2", "-std=c++17", "-shared", "-fPIC", str(_SOURCE),
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
            *[f"-I{d}" for d in cpp_extension.include_paths()], *[f"-L{d}" for d in lib_dirs],
-           *[f"-Wl,-rpath,{d}" for d in lib_dirs], "-lc10", "-o", str(out) + ".tmp"]
+           *[f"-Wl,-rpath,{d}" for d in lib_dirs], "-lc10", "-o", str(tmp)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise MeasurementError(f"boundpass: building the counting CPU allocator failed ({' '.join(cmd[:3])} ...):\n"
                                f"{done.stderr[-4000:]}")
-    os.replace(str(out) + ".tmp", out)  # atomic: ranks building at once each get a whole file
+    os.replace(tmp, out)  # atomic: a rank loading it sees a whole file
     return out
 
 

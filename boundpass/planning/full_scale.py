@@ -374,9 +374,11 @@ def plan(model, flavor: str | None = None, *, ranks: int, ep: int = 1, ring: int
     # without their routed experts); --solve and --search keep W, so they read the same ones
     shape = model_shape(model, flavor, dtype_bytes=DTYPE_BYTES[dtype], trace=trace_blocks, progress=progress,
                         source=source, traces="one_rank" if inp.ranks == 1 else "wide")
-    # OffloadStreamAdamW's bucket, when not given, is the planner's (the widest that fits, up to the default), as
-    # the recipe and boundpass.compile choose it
-    launch = planner.planned_launch(shape, launch_of(inp), budget=inp.budget, host_budget=inp.host_budget)
+    # PipelinedLLEP's chunk cap and OffloadStreamAdamW's bucket, when not given, are the planner's (the widest that
+    # fits, up to the knee / the default), as the recipe and boundpass.compile choose them; plan describes GPU
+    # launches, so the dispatch knee is read off the CUDA constants
+    launch = planner.planned_launch(shape, launch_of(inp), budget=inp.budget, host_budget=inp.host_budget,
+                                    device="cuda")
     table = composed.compose(shape, launch, budget=inp.budget, host_budget=inp.host_budget)  # checks degrees
     result = PlanResult(inp, shape, table)
     result.trace_notes.append(block_terms_note(shape, launch, model))
@@ -444,8 +446,9 @@ def _attach_trace(result: PlanResult, traced: dict, library: str = "torchtitan")
 
 
 def solve_context(inp: PlanInput, shape: ModelShape) -> dict:
-    """Largest context (with global_batch sequences), or largest N when given N, whose budget fits; with
-    OffloadStreamAdamW's bucket the planner takes there (``optimizer_bucket``, None when not offloaded)."""
+    """Largest context (with global_batch sequences), or largest N when given N, whose budget fits; with the knobs
+    the planner takes there (``optimizer_bucket``, None when not offloaded; ``dispatch_cap``, None without
+    PipelinedLLEP)."""
     launch = launch_of(inp)
     if inp.context is not None:
         per = inp.global_batch
@@ -462,14 +465,15 @@ def solve_context(inp: PlanInput, shape: ModelShape) -> dict:
         out = {"what": "tokens per rank N", "value": n, "tokens_per_rank": n, "next": n + 1,
                "ceiling": _next_fits(shape, launch, inp, n + 1)}
     at = planner.planned_launch(shape, dataclasses.replace(launch, tokens_per_rank=max(n, 1)), budget=inp.budget,
-                                host_budget=inp.host_budget)
+                                host_budget=inp.host_budget, device="cuda")
     out["optimizer_bucket"] = at.optimizer_bucket if "offload_adamw" in launch.operators and n else None
+    out["dispatch_cap"] = at.dispatch_cap if "pipelined_llep" in launch.operators and n else None
     return out
 
 
 def _next_fits(shape: ModelShape, launch: Launch, inp: PlanInput, tokens: int) -> bool:
     """True when the size after the answer fits too: the search stopped at its ceiling, not at the budget."""
-    trial = dataclasses.replace(planner.narrowest_bucket(launch), tokens_per_rank=tokens)
+    trial = dataclasses.replace(planner.narrowest_knobs(launch), tokens_per_rank=tokens)
     return composed.compose(shape, trial, budget=inp.budget, host_budget=inp.host_budget).fits()
 
 

@@ -15,9 +15,9 @@ argument name and raises InfeasibleBudgetError, before any real compute, when ev
 every knob does not fit.
 
 The composed (analytic) budget of ``boundpass.bound.composed`` is planned here too, by the same rules: the longest
-tokens per rank it fits (``largest_tokens``: plan --solve) and OffloadStreamAdamW's bucket beta at a launch
-(``composed_bucket``: plan's table and the torchtitan recipe's MoP layout), each with ``largest_fitting`` and
-``Knob.settle``.
+tokens per rank it fits (``largest_tokens``: plan --solve), and at a launch PipelinedLLEP's chunk cap c
+(``composed_dispatch_cap``) and OffloadStreamAdamW's bucket beta (``composed_bucket``), both through ``planned_launch``
+(plan's table and the torchtitan recipe's MoP layout), each with ``largest_fitting`` and ``Knob.settle``.
 """
 from __future__ import annotations
 
@@ -247,9 +247,10 @@ def largest_tokens(shape, launch, *, budget: int, host_budget: int | None = None
     The composed device peak is monotone in N (every term is a sum of N-linear pieces, maxima of such, and ceilings;
     the SCO host subset L_off shrinks as N grows, which moves bytes back to the device), so the range is found by
     doubling and the answer by ``largest_fitting`` on the fast evaluation, then checked exactly at N and N + multiple
-    (float rounding at the edge)."""
+    (float rounding at the edge). The knobs the planner narrows until a size fits (``narrowest_knobs``) are at their
+    narrowest: a size fits exactly when it fits there."""
     from boundpass.bound import composed
-    launch = narrowest_bucket(launch)
+    launch = narrowest_knobs(launch)
 
     def fits(units: int, fast: bool = True) -> bool:
         trial = dataclasses.replace(launch, tokens_per_rank=units * multiple)
@@ -270,23 +271,55 @@ def largest_tokens(shape, launch, *, budget: int, host_budget: int | None = None
     return units * multiple
 
 
-def narrowest_bucket(launch):
-    """``launch`` with OffloadStreamAdamW's bucket at its narrowest (beta = 1) when the optimizer is offloaded and
-    no bucket is given: beta is a knob the planner narrows until the step fits (``composed_bucket``), so a size fits
-    exactly when it fits at the narrowest bucket (the staging term only grows with beta)."""
+def _plans_dispatch_cap(launch) -> bool:
+    return "pipelined_llep" in launch.operators and launch.dispatch_cap is None
+
+
+def narrowest_knobs(launch):
+    """``launch`` with the knobs the planner chooses for a composed budget at their narrowest: OffloadStreamAdamW's
+    bucket (beta = 1) when the optimizer is offloaded and no bucket is given, PipelinedLLEP's chunk cap (c = 1) when
+    the op is on and no cap is given. Each is narrowed until the step fits (``planned_launch``) and every term only
+    grows with it, so a size fits exactly when it fits here."""
+    changes = {}
+    if "offload_adamw" in launch.operators and launch.optimizer_bucket is None:
+        changes["optimizer_bucket"] = 1
+    if _plans_dispatch_cap(launch):
+        changes["dispatch_cap"] = 1
+    return dataclasses.replace(launch, **changes) if changes else launch
+
+
+def planned_launch(shape, launch, *, budget: int, host_budget: int | None, device: str = "cpu"):
+    """``launch`` with the knobs the planner chooses for a composed budget, where not given: PipelinedLLEP's chunk
+    cap c (``composed_dispatch_cap``, the knee of ``device``'s dispatch time model when the budget allows it), then
+    OffloadStreamAdamW's bucket (when the optimizer is offloaded) at ``composed_bucket``'s value, up to the default
+    bucket. The recipe's MoP layout and ``plan`` both take their knobs from here."""
+    if _plans_dispatch_cap(launch) and shape.moe_layers:
+        launch = dataclasses.replace(launch, dispatch_cap=composed_dispatch_cap(
+            shape, launch, budget=budget, host_budget=host_budget, device=device))
     if "offload_adamw" not in launch.operators or launch.optimizer_bucket is not None:
-        return launch
-    return dataclasses.replace(launch, optimizer_bucket=1)
-
-
-def planned_launch(shape, launch, *, budget: int, host_budget: int | None):
-    """``launch`` with the knobs the planner chooses for a composed budget: OffloadStreamAdamW's bucket (when the
-    optimizer is offloaded and no bucket is given) at ``composed_bucket``'s value, up to the default bucket."""
-    if narrowest_bucket(launch) is launch:
         return launch
     beta = composed_bucket(shape, lambda b: dataclasses.replace(launch, optimizer_bucket=b), budget=budget,
                            host_budget=host_budget, hi=launch.resolved("optimizer_bucket"))
     return dataclasses.replace(launch, optimizer_bucket=beta)
+
+
+def composed_dispatch_cap(shape, launch, *, budget: int, host_budget: int | None, device: str = "cpu") -> int:
+    """PipelinedLLEP's chunk cap c for a composed launch, by the knob rule (``Knob.settle``): the widest c in [1, N]
+    whose budget fits with the optimizer's bucket at its narrowest, but never past the knee of the dispatch time
+    model (``cost_model.pipelined_llep_knee`` with ``device``'s constants; docs/knobs.md); 1 when none fits, so that
+    the check that follows names what binds at the narrowest chunk. Every rank of a MoP launch holds the same N and
+    so computes the same c (the op's agreement checks it at run time)."""
+    from boundpass.bound import composed, cost_model
+    from boundpass.core import symbols as sym
+    N = launch.tokens_per_rank
+    knee = cost_model.pipelined_llep_knee(lo=1, hi=N, N=N, H=shape.hidden, I=max(shape.expert_hidden, 1),
+                                          E=max(shape.experts, 1), E_p=launch.ep, k=max(shape.top_k, 1), b=launch.b,
+                                          costs=cost_model.costs_for(device))
+    knob = Knob("dispatch_cap", sym.c, lo=1, hi=N, arg="cap", ops=(), knee=knee)
+    narrow = narrowest_knobs(launch)
+    return knob.settle(largest_fitting(1, N, lambda c: composed.compose(
+        shape, dataclasses.replace(narrow, dispatch_cap=c), budget=budget, host_budget=host_budget,
+        fast=True).fits()))
 
 
 def composed_bucket(shape, launch_at, *, budget: int, host_budget: int | None, hi: int) -> int:

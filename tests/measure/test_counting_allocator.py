@@ -67,3 +67,26 @@ def test_peak_of_an_eager_step_equals_the_profiler_measure():
     """)
     counted, profiled = map(int, out.split())
     assert counted == profiled > 0
+
+
+def test_ranks_building_the_allocator_at_once_on_an_empty_cache_each_get_a_whole_library(tmp_path):
+    """Four processes (the ranks of a bench on a fresh machine) build at once: each into a temporary name of its own,
+    each renamed into place. A compiler stand-in (CXX) that takes a while makes their builds overlap."""
+    import os
+    compiler = tmp_path / "fake_cxx.py"
+    compiler.write_text(textwrap.dedent("""
+        import sys, time
+        time.sleep(4)
+        out = sys.argv[sys.argv.index("-o") + 1]
+        with open(out, "w") as f:
+            f.write("whole")
+    """))
+    env = {**os.environ, "BOUNDPASS_CACHE_DIR": str(tmp_path / "cache"), "CXX": f"{sys.executable} {compiler}"}
+    code = "from boundpass.measure.counting_allocator import _build; print(_build())"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(4)]
+    results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+    assert all(rc == 0 for _, _, rc in results), [err[-2000:] for _, err, rc in results if rc]
+    built = {out.strip() for out, _, _ in results}
+    assert len(built) == 1 and open(built.pop()).read() == "whole"
+    assert not list((tmp_path / "cache").glob("*.tmp"))  # no rank's temporary left behind

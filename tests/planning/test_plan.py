@@ -14,6 +14,7 @@ fused kernel. The measurement is of that schedule (said so in docs/plan.md), not
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -277,13 +278,14 @@ def test_solve_gives_a_context_that_fits_and_the_next_size_up_does_not():
     assert answer["value"] > 0 and answer["next"] > answer["value"]
     inp = result.inputs
     shape = result.shape
-    # OffloadStreamAdamW's bucket is a knob: the answer fits at the bucket the planner takes there, the next size
-    # up at no bucket, not even the narrowest
-    assert answer["optimizer_bucket"] >= 1
-    for context, fits, bucket in ((answer["value"], True, answer["optimizer_bucket"]), (answer["next"], False, 1)):
+    # OffloadStreamAdamW's bucket and PipelinedLLEP's chunk cap are knobs: the answer fits at the values the planner
+    # takes there, the next size up at none, not even the narrowest
+    assert answer["optimizer_bucket"] >= 1 and answer["dispatch_cap"] >= 1
+    for context, fits, bucket, cap in ((answer["value"], True, answer["optimizer_bucket"], answer["dispatch_cap"]),
+                                       (answer["next"], False, 1, 1)):
         n = context * inp.global_batch // inp.ranks
         table = composed.compose(shape, composed.Launch(ranks=2, ep=2, ring=2, tokens_per_rank=n, b=4,
-                                                        optimizer_bucket=bucket,
+                                                        optimizer_bucket=bucket, dispatch_cap=cap,
                                                         held_batch_per_token=composed.trainer_held_batch(2)),
                                  budget=inp.budget, host_budget=inp.host_budget)
         assert table.fits() is fits, (context, table.total, inp.budget)
@@ -310,6 +312,40 @@ def test_the_planner_fits_the_composed_bucket_widest_first_and_the_next_one_up_d
     assert beta == wide // 2 and total(beta + 1) > budget
     # nothing fits: the narrowest bucket, for the check that follows to name what binds
     assert planner.composed_bucket(shape, launch, budget=total(1) - 1, host_budget=host, hi=wide) == 1
+
+
+def test_the_planner_takes_the_dispatch_knee_when_the_budget_allows_it_else_the_widest_cap_that_fits(monkeypatch):
+    """composed_dispatch_cap (the recipe's MoP c, plan's table) is the knob rule on the composed budget: the knee of
+    the dispatch time model when the budget allows it, else the widest c that fits, the next one up not fitting."""
+    from boundpass.bound import cost_model
+    from boundpass.planning import planner
+    result = plan("deepseek_v3", "debugmodel", ranks=4, ep=2, context=4096, budget="2GiB", host_budget="4GiB",
+                  dtype="fp32", do_trace=False)
+    shape, host, n = result.shape, 4 << 30, 1024
+    launch = composed.Launch(ranks=4, ep=2, ring=4, tokens_per_rank=n, b=4,
+                             operators=frozenset({"pipelined_llep", "ring_dtp"}))
+
+    def total(c):
+        return composed.compose(shape, dataclasses.replace(launch, dispatch_cap=c), budget=1 << 40,
+                                host_budget=host).total
+
+    knee = cost_model.pipelined_llep_knee(lo=1, hi=n, N=n, H=shape.hidden, I=shape.expert_hidden, E=shape.experts,
+                                          E_p=2, k=shape.top_k, b=4, costs=cost_model.costs_for("cpu"))
+    assert 1 < knee < n and total(knee) < total(n)
+    roomy = planner.planned_launch(shape, launch, budget=total(n), host_budget=host)
+    assert roomy.dispatch_cap == knee  # never past the knee because the budget allows it
+    # the budget's branch: with the knee at N (a time model that wants one chunk), the widest c that fits; here the
+    # dispatch term binds from c = 513 on (below that the attention backward does)
+    monkeypatch.setattr(cost_model, "pipelined_llep_knee", lambda **kw: n)
+    tight = (total(512) + total(n)) // 2
+    c = planner.composed_dispatch_cap(shape, launch, budget=tight, host_budget=host)
+    assert 512 <= c < n and total(c) <= tight < total(c + 1)
+    # nothing fits: c = 1, for the check that follows to name what binds there
+    assert planner.composed_dispatch_cap(shape, launch, budget=total(1) - 1, host_budget=host) == 1
+    # plan --solve reads the knobs at their narrowest; a user's cap is kept
+    assert planner.narrowest_knobs(launch).dispatch_cap == 1
+    fixed = dataclasses.replace(launch, dispatch_cap=64)
+    assert planner.planned_launch(shape, fixed, budget=total(n), host_budget=host).dispatch_cap == 64
 
 
 def test_operators_only_lower_the_bound_and_the_binding_term_names_a_knob():
