@@ -308,8 +308,9 @@ def seq_to_head_bound(*, count_io: bool = True, part: str = "peak", caller_keeps
     its q/k/v only through this op and passes the output gradient on (torchtitan's attention modules: RoPE, cat
     and split outputs, autograd's incoming gradient; measured), so once the forward returns the padded copy
     replaces the original, and at W > 1 the caller's q/k/v are gone by backward (the exchange copied them; they
-    count in the forward only). Measured on deepseek_v3's MLA (qk 192, v 128), equal head dims and GQA
-    (tests/runtime/test_seq_to_head.py); the composed budget (boundpass/bound/composed.py) uses False.
+    count in the forward only), and so are its output (once the output projection's backward has run) and output
+    gradient (once the exchange has sent it) when the kernel's backward runs (where A_kv = A_q). Measured on
+    deepseek_v3's MLA (qk 192, v 128), equal head dims and GQA (tests/runtime/test_seq_to_head.py); the composed budget (boundpass/bound/composed.py) uses False.
 
     ``part="saved"``: what one attention keeps from its forward until its backward (the kernel's q/k/v and
     output, log-sum-exp; the caller's output): what is live beside the rest of the block (its FFN) while that
@@ -337,11 +338,21 @@ def seq_to_head_bound(*, count_io: bool = True, part: str = "peak", caller_keeps
     kernel_grads = q + 2 * kv              # dq, dk, dv on the gathered layout (W = 1: the input gradients)
     # the caller's q/k/v in backward: kept by the caller, or (W = 1) the kernel's own (inputs or padded copies)
     inputs_bwd = inputs if caller_keeps_inputs else (1 - x) * inputs
+    # the caller's output and output gradient in backward. W = 1: the output is the one the kernel saved. W > 1: both
+    # are tensors of their own (the exchange's result, autograd's incoming gradient); a caller that drops them frees
+    # the output once its output projection's backward has run and the gradient once the exchange has sent it,
+    # both before the kernel's backward (measured: tests/runtime/test_seq_to_head.py, the dropping caller). Only
+    # where every query head has its own k/v head (A_kv = A_q): under GQA the kernel's backward holds more than the
+    # tensors named here (measured up to 1.13 q over them, W = 4, A_q = 4, A_kv = 1: SDPA's grouped k/v on the CPU),
+    # which these two (2 q) cover
+    mha = 1 - sympy.Min(1, A_q - A_kv)     # 1: A_kv = A_q; 0: GQA (check_head_counts: A_kv <= A_q)
+    output_bwd = output if caller_keeps_inputs else (1 - x * mha) * output
+    grad_output_bwd = grad_output if caller_keeps_inputs else (1 - mha) * grad_output
     # forward: saved tensors + the output's exchange (its result is the output); W = 1: the padded copy + output
     forward = inputs + x * (gathered + exchange) + (1 - x) * (kv + output) + lse
     # backward in the kernel: + the gathered output gradient and the kernel's grads (W = 1: the kernel's q/k/v
     # are the inputs or their padded copies, its output the caller's, one output gradient)
-    backward_kernel = inputs_bwd + output + x * (grad_output + gathered) + lse + q + kernel_grads + copies
+    backward_kernel = inputs_bwd + output_bwd + x * (grad_output_bwd + gathered) + lse + q + kernel_grads + copies
     # backward exchanges after the kernel freed what it saved: kernel grads not yet sent back, the input grads
     # being written (together at most the kernel grads + the replicated dk/dv before it is summed), one exchange
     backward_exchange = inputs_bwd + output + grad_output + kernel_grads + kv + exchange
