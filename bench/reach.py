@@ -227,6 +227,9 @@ def certified_total(model: str, seq: int, budget: str, host_budget: str, vocab: 
                          vocab_block=bp.vocab.block)
     if options.ring_dtp and isinstance(config.loss, ChunkedLossWrapper.Config):
         config.loss = config.loss.loss_fn  # as the trainer does under the layout (its Ring-DTP head)
+    # as torchtitan's trainer does before building: the job's settings into the model config (the RoPE tables sized to
+    # --training.seq_len, not the flavor's max_seq_len: 18 MiB of buffers fewer at 4,096 tokens here)
+    config.model_spec.model.update_from_config(config=config)
     with torch.device("meta"):
         meta = config.model_spec.model.build()
     dims = types.SimpleNamespace(world_size=WORLD, ep=config.parallelism.expert_parallel_degree)
@@ -266,15 +269,12 @@ def certified_longest(model: str, budget: str, host_budget: str, vocab: int, gra
     return out
 
 
-def plan_longest(model: str, budget: str, host_budget: str, vocab: int) -> dict:
-    """`boundpass.plan --solve` on the same model (the registry's flavor at this vocabulary), W = 4, E_p = 2, one
-    sequence per step, the operators the MoP run uses."""
+def _source_at_vocab(vocab: int):
+    """The registry's model source with the bench's vocabulary (set_vocab, as the runs do)."""
     from boundpass.core.model_source import default_source
-    from boundpass.planning.full_scale import plan
-
     source = default_source()
 
-    class _AtVocab:  # the registry's model at the bench's vocabulary (set_vocab, as the runs do)
+    class _AtVocab:
         name = getattr(source, "name", "torchtitan")
 
         def __getattr__(self, attr):
@@ -284,13 +284,35 @@ def plan_longest(model: str, budget: str, host_budget: str, vocab: int) -> dict:
             cfg = source.config(m, f, seq_len=seq_len)
             cfg.vocab_size, cfg.tok_embeddings.num_embeddings, cfg.lm_head.out_features = vocab, vocab, vocab
             return cfg
+    return _AtVocab()
 
+
+def plan_longest(model: str, budget: str, host_budget: str, vocab: int) -> dict:
+    """`boundpass.plan --solve` on the same model (the registry's flavor at this vocabulary), W = 4, E_p = 2, one
+    sequence per step, the operators the MoP run uses."""
+    from boundpass.planning.full_scale import plan
     _, _, family, flavor = CONFIGS[model]
     start = time.perf_counter()
     result = plan(family, flavor, ranks=WORLD, ep=MOP_EP, context=1024, global_batch=1, budget=budget,
                   host_budget=host_budget, dtype="fp32", operators=("ring_dtp", "pipelined_llep", "offload_adamw"),
-                  solve=True, source=_AtVocab())
+                  solve=True, source=_source_at_vocab(vocab))
     return dict(seq=result.solve["value"], seconds=time.perf_counter() - start)
+
+
+def plan_baseline_longest(model: str, budgets: list[str], vocab: int) -> dict:
+    """plan's baseline against FSDP2-best: `plan --solve` with no operator (ZeRO-3 + EP, full logits, AdamW on the
+    device), W = 4 ranks, 4 sequences per step (N = L per rank, as FSDP2's ranks each train a whole sequence), for
+    each E_p of the FSDP2 sweep; {budget: {E_p: longest L}}. plan composes its own layout (the sequence split over
+    the ranks, attention through the sequence-to-head exchange) and a full-logits head, not FSDP2's data-parallel
+    ranks with torchtitan's chunked loss: the comparison says how far that model is from the measured baseline."""
+    from boundpass.planning.full_scale import plan
+    _, _, family, flavor = CONFIGS[model]
+    out = {}
+    for budget in budgets:
+        out[budget] = {ep: plan(family, flavor, ranks=WORLD, ep=ep, context=1024, global_batch=WORLD, budget=budget,
+                                host_budget="16GiB", dtype="fp32", operators=(), solve=True,
+                                source=_source_at_vocab(vocab)).solve["value"] for ep in (1, 2, 4)}
+    return out
 
 
 # --------------------------------------------------------------------------------------------- sweep
@@ -330,9 +352,15 @@ def longest_fit(runs: list, budget_bytes: int) -> int:
     return best
 
 
+def first_miss(runs: list, budget_bytes: int) -> int | None:
+    """The shortest measured length that does not fit (after ``longest_fit``'s), None when every one fits."""
+    return next((r["seq"] for r in sorted(runs, key=lambda r: r["seq"]) if not fits_budget(r, budget_bytes)), None)
+
+
 def run(model: str, budgets: list[str], *, start: int, max_seq: int, fsdp_ep: list[int], chunk_tokens: int,
         host_budget: str, vocab: int, timed_steps: int, bisect: int, granule: int, bp_max_measured: int,
-        try_cp: bool, selective: bool, assets: str, reuse: list[dict] = (), log=print) -> dict:
+        try_cp: bool, selective: bool, assets: str, reuse: list[dict] = (), time_only_there: bool = False,
+        log=print) -> dict:
     """``reuse``: runs of an earlier sweep (REACH_RUNS_FILE lines) taken instead of running them again: the FSDP2
     ladders of the settings it has, its SelectiveAC / CP runs, and its boundpass runs of a budget."""
     common = dict(assets=assets, vocab=vocab, timed_steps=timed_steps, chunk_tokens=chunk_tokens,
@@ -381,7 +409,11 @@ def run(model: str, budgets: list[str], *, start: int, max_seq: int, fsdp_ep: li
             lengths.append(fsdp_best)  # step time at FSDP2-best's longest length
         runs = [r for r in reuse if r["side"] == "mop" and r.get("budget") == budget]
         if not runs:
-            runs = [run_point("mop", model, L, ep=MOP_EP, ac="full", budget=budget, **common, log=log)
+            # the step-time table reads boundpass's step at FSDP2-best's longest L only (time_only_there: the other
+            # lengths run their measured step and no timed ones)
+            runs = [run_point("mop", model, L, ep=MOP_EP, ac="full", budget=budget,
+                              **{**common, "timed_steps": 0 if time_only_there and L != fsdp_best else timed_steps},
+                              log=log)
                     for L in sorted(lengths)]
         data["boundpass"][budget] = dict(certified=cert, runs=runs)
     return data
@@ -456,6 +488,28 @@ def render(data: dict) -> str:
     lines += ["", "Each FSDP2 setting's longest measured L: " + "; ".join(
         f"{fmt_bytes(parse_bytes(r['budget']))}: " + ", ".join(f"{n} {L:,}" for n, L in r["fsdp_each"].items())
         for r in rows), ""]
+    if data.get("plan_baseline"):
+        lines += ["## plan's baseline against FSDP2-best (predicted vs measured)", "",
+                  "`plan --solve` with no operator (ZeRO-3 + EP, full logits, AdamW on the device), W = 4 ranks, 4 "
+                  "sequences per step (N = L per rank), per E_p; beside FSDP2's measured longest L of the same E_p. "
+                  "plan composes its own layout (the sequence split over the ranks through the sequence-to-head "
+                  "exchange) and a full-logits head, where FSDP2's ranks each train a whole sequence with "
+                  "torchtitan's chunked loss: plan has no model of that baseline, so this says how far its own "
+                  "baseline is from it (never above it is what a plan must hold).", ""]
+        table = []
+        for r in rows:
+            base = data["plan_baseline"][r["budget"]]
+            for name, measured in r["fsdp_each"].items():
+                ep = data["fsdp"][name]["setting"]["ep"]
+                predicted = base.get(str(ep), base.get(ep))
+                miss = first_miss(data["fsdp"][name]["runs"], parse_bytes(r["budget"]))
+                table.append([fmt_bytes(parse_bytes(r["budget"])), name, f"{measured:,}",
+                              f"{miss:,}" if miss else "-", f"{predicted:,}",
+                              f"{predicted / measured:.2f}" if measured else "-",
+                              "yes" if miss is None or predicted < miss else "NO"])
+        lines += [markdown_table(["budget/rank", "FSDP2 setting", "measured longest L that fits",
+                                  "first measured L that does not", "plan's baseline --solve",
+                                  "predicted / measured longest", "below the first miss"], table), ""]
     lines += ["## Step time at FSDP2-best's longest length", ""]
     table = [[fmt_bytes(parse_bytes(r["budget"])), f"{r['fsdp_best']:,}" if r["fsdp_best"] else "-",
               fmt_seconds(r["step_fsdp"]) if r["step_fsdp"] else "-", fmt_seconds(r["step_bp"]) if r["step_bp"] else "-",
@@ -592,17 +646,26 @@ def main(argv=None) -> int:
     p.add_argument("--granule", type=int, default=256)
     p.add_argument("--bp-max-measured", type=int, default=8192)
     p.add_argument("--try-cp", action="store_true")
+    p.add_argument("--time-only-at-fsdp-best", action="store_true",
+                   help="boundpass: timed steps only at FSDP2-best's longest L (what the step-time table reads)")
     p.add_argument("--selective", action="store_true")
     p.add_argument("--notes", help="a markdown file whose lines are appended under Notes")
     p.add_argument("--out", default="reach", help="docs/results/<out>.json and .md")
     p.add_argument("--reuse", help="a REACH_RUNS_FILE of an earlier sweep: its runs are not run again")
     p.add_argument("--rerender", action="store_true", help="render docs/results/<out>.json again, run nothing")
+    p.add_argument("--replan", action="store_true",
+                   help="with --rerender: plan's predictions (seconds) again with the current code")
     args = p.parse_args(argv)
     if args.rerender:
         from bench.common import write_results
         data = json.loads((Path(__file__).resolve().parents[1] / "docs" / "results" / f"{args.out}.json").read_text())
         if args.notes:
             data["notes"] = Path(args.notes).read_text().splitlines()
+        if args.replan:
+            for budget in data["budgets"]:
+                data["plan"][budget] = plan_longest(data["model"], budget, args.host_budget, data["vocab"])
+        if args.replan or "plan_baseline" not in data:
+            data["plan_baseline"] = plan_baseline_longest(data["model"], data["budgets"], data["vocab"])
         write_results(args.out, data, render(data))
         print(render(data))
         return 0
@@ -613,8 +676,9 @@ def main(argv=None) -> int:
                fsdp_ep=[int(e) for e in args.fsdp_ep.split(",")], chunk_tokens=args.chunk_tokens,
                host_budget=args.host_budget, vocab=args.vocab, timed_steps=args.timed_steps, bisect=args.bisect,
                granule=args.granule, bp_max_measured=args.bp_max_measured, try_cp=args.try_cp,
-               selective=args.selective, assets=assets,
+               selective=args.selective, assets=assets, time_only_there=args.time_only_at_fsdp_best,
                reuse=[json.loads(ln) for ln in Path(args.reuse).read_text().splitlines()] if args.reuse else ())
+    data["plan_baseline"] = plan_baseline_longest(args.model, args.budgets.split(","), args.vocab)
     data.update(meta=run_metadata(),
                 command="python bench/reach.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     if args.notes:

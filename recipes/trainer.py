@@ -690,7 +690,9 @@ def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
             # Ring-DTP's runtime strip is the whole local vocab shard unless a width is given
             vocab_block=(options.vocab_block or shape.vocab // world) if options.ring_dtp else None,
             optimizer_bucket=bp.optimizer.bucket, optimizer_slots=bp.optimizer.slots,
-            held_batch_per_token=composed.trainer_held_batch(world))
+            held_batch_per_token=composed.trainer_held_batch(world),
+            # torchtitan built the RoPE tables at --training.seq_len (update_from_config): N·W / B positions
+            sequences_per_step=training.local_batch_size)
 
     def checked(offload: bool):
         at = planner.planned_launch(shape, launch(offload), budget=budget, host_budget=host_budget,

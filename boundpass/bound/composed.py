@@ -98,6 +98,11 @@ class ModelShape:
     traced: tuple = ()
     traced_b: int = 0  # bytes per element of the weights / activations the blocks were traced at
     buffer_bytes: int = 0  # the model's buffers as built (RoPE tables, router statistics): persistent, not sharded
+    # the part of buffer_bytes that holds one row per sequence position (torchtitan: each block's RoPE table), and how
+    # many positions the model was built with (its max_seq_len): torchtitan's trainer rebuilds the tables at the
+    # training sequence length (Launch.sequences_per_step)
+    rope_bytes_per_position: int = 0
+    rope_positions: int = 0
     # bytes per token of what the model computes once per step and hands every block beside its hidden state (HF's
     # rotary cos / sin and position ids; torchtitan's RoPE table is a buffer): live through forward and backward
     shared_block_input_bytes: int = 0
@@ -137,6 +142,10 @@ class Launch:
     # included (the caller's, not the model's: torchtitan's trainer under the MoP layout, ``trainer_held_batch``);
     # 0: not counted
     held_batch_per_token: int = 0
+    # sequences a step's W·N tokens are cut into, when the caller sizes the model's per-position buffers to one
+    # sequence (torchtitan's trainer: RoPE tables at --training.seq_len = N·W / G positions, update_from_config);
+    # None: the buffers as the model was built (ModelShape.buffer_bytes)
+    sequences_per_step: int | None = None
 
     def resolved(self, knob: str) -> int:
         """A Config knob's value at this launch: the one given, else what boundpass/core/config.py says a knob left to
@@ -172,7 +181,7 @@ def check_launch(shape: ModelShape, launch: Launch) -> None:
     if launch.routing not in ("worst", "balanced"):
         raise BoundpassInputError(f"routing must be 'worst' or 'balanced', got {launch.routing!r}")
     for name in ("dispatch_cap", "vocab_block", "optimizer_bucket", "optimizer_slots", "dispatch_borrowed_slots",
-                 "sco_max_layers", "grad_accumulation"):
+                 "sco_max_layers", "grad_accumulation", "sequences_per_step"):
         value = getattr(launch, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < (
                 0 if name in ("dispatch_borrowed_slots", "sco_max_layers") else 1)):
@@ -365,7 +374,9 @@ def _terms(shape: ModelShape, launch: Launch) -> tuple:
             drop = _TRACED_KINDS | ({"head", "grad_head"} if head else set())
             terms = tuple(t for t in terms if t[2] not in drop) + _traced_terms(blocks) + head
     if shape.buffer_bytes:
-        terms += _buffer_term(shape.buffer_bytes)
+        positioned = shape.rope_bytes_per_position if launch.sequences_per_step else 0
+        terms += _buffer_term(shape.buffer_bytes - positioned * shape.rope_positions, positioned,
+                              launch.ranks, launch.sequences_per_step or 1)
     if shape.shared_block_input_bytes:
         terms += _shared_inputs_term(shape.shared_block_input_bytes)
     if shape.param_tensors and "offload_adamw" not in launch.operators:
@@ -416,11 +427,18 @@ def _shared_inputs_term(per_token: int) -> tuple:
              value, "transient", "a shorter context", _lambdify(value)),)
 
 
-def _buffer_term(nbytes: int) -> tuple:
-    value = sympy.Integer(nbytes)
-    return (("buffers as the model builds them (RoPE tables at max_seq_len, router statistics; not sharded)",
-             value, "persistent", "a shorter max_seq_len (torchtitan keeps a RoPE table per block)",
-             _lambdify(value)),)
+@functools.lru_cache(maxsize=None)
+def _buffer_term(fixed: int, per_position: int, ranks: int, sequences: int) -> tuple:
+    """The model's buffers: ``fixed`` bytes, plus ``per_position`` bytes for each position of one sequence of the
+    step (N·W / G) when the caller sizes the RoPE tables to the sequence (torchtitan's trainer)."""
+    if not per_position:
+        value = sympy.Integer(fixed)
+        return (("buffers as the model builds them (RoPE tables at max_seq_len, router statistics; not sharded)",
+                 value, "persistent", "a shorter max_seq_len (torchtitan keeps a RoPE table per block)",
+                 _lambdify(value)),)
+    value = fixed + per_position * sympy.ceiling(sym.N * ranks / sequences)
+    return (("buffers: RoPE tables at the sequence length (N·W/G positions, as torchtitan's trainer sizes them), "
+             "router statistics; not sharded", value, "persistent", "a shorter context", _lambdify(value)),)
 
 
 # the hand-written terms of a block's activations the trace replaces (docs/plan.md: which terms are traced)

@@ -122,7 +122,9 @@ def launch_of(inp: PlanInput, tokens_per_rank: int | None = None) -> Launch:
                   dispatch_borrowed_slots=inp.dispatch_borrowed_slots, vocab_block=inp.vocab_block,
                   optimizer_bucket=inp.optimizer_bucket,
                   optimizer_slots=inp.optimizer_slots, sco_max_layers=inp.sco_max_layers, routing=inp.routing,
-                  held_batch_per_token=composed.trainer_held_batch(inp.ranks))
+                  held_batch_per_token=composed.trainer_held_batch(inp.ranks),
+                  # a context given: torchtitan's trainer sizes the RoPE tables to it (N·W / G positions)
+                  sequences_per_step=inp.global_batch if inp.context is not None else None)
 
 
 # ------------------------------------------------------------------------------------------- the model
@@ -229,6 +231,7 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
         if traces != "wide":
             traced += block_trace.trace_torchtitan_head(net, progress=progress, loss_fn=loss_fn)
     a = heads_config
+    rope_positions = getattr(getattr(a, "rope", None), "max_seq_len", 0) or 0
     heads = a.n_heads
     kv_heads = getattr(a, "n_kv_heads", None) or heads
     head_dim = getattr(a, "head_dim", None) or max(a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim)
@@ -241,6 +244,8 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
                       leading_dense_params=leading_dense, min_dense_block_params=min(dense_sizes, default=0),
                       min_moe_block_params=min(moe_sizes, default=0), traced=traced,
                       traced_b=weight_bytes if traced else 0, buffer_bytes=_buffer_bytes(net),
+                      rope_bytes_per_position=_rope_bytes_per_position(net, rope_positions),
+                      rope_positions=rope_positions,
                       shared_block_input_bytes=getattr(net, "shared_block_input_bytes", 0),
                       param_tensors=len(list(net.parameters())))
 
@@ -256,6 +261,23 @@ def _buffer_bytes(net: torch.nn.Module) -> int:
             seen.add(key)
             total += b.numel() * b.element_size() if b.device.type == "meta" else b.untyped_storage().nbytes()
     return total
+
+
+def _rope_bytes_per_position(net: torch.nn.Module, positions: int) -> int:
+    """Bytes per sequence position of the model's RoPE tables (torchtitan: a ``rope.cache`` buffer per block, one row
+    per position up to max_seq_len), each storage once; 0 without such tables."""
+    if not positions:
+        return 0
+    seen, total = set(), 0
+    for name, b in net.named_buffers():
+        b = b._local_tensor if hasattr(b, "_local_tensor") else b
+        if "rope" not in name or b.dim() == 0 or b.shape[0] != positions:
+            continue
+        key = id(b) if b.device.type == "meta" else b.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += b.numel() * b.element_size()
+    return total // positions
 
 
 def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2, progress=None,

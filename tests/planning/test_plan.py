@@ -286,6 +286,7 @@ def test_solve_gives_a_context_that_fits_and_the_next_size_up_does_not():
         n = context * inp.global_batch // inp.ranks
         table = composed.compose(shape, composed.Launch(ranks=2, ep=2, ring=2, tokens_per_rank=n, b=4,
                                                         optimizer_bucket=bucket, dispatch_cap=cap,
+                                                        sequences_per_step=inp.global_batch,
                                                         held_batch_per_token=composed.trainer_held_batch(2)),
                                  budget=inp.budget, host_budget=inp.host_budget)
         assert table.fits() is fits, (context, table.total, inp.budget)
@@ -346,6 +347,31 @@ def test_the_planner_takes_the_dispatch_knee_when_the_budget_allows_it_else_the_
     assert planner.narrowest_knobs(launch).dispatch_cap == 1
     fixed = dataclasses.replace(launch, dispatch_cap=64)
     assert planner.planned_launch(shape, fixed, budget=total(n), host_budget=host).dispatch_cap == 64
+
+
+def test_the_buffer_term_at_a_context_is_what_torchtitans_trainer_builds_at_that_sequence_length():
+    """torchtitan's trainer rebuilds each block's RoPE table at --training.seq_len (update_from_config); a plan with a
+    context counts the buffers at that length (N·W/G positions), not at the flavor's max_seq_len."""
+    from torchtitan.trainer import Trainer
+
+    from boundpass.planning.full_scale import _buffer_bytes, launch_of, model_config
+    result = plan("deepseek_v3", "debugmodel", ranks=4, ep=2, context=4096, global_batch=2, budget="2GiB",
+                  host_budget="4GiB", dtype="fp32", do_trace=False)
+    shape, launch = result.shape, launch_of(result.inputs)
+    assert shape.rope_positions == 16_384 and shape.rope_bytes_per_position == 6 * 32 * 8  # 6 blocks' complex64 [L, 32]
+    assert launch.sequences_per_step == 2 and launch.tokens_per_rank == 4096 * 2 // 4
+    cfg = model_config("deepseek_v3", "debugmodel")
+    job = Trainer.Config()
+    job.training.seq_len = 4096
+    cfg.update_from_config(config=job)  # what the trainer does before it builds the model
+    with torch.device("meta"):
+        built = _buffer_bytes(cfg.build())
+    term = next(t for t in result.table.terms if t.name.startswith("buffers"))
+    assert term.value == built < shape.buffer_bytes
+    # without a context (N given) nothing says the sequence length: the buffers as the flavor builds them
+    as_built = plan("deepseek_v3", "debugmodel", ranks=4, ep=2, tokens_per_rank=2048, budget="2GiB",
+                    host_budget="4GiB", dtype="fp32", do_trace=False)
+    assert next(t for t in as_built.table.terms if t.name.startswith("buffers")).value == shape.buffer_bytes
 
 
 def test_operators_only_lower_the_bound_and_the_binding_term_names_a_knob():
@@ -416,7 +442,7 @@ def test_search_picks_knobs_that_fit_and_reports_none_when_nothing_can():
     assert best is not None and result.search["candidates"] > 1
     knobs = best["knobs"]
     launch = composed.Launch(tokens_per_rank=4096, b=4, ranks=2, held_batch_per_token=composed.trainer_held_batch(2),
-                             **knobs)
+                             sequences_per_step=1, **knobs)
     table = composed.compose(result.shape, launch, budget=result.inputs.budget, host_budget=result.inputs.host_budget)
     assert table.fits() and table.total == best["peak_bytes"]
     assert best["step_seconds"] == pytest.approx(sum(v for k, v in best["parts"].items() if k != "total"))

@@ -161,6 +161,9 @@ def _train_measuring_last_step(trainer):
         facts.update(dispatch=list(model._mop.dispatch), graphs=backend.graphs,
                      rewritten={r.module_path for r in backend.regions if r.rewritten},
                      skipped=[r.reason for r in backend.regions if not r.rewritten],
+                     caps={r.cap for r in backend.regions if r.rewritten}, option_cap=model._mop.options.cap,
+                     tokens=trainer.config.training.seq_len * trainer.config.training.local_batch_size
+                     // trainer.parallel_dims.world_size,
                      head_regions=[(r.rewritten, r.vocab) for r in model._mop.head_backend.regions])
     finally:
         trainer.close()
@@ -248,3 +251,6 @@ def test_measured_step_within_the_checked_budget(runs):
         assert all(0 < p <= f["bound"] for p in f["allocator_peaks"]), f
         # and tight, on the steady steps (the first has no optimizer state yet): measured 1.04-1.06x here
         assert f["bound"] <= 1.10 * max(f["allocator_peaks"][1:]), f
+        # PipelinedLLEP runs the chunk cap the budget was certified at: the planner's (planner.planned_launch), at
+        # most the N tokens a rank holds, written into every rewritten op (was config's 4,096 under the layout)
+        assert f["caps"] == {f["option_cap"]} and 1 <= f["option_cap"] <= f["tokens"], f
