@@ -312,13 +312,16 @@ def seq_to_head_bound(*, count_io: bool = True, part: str = "peak", caller_keeps
     gradient (once the exchange has sent it) when the kernel's backward runs (where A_kv = A_q). Measured on
     deepseek_v3's MLA (qk 192, v 128), equal head dims and GQA (tests/runtime/test_seq_to_head.py); the composed budget (boundpass/bound/composed.py) uses False.
 
+    ``part="backward"``: the backward's moments alone (the kernel's backward, then the exchanges that send its
+    gradients back), for a budget that sets them beside a one-rank trace's attention backward.
+
     ``part="saved"``: what one attention keeps from its forward until its backward (the kernel's q/k/v and
     output, log-sum-exp; the caller's output): what is live beside the rest of the block (its FFN) while that
     runs forward and backward under activation recomputation (boundpass/bound/composed.py composes the two parts).
     Under the same assumption the caller's q/k/v are not held then at W > 1 (the exchange copied them).
     """
-    if part not in ("peak", "saved"):
-        raise BoundpassInputError(f"seq_to_head_bound: part must be 'peak' or 'saved', got {part!r}")
+    if part not in ("peak", "saved", "backward"):
+        raise BoundpassInputError(f"seq_to_head_bound: part must be 'peak', 'saved' or 'backward', got {part!r}")
     N, W, A_q, A_kv, D_h, b, b_acc = sym.N, sym.W, sym.A_q, sym.A_kv, sym.D_h, sym.b, sym.b_acc
     x = sympy.Min(1, W - 1)                # 1: the W ranks exchange; 0: one rank, no exchange
     q = N * A_q * D_h * b                  # this rank's query / output / their gradients, either layout
@@ -356,5 +359,7 @@ def seq_to_head_bound(*, count_io: bool = True, part: str = "peak", caller_keeps
     # backward exchanges after the kernel freed what it saved: kernel grads not yet sent back, the input grads
     # being written (together at most the kernel grads + the replicated dk/dv before it is summed), one exchange
     backward_exchange = inputs_bwd + output + grad_output + kernel_grads + kv + exchange
+    if part == "backward":  # the backward alone: the kernel's and the exchanges after it
+        return sym.max_kept(backward_kernel, x * backward_exchange)
     # none of the three dominates another: built unevaluated (sym.max_kept; ~0.15 s of evaluation otherwise)
     return sym.max_kept(forward, backward_kernel, x * backward_exchange)

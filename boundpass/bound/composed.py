@@ -277,7 +277,8 @@ def _phase_alternatives(s, kinds: set) -> dict:
                 *(alt(*base, "gather_prefetch", *f) for f in forward),
                 *(alt(*base, prefetch_bwd, *g, *f) for f in forward),
                 alt(*base, prefetch_bwd, *g, t("ffn_backward"), f"grads_ffn_{ffn}", ex_saved, disp),
-                alt(*base, prefetch_bwd, *g, t("attention_backward"), f"grads_attention_{ffn}", ex),
+                alt(*base, prefetch_bwd, *g, t("attention_backward"), f"grads_attention_{ffn}",
+                    "attention_exchange_backward" if "attention_exchange_backward" in kinds else ex),
                 alt(*base, prefetch_bwd, *g, t("tail_backward"), f"grads_tail_{ffn}"),
             ]
             continue
@@ -495,7 +496,15 @@ def _tail_in_trace(dense: bool, moe: bool) -> tuple:
 def exchange_terms() -> tuple:
     """What sequence-to-head attention holds on W > 1 ranks beyond its one-rank schedule (the traced one): its
     bound at W less its bound at W = 1 (exchange buffers, gathered copies, k/v replication), for its own peak
-    and for what it keeps while the FFN runs."""
+    and for what it keeps while the FFN runs; and for the attention's backward sub-phase, its backward's bound at W
+    less its backward's at W = 1 (``attention_exchange_backward``).
+
+    Why the backward's own difference holds there: the trace's attention-backward value is at least what one rank
+    holds at the kernel's backward, bwd(1) + the rest of the block; at W > 1 the kernel's backward holds bwd_kernel(W)
+    + the same rest, and the exchanges after it hold bwd_exchange(W) + no more than that rest (nothing else is made
+    between them, the kernel's saved tensors are freed); so W > 1 holds at most max(bwd(W) - bwd(1), 0) over the
+    trace in that sub-phase. Where the caller drops its output and output gradient (A_kv = A_q) that is 0: the
+    gathered copies take the place of the one-rank tensors one for one (measured: docs/plan.md)."""
     out = []
     for part, kind, what in (("peak", "attention_exchange", "fwd + bwd"),
                              ("saved", "attention_exchange_saved", "held while the FFN runs")):
@@ -508,6 +517,10 @@ def exchange_terms() -> tuple:
         extra = sym.max_kept(*parts)
         out.append((f"attention exchange beyond one rank (sequence-to-head at W > 1, {what}): bound(W) - bound(1)",
                     extra, kind, "a shorter context or more ranks W", _lambdify(extra)))
+    backward = attention_bound("backward")
+    extra = sym.max_kept(0, backward - backward.subs(sym.W, 1))
+    out.append(("attention exchange beyond one rank (sequence-to-head at W > 1, its backward): bwd(W) - bwd(1)",
+                extra, "attention_exchange_backward", "a shorter context or more ranks W", _lambdify(extra)))
     return tuple(out)
 
 
