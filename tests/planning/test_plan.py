@@ -374,6 +374,21 @@ def test_the_buffer_term_at_a_context_is_what_torchtitans_trainer_builds_at_that
     assert next(t for t in as_built.table.terms if t.name.startswith("buffers")).value == shape.buffer_bytes
 
 
+def test_the_exchange_adds_nothing_to_the_attention_backward_where_the_gathered_copies_replace_one_ranks():
+    """The composed budget's exchange terms (boundpass.bound.composed.exchange_terms) at W = 4: the attention-backward
+    sub-phase takes the backward's own difference, 0 for a dropping caller with A_kv = A_q (the gathered copies take
+    the place of the one-rank tensors), positive under GQA (the caller's output and gradient stay counted); the
+    forward's term is one q (deepseek_v3's MLA shape)."""
+    from boundpass.core import symbols as sym
+    terms = {kind: formula for _, formula, kind, _, _ in composed.exchange_terms()}
+    mha = dict(N=1024, W=4, A_q=16, A_kv=16, D_h=192, b=4, b_acc=4)
+    q = 1024 * 16 * 192 * 4
+    assert sym.evaluate(terms["attention_exchange_backward"], mha) == 0
+    assert sym.evaluate(terms["attention_exchange"], mha) == q
+    assert sym.evaluate(terms["attention_exchange_backward"], {**mha, "A_kv": 4}) > 0
+    assert sym.evaluate(terms["attention_exchange_backward"], {**mha, "W": 1}) == 0  # one rank: nothing exchanged
+
+
 def test_operators_only_lower_the_bound_and_the_binding_term_names_a_knob():
     kw = dict(ranks=8, ep=8, context=65_536, budget="139GiB", host_budget="256GiB", do_trace=False)
     base = plan("gpt_oss", "120b", operators=(), **kw)
