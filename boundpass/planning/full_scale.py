@@ -100,6 +100,8 @@ class PlanResult:
         elif self.solve:
             out.append(f"solve: largest {self.solve['what']} that fits: {self.solve['value']:,} "
                        f"({self.solve['tokens_per_rank']:,} tokens/rank); {self.solve['next']:,} does not fit"
+                       + (f"; PipelinedLLEP's chunk cap there: c = {self.solve['dispatch_cap']:,}"
+                          if self.solve.get("dispatch_cap") else "")
                        + (f"; OffloadStreamAdamW's bucket there: beta = {self.solve['optimizer_bucket']:,}"
                           if self.solve.get("optimizer_bucket") else ""))
         if self.search:
