@@ -252,17 +252,22 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
                       param_tensors=len(list(net.parameters())))
 
 
-def _buffer_bytes(net: torch.nn.Module) -> int:
-    """Bytes of the model's buffers as built (torchtitan: each block's RoPE table at its max_seq_len, the
-    router's statistics; FSDP2 does not shard buffers), each storage once."""
-    seen, total = set(), 0
-    for b in net.buffers():
+def _unique_buffers(net: torch.nn.Module):
+    """(name, tensor) of each buffer storage of the model once (a DTensor's local shard; on meta, each tensor)."""
+    seen = set()
+    for name, b in net.named_buffers():
         b = b._local_tensor if hasattr(b, "_local_tensor") else b
         key = id(b) if b.device.type == "meta" else b.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
-            total += b.numel() * b.element_size() if b.device.type == "meta" else b.untyped_storage().nbytes()
-    return total
+            yield name, b
+
+
+def _buffer_bytes(net: torch.nn.Module) -> int:
+    """Bytes of the model's buffers as built (torchtitan: each block's RoPE table at its max_seq_len, the
+    router's statistics; FSDP2 does not shard buffers), each storage once."""
+    return sum(b.numel() * b.element_size() if b.device.type == "meta" else b.untyped_storage().nbytes()
+               for _, b in _unique_buffers(net))
 
 
 def _rope_bytes_per_position(net: torch.nn.Module, positions: int) -> int:
@@ -270,16 +275,8 @@ def _rope_bytes_per_position(net: torch.nn.Module, positions: int) -> int:
     per position up to max_seq_len), each storage once; 0 without such tables."""
     if not positions:
         return 0
-    seen, total = set(), 0
-    for name, b in net.named_buffers():
-        b = b._local_tensor if hasattr(b, "_local_tensor") else b
-        if "rope" not in name or b.dim() == 0 or b.shape[0] != positions:
-            continue
-        key = id(b) if b.device.type == "meta" else b.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += b.numel() * b.element_size()
-    return total // positions
+    return sum(b.numel() * b.element_size() for name, b in _unique_buffers(net)
+               if "rope" in name and b.dim() > 0 and b.shape[0] == positions) // positions
 
 
 def trace(model: str, flavor: str, tokens: int, *, dtype_bytes: int = 2, progress=None,
