@@ -28,7 +28,10 @@ then --bisect midpoints per budget between the last fit and the first miss.
 boundpass: the certificate's longest L per budget (the trainer's own check, run here on the meta model, bisected in
 steps of --granule tokens) is "certified"; measured points check it both ways (measured <= certified, certified /
 measured) at every length up to --bp-max-measured, and at the certified longest L when that is not longer.
-plan: `boundpass.plan` on the same model and budgets (its --solve), beside both.
+plan: `boundpass.plan` on the same model and budgets (its --solve), beside both: boundpass's layout with its
+operators, and the FSDP2 baseline as plan models it (`--layout dp --operators none --loss-chunks 8`, worst-case and
+balanced routing), its predicted peak beside every measured FSDP2 point. --check-plan-baseline also measures FSDP2
+at plan's predicted FSDP2-best length and at 1.1x it (they join the FSDP2 runs: a finer measurement of FSDP2-best).
 
 Writes docs/results/reach.json and reach.md.
 
@@ -299,20 +302,77 @@ def plan_longest(model: str, budget: str, host_budget: str, vocab: int) -> dict:
     return dict(seq=result.solve["value"], seconds=time.perf_counter() - start)
 
 
-def plan_baseline_longest(model: str, budgets: list[str], vocab: int) -> dict:
-    """plan's baseline against FSDP2-best: `plan --solve` with no operator (ZeRO-3 + EP, full logits, AdamW on the
-    device), W = 4 ranks, 4 sequences per step (N = L per rank, as FSDP2's ranks each train a whole sequence), for
-    each E_p of the FSDP2 sweep; {budget: {E_p: longest L}}. plan composes its own layout (the sequence split over
-    the ranks, attention through the sequence-to-head exchange) and a full-logits head, not FSDP2's data-parallel
-    ranks with torchtitan's chunked loss: the comparison says how far that model is from the measured baseline."""
+def _baseline_plan(model: str, ep: int, budget: str, vocab: int, *, routing: str, context: int = 1024,
+                   loss_chunks: int = 8, solve: bool = True):
+    """`plan` of stock torchtitan as the FSDP2 runs train: no operator (ZeRO-3 + EP, standard EP, AdamW on the
+    device), FSDP2's data parallelism (``layout="dp"``: each of the W = 4 ranks a whole sequence, attention local),
+    torchtitan's chunked loss in ``loss_chunks`` chunks."""
     from boundpass.planning.full_scale import plan
     _, _, family, flavor = CONFIGS[model]
-    out = {}
-    for budget in budgets:
-        out[budget] = {ep: plan(family, flavor, ranks=WORLD, ep=ep, context=1024, global_batch=WORLD, budget=budget,
-                                host_budget="16GiB", dtype="fp32", operators=(), solve=True,
-                                source=_source_at_vocab(vocab)).solve["value"] for ep in (1, 2, 4)}
+    return plan(family, flavor, ranks=WORLD, ep=ep, context=context, global_batch=WORLD, budget=budget,
+                host_budget="16GiB", dtype="fp32", operators=(), solve=solve, source=_source_at_vocab(vocab),
+                routing=routing, layout="dp", loss_chunks=loss_chunks, do_trace=False)
+
+
+def _loss_chunks(seq: int, chunk_tokens: int) -> int:
+    return max(8, seq // chunk_tokens)  # what _args gives the FSDP2 runs (--loss.num_chunks)
+
+
+def _chunkable(seq: int, step: int, chunk_tokens: int) -> int:
+    """The nearest length from ``seq`` in direction ``step`` that torchtitan's ChunkedLossWrapper accepts (the
+    sequence divisible by its chunk count)."""
+    while seq % _loss_chunks(seq, chunk_tokens):
+        seq += step
+    return seq
+
+
+def plan_baseline_longest(model: str, budgets: list[str], vocab: int, routing: str = "worst") -> dict:
+    """plan's FSDP2 baseline against the measured one: {budget: {E_p: longest L}} of `plan --solve --layout dp
+    --operators none --loss-chunks 8` (W = 4, 4 sequences per step: N = L per rank) for each E_p of the sweep.
+    8 chunks is the fewest the runs use (``_loss_chunks``): the head's term is no smaller than at theirs.
+    routing "worst": standard EP's hot rank receives E_p·N·k rows (the bound: what plan guarantees); "balanced":
+    N·k (an estimate: the measured runs' router draws near-balanced routes)."""
+    return {budget: {ep: _baseline_plan(model, ep, budget, vocab, routing=routing).solve["value"]
+                     for ep in (1, 2, 4)} for budget in budgets}
+
+
+def plan_baseline_peaks(data: dict, chunk_tokens: int = 256) -> list[dict]:
+    """plan's FSDP2 baseline (worst and balanced routing) at every measured FSDP2 point: predicted per-rank peak
+    beside the measured one."""
+    out = []
+    for v in data["fsdp"].values():
+        ep = v["setting"]["ep"]
+        for r in sorted(v["runs"], key=lambda r: r["seq"]):
+            if not r.get("peak"):
+                continue
+            row = dict(ep=ep, seq=r["seq"], measured=r["peak"])
+            for routing in ("worst", "balanced"):
+                row[routing] = _baseline_plan(data["model"], ep, "1TiB", data["vocab"], routing=routing,
+                                              context=r["seq"], loss_chunks=_loss_chunks(r["seq"], chunk_tokens),
+                                              solve=False).table.total
+            out.append(row)
     return out
+
+
+def check_plan_baseline(model: str, data: dict, budgets: list[str], *, common: dict, log) -> None:
+    """FSDP2 measured at plan's predicted FSDP2-best longest L (worst routing) for each budget, and at 1.1x it, in
+    the E_p plan picks (appended to that setting's runs): plan never above means the first fits; within 10% means
+    the second does not (or a measured longer fit says how far below plan is)."""
+    for budget in budgets:
+        per_ep = data["plan_baseline"][budget]
+        ep = max(per_ep, key=lambda e: per_ep[e])
+        name = f"FSDP2, EP={ep}, FullAC"
+        if name not in data["fsdp"]:
+            continue
+        runs = data["fsdp"][name]["runs"]
+        # lengths torchtitan's chunked loss takes (divisible by its chunk count): at or above plan's length (it
+        # fitting says plan's does), at or below 1.1x it (it missing says 1.1x does)
+        for seq in (_chunkable(per_ep[ep], +1, common["chunk_tokens"]),
+                    _chunkable(per_ep[ep] * 11 // 10, -1, common["chunk_tokens"])):
+            if seq in {r["seq"] for r in runs}:
+                continue
+            log(f"plan's baseline check at {budget}: {name} L={seq}")
+            runs.append(run_point("fsdp2", model, seq, ep=ep, ac="full", **common, log=log))
 
 
 # --------------------------------------------------------------------------------------------- sweep
@@ -360,7 +420,7 @@ def first_miss(runs: list, budget_bytes: int) -> int | None:
 def run(model: str, budgets: list[str], *, start: int, max_seq: int, fsdp_ep: list[int], chunk_tokens: int,
         host_budget: str, vocab: int, timed_steps: int, bisect: int, granule: int, bp_max_measured: int,
         try_cp: bool, selective: bool, assets: str, reuse: list[dict] = (), time_only_there: bool = False,
-        log=print) -> dict:
+        check_plan: bool = False, log=print) -> dict:
     """``reuse``: runs of an earlier sweep (REACH_RUNS_FILE lines) taken instead of running them again: the FSDP2
     ladders of the settings it has, its SelectiveAC / CP runs, and its boundpass runs of a budget."""
     common = dict(assets=assets, vocab=vocab, timed_steps=timed_steps, chunk_tokens=chunk_tokens,
@@ -380,6 +440,9 @@ def run(model: str, budgets: list[str], *, start: int, max_seq: int, fsdp_ep: li
             bisect_between("fsdp2", model, runs, parse_bytes(budget), steps=bisect, granule=granule,
                            setting=setting, common=common, log=log)
         data["fsdp"][name] = dict(setting=setting, runs=runs)
+    if check_plan:
+        data["plan_baseline"] = plan_baseline_longest(model, budgets, vocab)
+        check_plan_baseline(model, data, budgets, common=common, log=log)
     best_ep = _best_setting(data, budgets)
     data["selective"] = next((r for r in reuse if r["side"] == "fsdp2" and r.get("ac") == "selective"), None)
     data["cp"] = next((r for r in reuse if r["side"] == "fsdp2" and r.get("cp")), None)
@@ -408,13 +471,14 @@ def run(model: str, budgets: list[str], *, start: int, max_seq: int, fsdp_ep: li
         if fsdp_best and fsdp_best not in lengths and fsdp_best <= cert["seq"]:
             lengths.append(fsdp_best)  # step time at FSDP2-best's longest length
         runs = [r for r in reuse if r["side"] == "mop" and r.get("budget") == budget]
-        if not runs:
-            # the step-time table reads boundpass's step at FSDP2-best's longest L only (time_only_there: the other
-            # lengths run their measured step and no timed ones)
-            runs = [run_point("mop", model, L, ep=MOP_EP, ac="full", budget=budget,
-                              **{**common, "timed_steps": 0 if time_only_there and L != fsdp_best else timed_steps},
-                              log=log)
-                    for L in sorted(lengths)]
+        # reused runs stand for their lengths; a length they lack (FSDP2-best's moved by new FSDP2 runs) runs here.
+        # The step-time table reads boundpass's step at FSDP2-best's longest L only (time_only_there: the other
+        # lengths run their measured step and no timed ones)
+        have = {r["seq"] for r in runs}
+        runs += [run_point("mop", model, L, ep=MOP_EP, ac="full", budget=budget,
+                           **{**common, "timed_steps": 0 if time_only_there and L != fsdp_best else timed_steps},
+                           log=log)
+                 for L in sorted(lengths) if L not in have and (not have or L == fsdp_best)]
         data["boundpass"][budget] = dict(certified=cert, runs=runs)
     return data
 
@@ -490,26 +554,52 @@ def render(data: dict) -> str:
         for r in rows), ""]
     if data.get("plan_baseline"):
         lines += ["## plan's baseline against FSDP2-best (predicted vs measured)", "",
-                  "`plan --solve` with no operator (ZeRO-3 + EP, full logits, AdamW on the device), W = 4 ranks, 4 "
-                  "sequences per step (N = L per rank), per E_p; beside FSDP2's measured longest L of the same E_p. "
-                  "plan composes its own layout (the sequence split over the ranks through the sequence-to-head "
-                  "exchange) and a full-logits head, where FSDP2's ranks each train a whole sequence with "
-                  "torchtitan's chunked loss: plan has no model of that baseline, so this says how far its own "
-                  "baseline is from it (never above it is what a plan must hold).", ""]
+                  "`plan --solve --layout dp --operators none --loss-chunks 8`: stock torchtitan as the FSDP2 runs "
+                  "train (ZeRO-3 + EP with torchtitan's all-to-all, AdamW on the device, FullAC), FSDP2's data "
+                  "parallelism (each of the W = 4 ranks a whole sequence, attention local: N = L per rank), "
+                  "torchtitan's chunked loss (8 chunks, the fewest the runs use), per E_p; beside FSDP2's measured "
+                  "longest L of the same E_p. Worst-case routing (a hot rank receives E_p·N·k rows) is the bound "
+                  "plan stands by; balanced routing (N·k) is the estimate beside it.", ""]
+        balanced = data.get("plan_baseline_balanced") or {}
         table = []
         for r in rows:
             base = data["plan_baseline"][r["budget"]]
             for name, measured in r["fsdp_each"].items():
                 ep = data["fsdp"][name]["setting"]["ep"]
                 predicted = base.get(str(ep), base.get(ep))
+                bal = (balanced.get(r["budget"]) or {})
+                bal = bal.get(str(ep), bal.get(ep))
                 miss = first_miss(data["fsdp"][name]["runs"], parse_bytes(r["budget"]))
                 table.append([fmt_bytes(parse_bytes(r["budget"])), name, f"{measured:,}",
                               f"{miss:,}" if miss else "-", f"{predicted:,}",
                               f"{predicted / measured:.2f}" if measured else "-",
-                              "yes" if miss is None or predicted < miss else "NO"])
+                              "yes" if miss is None or predicted < miss else "NO",
+                              f"{bal:,}" if bal else "-", f"{bal / measured:.2f}" if bal and measured else "-"])
         lines += [markdown_table(["budget/rank", "FSDP2 setting", "measured longest L that fits",
-                                  "first measured L that does not", "plan's baseline --solve",
-                                  "predicted / measured longest", "below the first miss"], table), ""]
+                                  "first measured L that does not", "plan (worst routing)",
+                                  "predicted / measured longest", "below the first miss", "plan (balanced routing)",
+                                  "balanced / measured"], table), ""]
+        best = []
+        for r in rows:
+            worst, bal = _plan_fsdp_best(data, r["budget"])
+            best.append([fmt_bytes(parse_bytes(r["budget"])), f"{r['fsdp_best']:,}", f"{worst:,}",
+                         f"{worst / r['fsdp_best']:.2f}" if r["fsdp_best"] else "-",
+                         f"{bal:,}" if bal else "-", f"{bal / r['fsdp_best']:.2f}" if bal and r["fsdp_best"] else "-"])
+        lines += ["FSDP2-best (the best E_p) as plan predicts it, against the measured:", "",
+                  markdown_table(["budget/rank", "measured", "plan, worst routing", "ratio", "plan, balanced routing",
+                                  "ratio"], best), ""]
+        peaks = data.get("plan_baseline_peaks") or []
+        if peaks:
+            worst = [p["worst"] / p["measured"] for p in peaks]
+            bal = [p["balanced"] / p["measured"] for p in peaks]
+            lines += [f"Per-rank peak, plan's baseline at every measured FSDP2 point ({len(peaks)} points, plan at "
+                      "the chunk count each run used): worst routing "
+                      f"{min(worst):.3f}-{max(worst):.3f}x measured, balanced {min(bal):.3f}-{max(bal):.3f}x.", "",
+                      markdown_table(["E_p", "L", "measured", "plan, worst routing", "ratio", "plan, balanced",
+                                      "ratio"],
+                                     [[str(p["ep"]), f"{p['seq']:,}", fmt_bytes(p["measured"]), fmt_bytes(p["worst"]),
+                                       f"{p['worst'] / p['measured']:.3f}", fmt_bytes(p["balanced"]),
+                                       f"{p['balanced'] / p['measured']:.3f}"] for p in peaks]), ""]
     lines += ["## Step time at FSDP2-best's longest length", ""]
     table = [[fmt_bytes(parse_bytes(r["budget"])), f"{r['fsdp_best']:,}" if r["fsdp_best"] else "-",
               fmt_seconds(r["step_fsdp"]) if r["step_fsdp"] else "-", fmt_seconds(r["step_bp"]) if r["step_bp"] else "-",
@@ -593,11 +683,20 @@ def _simulated_section() -> list[str]:
             f"From bench/plan.py's run of {rows[0]['date']} (docs/results/plan.md: 139 GiB per rank, 256 GiB host "
             "per rank, bf16): the longest context per sequence. The baseline column is the best of plan's baseline "
             "variants: FSDP2 (ZeRO-3) with expert parallelism, full logits, AdamW on the device or on the host, in "
-            "the layout plan composes (the sequence split over the ranks); plan has no model of context "
-            "parallelism's ring attention or of data-parallel whole sequences, so this is plan's baseline, not a "
-            "measured FSDP2-best. `*` = the paper's model / rank pairing.", "",
+            "the layout plan composes (the sequence split over the ranks through the sequence-to-head exchange, "
+            "which stands in for context parallelism: plan has no model of CP's ring attention); FSDP2's data "
+            "parallelism (`--layout dp`, a whole sequence per rank) reaches shorter contexts than this at these "
+            "scales, so it is not the column. Plan's baseline, not a measured FSDP2-best. `*` = the paper's model / "
+            "rank pairing.", "",
             markdown_table(["model", "W", "baseline (best variant)", "which", "boundpass (all four)",
                             "reach"], table), ""]
+
+
+def _plan_fsdp_best(data: dict, budget: str) -> tuple:
+    """(worst-routing, balanced-routing) FSDP2-best longest L as plan predicts it: the best over E_p."""
+    worst = max(data["plan_baseline"][budget].values())
+    bal = (data.get("plan_baseline_balanced") or {}).get(budget)
+    return worst, max(bal.values()) if bal else None
 
 
 def _holder(run) -> str:
@@ -619,6 +718,14 @@ def _targets(data: dict, rows: list[dict]) -> list[tuple]:
             out.append((f"{fmt_bytes(parse_bytes(r['budget']))}: plan's longest L within 10% of the accepted one, "
                         "never above", f"plan {r['plan']:,} vs certificate {ref:,}",
                         r["plan"] <= ref and r["plan"] >= 0.9 * ref))
+        if data.get("plan_baseline") and r["fsdp_best"]:
+            worst, bal = _plan_fsdp_best(data, r["budget"])
+            for label, value in (("worst routing, plan's bound", worst), ("balanced routing, plan's estimate", bal)):
+                if value:
+                    out.append((f"{fmt_bytes(parse_bytes(r['budget']))}: plan's FSDP2-best longest L ({label}) "
+                                "within 10% of the measured one, never above",
+                                f"plan {value:,} vs measured {r['fsdp_best']:,} ({value / r['fsdp_best']:.2f})",
+                                0.9 * r["fsdp_best"] <= value <= r["fsdp_best"]))
         if r["step_bp"] and r["step_fsdp"]:
             out.append((f"{fmt_bytes(parse_bytes(r['budget']))}: tokens/s at FSDP2-best's longest L >= FSDP2-best's",
                         f"{r['tps_bp']:.0f} vs {r['tps_fsdp']:.0f}", r["tps_bp"] >= r["tps_fsdp"]))
@@ -629,6 +736,13 @@ def _targets(data: dict, rows: list[dict]) -> list[tuple]:
                             "certified <= 1.10x measured", f"{r['certified'] / r['peak']:.3f}",
                             r["peak"] <= r["certified"] <= 1.10 * r["peak"]))
     return out
+
+
+def _plan_baselines(data: dict, chunk_tokens: int = 256) -> None:
+    data["plan_baseline"] = plan_baseline_longest(data["model"], data["budgets"], data["vocab"])
+    data["plan_baseline_balanced"] = plan_baseline_longest(data["model"], data["budgets"], data["vocab"],
+                                                           routing="balanced")
+    data["plan_baseline_peaks"] = plan_baseline_peaks(data, chunk_tokens)
 
 
 def main(argv=None) -> int:
@@ -649,6 +763,8 @@ def main(argv=None) -> int:
     p.add_argument("--time-only-at-fsdp-best", action="store_true",
                    help="boundpass: timed steps only at FSDP2-best's longest L (what the step-time table reads)")
     p.add_argument("--selective", action="store_true")
+    p.add_argument("--check-plan-baseline", action="store_true",
+                   help="FSDP2 also at plan's predicted FSDP2-best longest L per budget and at 1.1x it")
     p.add_argument("--notes", help="a markdown file whose lines are appended under Notes")
     p.add_argument("--out", default="reach", help="docs/results/<out>.json and .md")
     p.add_argument("--reuse", help="a REACH_RUNS_FILE of an earlier sweep: its runs are not run again")
@@ -665,7 +781,7 @@ def main(argv=None) -> int:
             for budget in data["budgets"]:
                 data["plan"][budget] = plan_longest(data["model"], budget, args.host_budget, data["vocab"])
         if args.replan or "plan_baseline" not in data:
-            data["plan_baseline"] = plan_baseline_longest(data["model"], data["budgets"], data["vocab"])
+            _plan_baselines(data)
         write_results(args.out, data, render(data))
         print(render(data))
         return 0
@@ -677,8 +793,9 @@ def main(argv=None) -> int:
                host_budget=args.host_budget, vocab=args.vocab, timed_steps=args.timed_steps, bisect=args.bisect,
                granule=args.granule, bp_max_measured=args.bp_max_measured, try_cp=args.try_cp,
                selective=args.selective, assets=assets, time_only_there=args.time_only_at_fsdp_best,
+               check_plan=args.check_plan_baseline,
                reuse=[json.loads(ln) for ln in Path(args.reuse).read_text().splitlines()] if args.reuse else ())
-    data["plan_baseline"] = plan_baseline_longest(args.model, args.budgets.split(","), args.vocab)
+    _plan_baselines(data, args.chunk_tokens)
     data.update(meta=run_metadata(),
                 command="python bench/reach.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     if args.notes:

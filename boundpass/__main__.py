@@ -54,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="SCO offloads at most this many checkpoint boundaries (default: all the host budget holds)")
     p.add_argument("--routing", default="worst", choices=("worst", "balanced"),
                    help="standard EP's received rows: worst case (E_p N k) or balanced (N k)")
+    p.add_argument("--layout", default="mop", choices=("mop", "dp"),
+                   help="mop: one sequence split over the ranks (boundpass's layout); dp: FSDP2's data parallelism, "
+                        "whole sequences per rank (stock torchtitan), for a baseline with --operators none")
+    p.add_argument("--loss-chunks", type=int, default=1,
+                   help="torchtitan's chunked loss (--loss.num_chunks) without ring_dtp (default 1: full logits)")
     p.add_argument("--no-trace", action="store_true", help="skip tracing torchtitan's blocks (bounds only)")
     p.add_argument("--solve", action="store_true", help="also the largest context (or N) that fits")
     p.add_argument("--search", action="store_true",
@@ -80,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                   host_budget=args.host_budget, operators=ops, dtype=args.dtype, dispatch_cap=args.dispatch_cap,
                   dispatch_borrowed_slots=args.dispatch_borrowed_slots, vocab_block=args.vocab_block,
                   optimizer_bucket=args.optimizer_bucket,
-                  optimizer_slots=args.optimizer_slots, sco_max_layers=args.sco_max_layers, routing=args.routing)
+                  optimizer_slots=args.optimizer_slots, sco_max_layers=args.sco_max_layers, routing=args.routing,
+                  layout=args.layout, loss_chunks=args.loss_chunks)
     try:  # everything that needs no model, before torch is imported
         source, model, flavor = locate(args.model, args.flavor)
         make_input(model, flavor, **launch, source=source)

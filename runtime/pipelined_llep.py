@@ -815,7 +815,7 @@ def pipelined_llep_bound(*, mixed_precision: bool, narrow_compute: bool = False,
     return sym.max_kept(fwd, bwd)
 
 
-def standard_ep_bound() -> sympy.Expr:
+def standard_ep_bound(part: str = "peak") -> sympy.Expr:
     """Peak device bytes of standard EP forward + backward on a rank, given R = rows it received (realized).
 
     R is set by the router: up to E_p N k on a hot rank. Same counting as ``pipelined_llep_bound``
@@ -823,11 +823,22 @@ def standard_ep_bound() -> sympy.Expr:
     The N k returned rows are counted at the combine's width b_acc (= b for fp32/fp64 inputs): for bf16/fp16
     the combine saves an fp32 copy of them, and its backward holds that copy, the fp32 output gradient and
     the two fp32 products of the score multiply at once: 4 N k H b_acc, whatever R is (a cold rank too).
-    """
+    ``part``: "peak" (forward + backward, what the backward holds) or "forward" (the forward alone, e.g. a
+    checkpointed block's recompute: what it saves, the expert outputs while they are concatenated, the combine's
+    rows, product and output; none of the gradients)."""
+    if part not in ("peak", "forward"):
+        raise ValueError(f"part must be 'peak' or 'forward', got {part!r}")
     N, H, I, E, E_p, k, R = sym.N, sym.H, sym.I, sym.E, sym.E_p, sym.k, sym.R
     b, b_acc, b_idx = sym.b, sym.b_acc, sym.b_idx
     inputs = N * H * b + N * k * (b_idx + b) + E / E_p * _expert_bytes()
     saved = N * k * 2 * b_idx + R * (2 * H + 4 * I) * b  # route order, received rows, MLP activations
+    if part == "forward":
+        # + the expert outputs beside their concatenation (R H), the returned rows and their score product (a
+        # narrower input: the rows as received, their b_acc copy, the product and its cast back, the scores' upcast),
+        # the gathered scores and the combine's token index, the zero-filled sum and the output, the route counts
+        narrower = sympy.Min(1, b_acc - b)
+        combine_fwd = 2 * N * k * H * b_acc + narrower * N * k * (2 * H * b + b_acc)
+        return inputs + saved + R * H * b + combine_fwd + N * k * (b + b_idx) + 2 * N * H * b + 2 * E * b_idx
     combine = 4 * N * k * H * b_acc  # returned rows (as the combine saves them), their grad, 2 products
     return 2 * (inputs + saved) + combine + 2 * N * H * b  # + grads of everything saved, output and its grad
 

@@ -146,6 +146,13 @@ class Launch:
     # sequence (torchtitan's trainer: RoPE tables at --training.seq_len = N·W / G positions, update_from_config);
     # None: the buffers as the model was built (ModelShape.buffer_bytes)
     sequences_per_step: int | None = None
+    # how the W ranks share the work: "mop" (one sequence split over the ranks, attention through the sequence-to-head
+    # exchange: boundpass's layout and plan's own baseline) or "dp" (FSDP2's data parallelism as torchtitan's stock
+    # trainer runs it: every rank trains whole sequences of its own, attention local with all heads, no exchange)
+    layout: str = "mop"
+    # torchtitan's chunked loss (ChunkedLossWrapper, --loss.num_chunks): the head's logits in this many sequence
+    # chunks, each chunk's backward run at once (1: full logits). Only without Ring-DTP.
+    loss_chunks: int = 1
 
     def resolved(self, knob: str) -> int:
         """A Config knob's value at this launch: the one given, else what boundpass/core/config.py says a knob left to
@@ -172,7 +179,9 @@ def check_launch(shape: ModelShape, launch: Launch) -> None:
                                   f"pick E_p among {[d for d in _divisors(W) if shape.experts % d == 0]}")
     if W % P:
         raise BoundpassInputError(f"ring degree P = {P} does not divide W = {W} ranks: pick P among {_divisors(W)}")
-    if shape.heads % W:
+    if launch.layout not in LAYOUTS:
+        raise BoundpassInputError(f"layout must be one of {', '.join(LAYOUTS)}, got {launch.layout!r}")
+    if launch.layout == "mop" and shape.heads % W:
         raise BoundpassInputError(f"sequence-to-head attention splits {shape.name}'s {shape.heads} query heads over "
                                   f"W = {W} ranks: W must divide {shape.heads}")
     unknown = set(launch.operators) - set(OPERATORS)
@@ -181,11 +190,15 @@ def check_launch(shape: ModelShape, launch: Launch) -> None:
     if launch.routing not in ("worst", "balanced"):
         raise BoundpassInputError(f"routing must be 'worst' or 'balanced', got {launch.routing!r}")
     for name in ("dispatch_cap", "vocab_block", "optimizer_bucket", "optimizer_slots", "dispatch_borrowed_slots",
-                 "sco_max_layers", "grad_accumulation", "sequences_per_step"):
+                 "sco_max_layers", "grad_accumulation", "sequences_per_step", "loss_chunks"):
         value = getattr(launch, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < (
                 0 if name in ("dispatch_borrowed_slots", "sco_max_layers") else 1)):
             raise BoundpassInputError(f"{name} must be a positive int (or None for the default), got {value!r}")
+
+
+# Launch.layout's values: boundpass's MoP layout, FSDP2's data parallelism (whole sequences per rank)
+LAYOUTS = ("mop", "dp")
 
 
 def _divisors(n: int) -> list[int]:
@@ -265,7 +278,7 @@ def _phase_alternatives(s, kinds: set) -> dict:
             # (W > 1: + the exchange's extra over one rank, and the routed experts' own bound while the FFN runs)
             t = lambda phase: f"traced_{ffn}_{phase}"  # noqa: E731
             base = ("transient", "gather_current")
-            g = (grads, t("own_grads"))
+            g = (grads, t("own_grads"), "reduce_held")
             ex, ex_saved, disp = "attention_exchange", "attention_exchange_saved", "dispatch" if ffn == "moe" else ""
             # the dispatch's forward alone where it is given apart (PipelinedLLEP), else its whole bound
             disp_f = "dispatch_forward" if ffn == "moe" and "dispatch_forward" in kinds else disp
@@ -285,12 +298,13 @@ def _phase_alternatives(s, kinds: set) -> dict:
         if ffn not in kinds:
             continue
         base = ("transient", "gather_current", "layer")
+        g = (grads, "reduce_held")
         out[ffn] = [
             alt(*base, "gather_prefetch", "attention"),                                    # forward
             alt(*base, "gather_prefetch", "attention_saved", ffn),                         # forward
-            alt(*base, prefetch_bwd, grads, "attention_saved", ffn, f"grads_ffn_{ffn}"),   # FFN backward
-            alt(*base, prefetch_bwd, grads, "attention", f"grads_attention_{ffn}"),        # attention kernel bwd
-            alt(*base, prefetch_bwd, grads, f"grads_tail_{ffn}"),                          # input projections bwd
+            alt(*base, prefetch_bwd, *g, "attention_saved", ffn, f"grads_ffn_{ffn}"),      # FFN backward
+            alt(*base, prefetch_bwd, *g, "attention", f"grads_attention_{ffn}"),           # attention kernel bwd
+            alt(*base, prefetch_bwd, *g, f"grads_tail_{ffn}"),                             # input projections bwd
         ]
     return out
 
@@ -361,15 +375,18 @@ def _terms(shape: ModelShape, launch: Launch) -> tuple:
     terms = term_formulas(shape.dense_layers > 0, shape.moe_layers > 0, shape.shared_hidden > 0,
                            frozenset(launch.operators), launch.routing, launch.b < launch.b_acc, branch,
                            shape.tied_embeddings, launch.grad_accumulation > 1, _first_dense_only(shape),
-                           launch.fsdp_param_b or 0)
+                           launch.fsdp_param_b or 0, launch.loss_chunks if "ring_dtp" not in launch.operators else 1,
+                           launch.layout == "dp")
+    if launch.layout == "dp":
+        terms = _local_attention(terms)
     if uses_wide_trace(shape, launch):
-        terms = _wide_traced(terms, shape)
+        terms = _wide_traced(terms, shape, exchange=launch.layout == "mop")
     else:
         # the dispatch's forward and backward apart are for the wide trace's sub-phases only
         terms = tuple(t for t in terms if t[2] not in ("dispatch_forward", "dispatch_backward"))
         if uses_trace(shape, launch):
             blocks = tuple(t for t in shape.traced if t[0] in ("dense", "moe"))
-            head = traced_head(shape, launch)
+            head = traced_head(shape, launch) if launch.loss_chunks == 1 else ()
             # the traced head holds its own weight gradients as its backward writes them: grad_head (only ever in
             # the head's phase) would count them from the head's start
             drop = _TRACED_KINDS | ({"head", "grad_head"} if head else set())
@@ -464,7 +481,20 @@ def uses_wide_trace(shape: ModelShape, launch: Launch) -> bool:
     return launch.ranks > 1 and launch.b == shape.traced_b and any(t[0].endswith("_wide") for t in shape.traced)
 
 
-def _wide_traced(terms: tuple, shape: ModelShape) -> tuple:
+@functools.lru_cache(maxsize=None)
+def _local_attention(terms: tuple) -> tuple:
+    """Data parallelism: each rank's attention is the one-rank schedule (all heads of its own sequences, no
+    exchange): the hand-written attention terms at W = 1 (the ZeRO-3 terms keep W)."""
+    out = []
+    for name, formula, kind, knob, fn in terms:
+        if kind in ("attention", "attention_saved"):
+            formula = sympy.sympify(formula).subs(sym.W, 1)
+            fn = _lambdify(formula)
+        out.append((name, formula, kind, knob, fn))
+    return tuple(out)
+
+
+def _wide_traced(terms: tuple, shape: ModelShape, *, exchange: bool = True) -> tuple:
     blocks = tuple((t[0][:-len("_wide")], t[1], t[2]) for t in shape.traced if t[0].endswith("_wide"))
     split = any(t[2] == "dispatch_backward" for t in terms)  # PipelinedLLEP: its forward and backward apart
     kept = []
@@ -477,7 +507,7 @@ def _wide_traced(terms: tuple, shape: ModelShape) -> tuple:
         elif t[2] not in _TRACED_KINDS:
             kept.append(t)
     kinds = {t[0] for t in blocks}
-    return tuple(kept) + _traced_terms(blocks, own_grads=False) + exchange_terms() + _tail_in_trace(
+    return tuple(kept) + _traced_terms(blocks, own_grads=False) + (exchange_terms() if exchange else ()) + _tail_in_trace(
         "dense" in kinds, "moe" in kinds)
 
 
@@ -566,14 +596,14 @@ def _first_dense_only(shape: ModelShape) -> bool:
 @functools.lru_cache(maxsize=None)
 def term_formulas(has_dense: bool, has_moe: bool, has_shared: bool, ops: frozenset, routing: str, mixed: bool,
                    branch: str, tied: bool = False, accumulate: bool = False, first_dense_only: bool = False,
-                   fsdp_param_b: int = 0) -> tuple:
+                   fsdp_param_b: int = 0, loss_chunks: int = 1, reduce_held: bool = False) -> tuple:
     out = _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied, accumulate, first_dense_only,
-                     fsdp_param_b)
+                     fsdp_param_b, loss_chunks, reduce_held)
     return tuple((name, formula, kind, knob, _lambdify(formula)) for name, formula, kind, knob in out)
 
 
 def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied=False, accumulate=False,
-               first_dense_only=False, fsdp_param_b=0) -> list:
+               first_dense_only=False, fsdp_param_b=0, loss_chunks=1, reduce_held=False) -> list:
     N, H, E, E_p, I, I_f = sym.N, sym.H, sym.E, sym.E_p, sym.I, sym.I_f
     b, b_acc, W, Theta = sym.b, sym.b_acc, sym.W, sym.Theta
     out = [("parameters (ZeRO-3 shard, Θ/W)", Theta * b, "persistent", "more ranks W (ZeRO-3 shards Θ/W)")]
@@ -641,6 +671,14 @@ def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied
     out.append(("ZeRO-3 prefetched unit (the next / previous block with its experts, or the embedding)",
                 m * sympy.Max(sym.Theta_blk * b + experts, sym.V * H * b), "gather_prefetch",
                 "fewer parameters per block; not a launch knob"))
+    if reduce_held:
+        # stock FSDP2 keeps a unit's reduce-scatter input (its unsharded gradients, flattened) until the next unit's
+        # reduce-scatter is issued, so through the whole backward of the block after it in backward (measured at
+        # FSDP2's post_backward_reduce in bench/reach.py's stock runs); boundpass's gloo release frees it in the call
+        # (the MoP recipe: boundpass/backend/gloo_release.py), hence the data-parallel (stock) layout only
+        out.append(("FSDP2's reduce-scatter input of the unit before in backward (held through this block's backward)",
+                    m * sympy.Max(sym.Theta_blk * b + experts, sym.V * H * b), "reduce_held",
+                    "fewer parameters per block; not a launch knob"))
     if first_dense_only:
         # the only dense block is block 0: in backward FSDP2 prefetches only the embedding before it
         out.append(("ZeRO-3 prefetched unit in block 0's backward (the embedding)", m * sym.V * H * b,
@@ -714,9 +752,13 @@ def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied
             b_e = sympy.Min(b, 2)
             rows_at_bf16 = 2 * sym.R * (2 * H + 4 * I) * (b - b_e)
             weight_copies = 2 * (E / E_p) * 3 * I * H * b_e * sympy.Min(1, b - b_e)  # none when b is bf16 already
+            knob = "enable pipelined_llep (a bound that does not depend on routing)"
             out.append((f"expert dispatch (standard EP as torchtitan runs it: bf16 experts, {routing}-case routing R)",
-                        pl.standard_ep_bound() - own_experts - rows_at_bf16 + weight_copies, "moe",
-                        "enable pipelined_llep (a bound that does not depend on routing)"))
+                        pl.standard_ep_bound() - own_experts - rows_at_bf16 + weight_copies, "moe", knob))
+            # its forward alone, for the traced forward sub-phases (W > 1, _wide_traced): what it saves, once
+            out.append((f"expert dispatch (standard EP as torchtitan runs it, {routing}-case routing R), its forward",
+                        pl.standard_ep_bound("forward") - (own_experts + rows_at_bf16 - weight_copies) / 2,
+                        "dispatch_forward", knob))
     out.append(("final norm (fp32 upcast + output, fwd + bwd)", N * H * (b + b_acc), "head", "a shorter context"))
     if "ring_dtp" in ops:
         out.append((f"vocab projection + loss (Ring-DTP, move {branch})",
@@ -727,10 +769,26 @@ def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied
         # (P = 1), the whole weight's gradient (the gradient-of-the-head term): subtract both so neither counts
         # twice
         shard = sympy.ceiling(sym.V / sym.P) * H * b
-        out.append(("vocab projection + loss (full logits)",
-                    rd.reference_bound(mixed_precision=mixed) - shard * (2 - sympy.Min(1, sym.P - 1)), "head",
-                    "enable ring_dtp (never materializes [N, V])"))
+        full = rd.reference_bound(mixed_precision=mixed) - shard * (2 - sympy.Min(1, sym.P - 1))
+        if loss_chunks == 1:
+            out.append(("vocab projection + loss (full logits)", full, "head",
+                        "enable ring_dtp (never materializes [N, V])"))
+        else:
+            out.append((f"vocab projection + loss (torchtitan's chunked loss, {loss_chunks} chunks)",
+                        chunked_loss_bound(full, loss_chunks), "head",
+                        "more loss chunks (--loss.num_chunks), or enable ring_dtp"))
     return out
+
+
+def chunked_loss_bound(full: sympy.Expr, chunks: int) -> sympy.Expr:
+    """torchtitan's ChunkedLossWrapper at N tokens: the full-logits head's bound at one chunk's tokens
+    (ceil(N / chunks): its logits, log-softmax and their gradients, the head's weight and its gradient), plus what
+    spans the chunks: the hidden states, their chunks (copies when a batch holds several sequences: the split along
+    the sequence is then not contiguous), the fp32 gradient accumulator the chunks' gradients are written into, and
+    the labels and their chunks; and the chunk's logits, which the wrapper's loop holds through the chunk's
+    backward (the full-logits head's caller drops them before its backward)."""
+    N, n = sym.N, sympy.ceiling(sym.N / chunks)
+    return full.subs(N, n) + n * sym.V * sym.b + N * sym.H * (2 * sym.b + sym.b_acc) + 2 * N * sym.b_idx
 
 
 def compose(shape: ModelShape, launch: Launch, *, budget: int, host_budget: int | None = None,

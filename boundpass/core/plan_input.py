@@ -45,6 +45,8 @@ class PlanInput:
     optimizer_slots: int | None = None
     sco_max_layers: int | None = None
     routing: str = "worst"
+    layout: str = "mop"      # composed.Launch.layout: "mop" or "dp" (FSDP2's data parallelism, whole sequences)
+    loss_chunks: int = 1     # torchtitan's chunked loss (--loss.num_chunks); 1: full logits
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -84,7 +86,7 @@ def make_input(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | 
                dispatch_cap: int | None = None, dispatch_borrowed_slots: int | None = None,
                vocab_block: int | None = None, optimizer_bucket: int | None = None,
                optimizer_slots: int | None = None, sco_max_layers: int | None = None, routing: str = "worst",
-               source: ModelSource | None = None) -> PlanInput:
+               layout: str = "mop", loss_chunks: int = 1, source: ModelSource | None = None) -> PlanInput:
     """Validate and normalise plan inputs (raises BoundpassInputError naming what to change; builds nothing).
     The model is given by its family name in the model source (an alias resolved: PlanInput.model is canonical).
     budget, host_budget and the knobs are boundpass.Config's, validated by it (boundpass/core/config.py)."""
@@ -115,6 +117,13 @@ def make_input(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | 
                                       f"evenly over W = {ranks} ranks; use a multiple of {ranks}")
         tokens_per_rank = context * global_batch // ranks
     tokens_per_rank = _positive_int("tokens_per_rank (N)", tokens_per_rank)
+    if layout not in ("mop", "dp"):
+        raise BoundpassInputError(f"layout must be 'mop' (one sequence split over the ranks) or 'dp' (FSDP2's data "
+                                  f"parallelism: whole sequences per rank), got {layout!r}")
+    if layout == "dp" and context is not None and global_batch % ranks:
+        raise BoundpassInputError(f"layout 'dp' trains whole sequences on every rank: global_batch = {global_batch} "
+                                  f"sequences do not split over W = {ranks} ranks; use a multiple of {ranks}")
+    loss_chunks = _positive_int("loss_chunks", loss_chunks)
     ops = frozenset(operators)
     if ops - set(OPERATORS):
         raise BoundpassInputError(f"unknown operators {sorted(ops - set(OPERATORS))}; known: {', '.join(OPERATORS)}")
@@ -122,7 +131,7 @@ def make_input(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | 
                      dtype, context, global_batch if context is not None else None, dispatch_cap=dispatch_cap,
                      dispatch_borrowed_slots=dispatch_borrowed_slots, vocab_block=vocab_block,
                      optimizer_bucket=optimizer_bucket, optimizer_slots=optimizer_slots,
-                     sco_max_layers=sco_max_layers, routing=routing)
+                     sco_max_layers=sco_max_layers, routing=routing, layout=layout, loss_chunks=loss_chunks)
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,9 @@ def launch_of(inp: PlanInput, tokens_per_rank: int | None = None) -> Launch:
                   dispatch_borrowed_slots=inp.dispatch_borrowed_slots, vocab_block=inp.vocab_block,
                   optimizer_bucket=inp.optimizer_bucket,
                   optimizer_slots=inp.optimizer_slots, sco_max_layers=inp.sco_max_layers, routing=inp.routing,
-                  held_batch_per_token=composed.trainer_held_batch(inp.ranks),
+                  # under data parallelism each rank's trainer holds only its own batch: the count at W = 1
+                  held_batch_per_token=composed.trainer_held_batch(inp.ranks if inp.layout == "mop" else 1),
+                  layout=inp.layout, loss_chunks=inp.loss_chunks,
                   # a context given: torchtitan's trainer sizes the RoPE tables to it (N·W / G positions)
                   sequences_per_step=inp.global_batch if inp.context is not None else None)
 
@@ -358,7 +360,8 @@ def plan(model, flavor: str | None = None, *, ranks: int, ep: int = 1, ring: int
          host_budget=None, operators=OPERATORS, dtype: str = "bf16", dispatch_cap: int | None = None,
          dispatch_borrowed_slots: int | None = None, vocab_block: int | None = None,
          optimizer_bucket: int | None = None, optimizer_slots: int | None = None,
-         sco_max_layers: int | None = None, routing: str = "worst", do_trace: bool = True, solve: bool = False,
+         sco_max_layers: int | None = None, routing: str = "worst", layout: str = "mop", loss_chunks: int = 1,
+         do_trace: bool = True, solve: bool = False,
          search: CostModel | bool | None = None,
          progress=None, source: ModelSource | None = None, trace_blocks: bool | None = None) -> PlanResult:
     """Compose the per-rank budget of (model, flavor) at this launch, trace it, and say whether it fits.
@@ -387,7 +390,7 @@ def plan(model, flavor: str | None = None, *, ranks: int, ep: int = 1, ring: int
                      operators=operators, dtype=dtype, dispatch_cap=dispatch_cap,
                      dispatch_borrowed_slots=dispatch_borrowed_slots, vocab_block=vocab_block,
                      optimizer_bucket=optimizer_bucket, optimizer_slots=optimizer_slots, sco_max_layers=sco_max_layers,
-                     routing=routing, source=source)
+                     routing=routing, layout=layout, loss_chunks=loss_chunks, source=source)
     source = source or default_source()
     model = inp.model  # the canonical family name (an alias resolved)
     # the blocks are traced in the launch's dtype

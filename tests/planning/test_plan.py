@@ -547,3 +547,76 @@ def test_borrowed_slots_move_the_dispatch_term_by_their_experts():
     assert terms(None) == terms(e) == terms(e + 5) == terms(lent) != terms(lent - 1)
     (f0, b0), (f1, b1), (fe, be) = terms(0), terms(1), terms(None)
     assert (f1 - f0, b1 - b0) == (expert, 2 * expert) and (fe - f0, be - b0) == (lent * expert, 2 * lent * expert)
+
+
+# ------------------------------------------------------------------------------ FSDP2's data-parallel baseline
+@pytest.mark.parametrize("batch,seq,hidden,vocab,chunks,dtype", [
+    (1, 512, 64, 1000, 8, torch.float32), (2, 512, 64, 1000, 8, torch.float32),
+    (1, 2048, 32, 4096, 8, torch.float32), (1, 1024, 64, 4096, 4, torch.float32),
+    (1, 1024, 64, 4096, 8, torch.bfloat16)])
+def test_torchtitans_chunked_loss_stays_under_its_term(batch, seq, hidden, vocab, chunks, dtype):
+    """composed.chunked_loss_bound against torchtitan's own ChunkedLossWrapper (its CrossEntropyLoss per chunk, each
+    chunk's backward at once, the fp32 gradient accumulator, then the hidden states' backward), measured with the
+    live-storage tracker: sound, and within 1.25x (one op at its own scale). Several sequences per batch make the
+    chunks copies (the sequence split is not contiguous then)."""
+    import importlib
+
+    import sympy
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+
+    from boundpass.core import symbols as sym
+    from boundpass.measure.memtrack import LiveStorageTracker
+    rd = importlib.import_module("boundpass.runtime.ring_dtp")
+    wrapper = ChunkedLossWrapper(ChunkedLossWrapper.Config(num_chunks=chunks, loss_fn=CrossEntropyLoss.Config()))
+    head = torch.nn.Linear(hidden, vocab, bias=False, dtype=dtype)
+    wrapper.set_lm_head(head)
+    x = torch.randn(batch, seq, hidden, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, vocab, (batch, seq))
+    labels[0, :7] = -100  # ignore_index rows
+    tracker = LiveStorageTracker().track_existing(x, labels, head.weight)
+    with tracker:
+        h = x * 1.0  # the decoder's output, as the model hands it over
+        loss, _ = wrapper(h, labels, (labels != -100).sum())
+        loss.backward()
+        del h, loss
+    # the composed head term (the weight shard and its gradient counted by their own terms at P = 1) + those two +
+    # the decoder output and its gradient
+    shard = sympy.ceiling(sym.V / sym.P) * sym.H * sym.b
+    mixed = dtype != torch.float32
+    full = rd.reference_bound(mixed_precision=mixed) - shard * (2 - sympy.Min(1, sym.P - 1))
+    expr = composed.chunked_loss_bound(full, chunks) + 2 * sym.V * sym.H * sym.b + 2 * sym.N * sym.H * sym.b
+    bound = sym.evaluate(expr, dict(N=batch * seq, H=hidden, V=vocab, P=1, b=x.element_size(), b_acc=4, b_idx=8))
+    measured = tracker.peak_bytes()
+    assert measured <= bound <= 1.25 * measured, (measured, bound, bound / measured)
+    assert bound < sym.evaluate(full + 2 * sym.V * sym.H * sym.b + 2 * sym.N * sym.H * sym.b,
+                                dict(N=batch * seq, H=hidden, V=vocab, P=1, b=x.element_size(), b_acc=4, b_idx=8))
+
+
+def test_the_dp_layout_is_fsdp2s_data_parallel_baseline():
+    """layout="dp" (stock torchtitan's FSDP2: whole sequences per rank): no sequence-to-head exchange term, the
+    attention's hand-written terms at one rank, heads need not divide W; torchtitan's chunked loss replaces the
+    full-logits head term; standard EP's forward alone in the forward sub-phases. Bad layouts are refused before
+    any model is built."""
+    kw = dict(ranks=4, ep=2, context=2048, global_batch=4, budget="2GiB", host_budget="4GiB", dtype="fp32",
+              operators=(), do_trace=False)
+    mop = plan("deepseek_v3", "debugmodel", **kw)
+    dp = plan("deepseek_v3", "debugmodel", layout="dp", **kw)
+    chunked = plan("deepseek_v3", "debugmodel", layout="dp", loss_chunks=8, **kw)
+    kinds = lambda r: {t.kind: t for t in r.table.terms}  # noqa: E731
+    assert any(k.startswith("attention_exchange") for k in kinds(mop)) and not any(
+        k.startswith("attention_exchange") for k in kinds(dp))
+    assert dp.table.total < mop.table.total  # the same N per rank, nothing exchanged
+    head = lambda r: next(t for t in r.table.terms if t.name.startswith("vocab projection"))  # noqa: E731
+    assert "chunked loss, 8 chunks" in head(chunked).name and head(chunked).value < head(dp).value
+    assert kinds(dp)["dispatch_forward"].value < kinds(dp)["dispatch"].value
+    # 16 heads over 3 ranks: the MoP layout cannot split them, data parallelism does not need to
+    three = dict(kw, ranks=3, ep=1, global_batch=3, context=1024)
+    with pytest.raises(BoundpassInputError, match="W must divide"):
+        plan("deepseek_v3", "debugmodel", **three)
+    assert plan("deepseek_v3", "debugmodel", layout="dp", **three).table.total > 0
+    with pytest.raises(BoundpassInputError, match="whole sequences"):
+        make_input("deepseek_v3", "debugmodel", ranks=4, context=1024, global_batch=2, layout="dp")
+    with pytest.raises(BoundpassInputError, match="layout must be"):
+        make_input("deepseek_v3", "debugmodel", ranks=4, context=1024, global_batch=4, layout="tp")
+    with pytest.raises(BoundpassInputError, match="loss_chunks"):
+        make_input("deepseek_v3", "debugmodel", ranks=4, context=1024, global_batch=4, loss_chunks=0)

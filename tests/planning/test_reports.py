@@ -46,6 +46,9 @@ def _widest(text: str) -> int:
     (["deepseek_v3", "671B", "-W", "8", "-N", "8", "--operators", "ring_dtp,bogus"], "unknown operators"),
     (["deepseek_v3", "671B", "-W", "8", "-N", "8", "--dtype", "int8"], "dtype must be one of"),
     (["deepseek_v3", "671B", "-W", "8", "-N", "8", "--flops", "0"], "flops must be a finite number > 0"),
+    (["deepseek_v3", "671B", "-W", "8", "--context", "8", "--global-batch", "4", "--layout", "dp"],
+     "whole sequences on every rank"),
+    (["deepseek_v3", "671B", "-W", "8", "-N", "8", "--loss-chunks", "0"], "loss_chunks must be"),
 ])
 def test_cli_refuses_bad_arguments_before_importing_torch(argv, match):
     start = time.perf_counter()
