@@ -87,9 +87,10 @@ def _pad_v_attention() -> None:
 
 
 def _args(side: str, model: str, seq: int, *, ep: int, ac: str, chunk_tokens: int, budget: str | None = None,
-          host_budget: str, steps: int, cp: int = 1) -> list[str]:
+          host_budget: str, steps: int, cp: int = 1, batch: int = 1) -> list[str]:
     fsdp_config, mop_config, _, _ = CONFIGS[model]
-    args = ["--module", "boundpass.recipes", "--training.seq_len", str(seq), "--training.local_batch_size", "1",
+    # batch: sequences per rank (FSDP2) or per step, split over the ranks (the MoP layout)
+    args = ["--module", "boundpass.recipes", "--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
             "--training.steps", str(steps), "--lr_scheduler.decay_ratio", "0",
             # fp32 on both sides: the composed budget counts activations at 4 bytes (torchtitan's bf16 default would
             # hold 2, and the certificate would be loose by that, not wrong)
@@ -196,7 +197,7 @@ def run_point(side: str, model: str, seq: int, *, assets: str, vocab: int, timed
                        if ranks[0].get("step_seconds") else None),
                holders=ranks[max(range(WORLD), key=lambda i: peaks[i] or 0)].get("holders"),
                **{k: v for k, v in kwargs.items() if k != "host_budget"})
-    tokens = seq * (WORLD if side == "fsdp2" else 1)
+    tokens = seq * kwargs.get("batch", 1) * (WORLD if side == "fsdp2" else 1)
     out["tokens_per_step"] = tokens
     out["tokens_per_s"] = tokens / out["step_s"] if out["step_s"] else None
     if os.environ.get("REACH_RUNS_FILE"):  # every run as it ends (a long sweep survives a crash)
@@ -420,7 +421,7 @@ def first_miss(runs: list, budget_bytes: int) -> int | None:
 def run(model: str, budgets: list[str], *, start: int, max_seq: int, fsdp_ep: list[int], chunk_tokens: int,
         host_budget: str, vocab: int, timed_steps: int, bisect: int, granule: int, bp_max_measured: int,
         try_cp: bool, selective: bool, assets: str, reuse: list[dict] = (), time_only_there: bool = False,
-        check_plan: bool = False, log=print) -> dict:
+        check_plan: bool = False, sequences_at_best: int = 1, log=print) -> dict:
     """``reuse``: runs of an earlier sweep (REACH_RUNS_FILE lines) taken instead of running them again: the FSDP2
     ladders of the settings it has, its SelectiveAC / CP runs, and its boundpass runs of a budget."""
     common = dict(assets=assets, vocab=vocab, timed_steps=timed_steps, chunk_tokens=chunk_tokens,
@@ -479,6 +480,11 @@ def run(model: str, budgets: list[str], *, start: int, max_seq: int, fsdp_ep: li
                            **{**common, "timed_steps": 0 if time_only_there and L != fsdp_best else timed_steps},
                            log=log)
                  for L in sorted(lengths) if L not in have and (not have or L == fsdp_best)]
+        if sequences_at_best > 1 and fsdp_best and fsdp_best <= cert["seq"] and not any(
+                r["seq"] == fsdp_best and r.get("batch", 1) == sequences_at_best for r in runs):
+            # the step time FSDP2-best is compared at: as many sequences per step as FSDP2's W ranks train
+            runs.append(run_point("mop", model, fsdp_best, ep=MOP_EP, ac="full", budget=budget,
+                                  batch=sequences_at_best, **common, log=log))
         data["boundpass"][budget] = dict(certified=cert, runs=runs)
     return data
 
@@ -501,7 +507,8 @@ def summary_rows(data: dict) -> list[dict]:
         bp = data["boundpass"][budget]
         cert = bp["certified"]["seq"]
         measured = longest_fit(bp["runs"], b)
-        at_best = next((r for r in bp["runs"] if r["seq"] == best), None)
+        at_best = max((r for r in bp["runs"] if r["seq"] == best and r.get("step_s")),
+                      key=lambda r: r.get("batch", 1), default=None)
         fsdp_at_best = next((r for r in data["fsdp"][best_name]["runs"] if r["seq"] == best), None)
         # the runs stopped (--bp-max-measured) before one missed: the measured longest is a lower bound
         open_ended = measured > 0 and measured == max(r["seq"] for r in bp["runs"])
@@ -512,7 +519,8 @@ def summary_rows(data: dict) -> list[dict]:
                          step_fsdp=fsdp_at_best["step_s"] if fsdp_at_best else None,
                          step_bp=at_best["step_s"] if at_best else None,
                          tps_fsdp=fsdp_at_best["tokens_per_s"] if fsdp_at_best else None,
-                         tps_bp=at_best["tokens_per_s"] if at_best else None))
+                         tps_bp=at_best["tokens_per_s"] if at_best else None,
+                         bp_sequences=at_best.get("batch", 1) if at_best else None))
     return rows
 
 
@@ -604,11 +612,14 @@ def render(data: dict) -> str:
     table = [[fmt_bytes(parse_bytes(r["budget"])), f"{r['fsdp_best']:,}" if r["fsdp_best"] else "-",
               fmt_seconds(r["step_fsdp"]) if r["step_fsdp"] else "-", fmt_seconds(r["step_bp"]) if r["step_bp"] else "-",
               f"{r['step_bp'] / r['step_fsdp']:.2f}" if r["step_bp"] and r["step_fsdp"] else "-",
-              f"{r['tps_fsdp']:.0f}" if r["tps_fsdp"] else "-", f"{r['tps_bp']:.0f}" if r["tps_bp"] else "-"]
+              f"{r['tps_fsdp']:.0f}" if r["tps_fsdp"] else "-", f"{r['tps_bp']:.0f}" if r["tps_bp"] else "-",
+              str(r["bp_sequences"] or "-")]
              for r in rows]
     lines += [markdown_table(["budget/rank", "L", "FSDP2-best step", "boundpass step", "ratio", "FSDP2-best tokens/s",
-                             "boundpass tokens/s"], table)]
-    lines += ["", "FSDP2 trains 4 sequences of L per step, the MoP layout one: tokens/s compares the work done.", "",
+                             "boundpass tokens/s", "boundpass sequences per step"], table)]
+    lines += ["", f"FSDP2 trains {WORLD} sequences of L per step (one per rank); the MoP layout splits each of its "
+              "sequences over the ranks (1 per step: a quarter of FSDP2's work; 4: the same work, N = L tokens per "
+              "rank). tokens/s compares the work done; the step-time ratio compares equal work only at 4.", "",
               "## Every run", ""]
     table = []
     for name, v in data["fsdp"].items():
@@ -619,7 +630,8 @@ def render(data: dict) -> str:
     for budget, v in data["boundpass"].items():
         for r in v["runs"]:
             ratio = f"{r['certified'] / r['peak']:.3f}" if r.get("certified") and r["peak"] else "-"
-            table.append([f"boundpass MoP at {fmt_bytes(parse_bytes(budget))}", f"{r['seq']:,}",
+            table.append([f"boundpass MoP at {fmt_bytes(parse_bytes(budget))}"
+                          + (f", {r['batch']} sequences" if r.get("batch", 1) > 1 else ""), f"{r['seq']:,}",
                           fmt_bytes(r["peak"]) if r["peak"] else "-",
                           fmt_bytes(r["certified"]) if r.get("certified") else "refused", ratio,
                           fmt_seconds(r["step_s"]) if r.get("step_s") else "-",
@@ -732,7 +744,8 @@ def _targets(data: dict, rows: list[dict]) -> list[tuple]:
     for budget, v in data["boundpass"].items():
         for r in v["runs"]:
             if r.get("certified") and r["peak"]:
-                out.append((f"boundpass at {fmt_bytes(parse_bytes(budget))}, L = {r['seq']:,}: measured <= "
+                seqs = f", {r['batch']} sequences" if r.get("batch", 1) > 1 else ""
+                out.append((f"boundpass at {fmt_bytes(parse_bytes(budget))}, L = {r['seq']:,}{seqs}: measured <= "
                             "certified <= 1.10x measured", f"{r['certified'] / r['peak']:.3f}",
                             r["peak"] <= r["certified"] <= 1.10 * r["peak"]))
     return out
@@ -763,6 +776,9 @@ def main(argv=None) -> int:
     p.add_argument("--time-only-at-fsdp-best", action="store_true",
                    help="boundpass: timed steps only at FSDP2-best's longest L (what the step-time table reads)")
     p.add_argument("--selective", action="store_true")
+    p.add_argument("--sequences-at-fsdp-best", type=int, default=1,
+                   help="boundpass's timed step at FSDP2-best's L with this many sequences per step (4: as FSDP2's "
+                        "4 ranks train)")
     p.add_argument("--check-plan-baseline", action="store_true",
                    help="FSDP2 also at plan's predicted FSDP2-best longest L per budget and at 1.1x it")
     p.add_argument("--notes", help="a markdown file whose lines are appended under Notes")
@@ -793,7 +809,7 @@ def main(argv=None) -> int:
                host_budget=args.host_budget, vocab=args.vocab, timed_steps=args.timed_steps, bisect=args.bisect,
                granule=args.granule, bp_max_measured=args.bp_max_measured, try_cp=args.try_cp,
                selective=args.selective, assets=assets, time_only_there=args.time_only_at_fsdp_best,
-               check_plan=args.check_plan_baseline,
+               check_plan=args.check_plan_baseline, sequences_at_best=args.sequences_at_fsdp_best,
                reuse=[json.loads(ln) for ln in Path(args.reuse).read_text().splitlines()] if args.reuse else ())
     _plan_baselines(data, args.chunk_tokens)
     data.update(meta=run_metadata(),
