@@ -89,7 +89,10 @@ class PlanResult:
         head = (f"boundpass plan: {i.model} {i.flavor} ({size} params), W={i.ranks} "
                 f"E_p={i.ep} P={i.ring}, N={i.tokens_per_rank:,} tokens/rank"
                 + (f" (context {i.context:,} x batch {i.global_batch})" if i.context else "")
-                + f", {i.dtype}, operators: {', '.join(sorted(i.operators)) or 'none (baseline)'}")
+                + f", {i.dtype}, operators: {', '.join(sorted(i.operators)) or 'none (baseline)'}"
+                + (", layout dp (FSDP2 data parallelism: whole sequences per rank)" if i.layout == "dp" else "")
+                + (f", torchtitan's chunked loss ({i.loss_chunks} chunks)" if i.loss_chunks > 1
+                   and "ring_dtp" not in i.operators else ""))
         out = [*textwidth.wrap(head, width=width), "", *lines, "", *textwidth.wrap(composed.describe(t), width=width)]
         for n in self.trace_notes:
             out += textwidth.wrap(n, width=width, first="note: ", rest="      ")
