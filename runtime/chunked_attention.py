@@ -31,7 +31,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, chunk: int) -> None:
+def _check(q: Tensor, k: Tensor, v: Tensor, chunk: int, q_offset: int | None = None) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise BoundpassInputError(f"chunked attention takes [B, heads, L, D] q, k, v; got {tuple(q.shape)}, "
                                   f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -41,9 +41,12 @@ def _check(q: Tensor, k: Tensor, v: Tensor, chunk: int) -> None:
     if q.shape[1] % k.shape[1]:
         raise BoundpassInputError(f"chunked attention: {q.shape[1]} query heads are not a multiple of "
                                   f"{k.shape[1]} key/value heads")
-    if q.shape[2] != k.shape[2]:
+    if q_offset is None and q.shape[2] != k.shape[2]:
         raise BoundpassInputError(f"chunked attention: query length {q.shape[2]} != key length {k.shape[2]} "
                                   "(self-attention only)")
+    if q_offset is not None and not 0 <= q_offset <= k.shape[2] - q.shape[2]:
+        raise BoundpassInputError(f"chunked attention: query rows [{q_offset}, {q_offset + q.shape[2]}) are not "
+                                  f"positions of the {k.shape[2]} keys (a query block of one sequence at its offset)")
     if chunk < 1:
         raise BoundpassInputError(f"chunked attention: chunk must be >= 1, got {chunk}")
 
@@ -76,9 +79,13 @@ def _masked(scores: Tensor, q0: int, q1: int, k0: int, causal: bool) -> Tensor:
 
 
 def chunked_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None,
-                              chunk: int) -> tuple[Tensor, Tensor]:
-    """(output [B, A_q, L, D_v] in q's dtype, log-sum-exp [B, A_q, L] in the accumulation dtype)."""
-    _check(q, k, v, chunk)
+                              chunk: int, q_offset: int | None = None) -> tuple[Tensor, Tensor]:
+    """(output [B, A_q, L_q, D_v] in q's dtype, log-sum-exp [B, A_q, L_q] in the accumulation dtype).
+
+    q_offset: q is the block of query rows at positions [q_offset, q_offset + L_q) of the sequence whose keys are k
+    (None: the whole sequence, L_q = L); causal rows see the keys up to their own position."""
+    _check(q, k, v, chunk, q_offset)
+    base = q_offset or 0
     bsz, heads, length, _ = q.shape
     kv_heads, dv = k.shape[1], v.shape[3]
     acc = _acc_dtype(q.dtype)
@@ -90,9 +97,9 @@ def chunked_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sca
         run_max = qi.new_full(qi.shape[:-1], float("-inf"))
         run_sum = qi.new_zeros(qi.shape[:-1])
         o = qi.new_zeros((*qi.shape[:-1], dv))
-        for k0, k1 in _tiles(q1 if causal else length, chunk):
+        for k0, k1 in _tiles(base + q1 if causal else k.shape[2], chunk):
             kj, vj = k[:, :, k0:k1].to(acc), v[:, :, k0:k1].to(acc)   # [B, A_kv, m, D], [B, A_kv, m, D_v]
-            s = _masked(torch.matmul(qi, kj.transpose(-1, -2)).mul_(scale), q0, q1, k0, causal)
+            s = _masked(torch.matmul(qi, kj.transpose(-1, -2)).mul_(scale), base + q0, base + q1, k0, causal)
             new_max = torch.maximum(run_max, s.amax(-1))
             correction = torch.exp(run_max.sub_(new_max))
             p = torch.exp(s.sub_(new_max[..., None]))
@@ -107,22 +114,31 @@ def chunked_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sca
 
 
 def chunked_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                               causal: bool, scale: float | None, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) in the inputs' dtypes; each tile's probabilities recomputed from the saved log-sum-exp."""
+                               causal: bool, scale: float | None, chunk: int, q_offset: int | None = None,
+                               into: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in the inputs' dtypes; each tile's probabilities recomputed from the saved log-sum-exp.
+
+    q_offset: as ``chunked_attention_forward``. into: (dk, dv) accumulators in the accumulation dtype, shaped as k
+    and v, that this block's key / value gradients are added to in place (a schedule walking query blocks keeps one
+    pair for the whole sequence); they are returned as they are, not cast."""
+    base = q_offset or 0
     length, kv_heads = q.shape[2], k.shape[1]
     acc = _acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    if into is None:
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    else:
+        dk, dv = into
     for q0, q1 in _tiles(length, chunk):
         qi, goi = _tile_rows(q, kv_heads, q0, q1, acc), _tile_rows(grad_out, kv_heads, q0, q1, acc)
         delta = (goi * _tile_rows(out, kv_heads, q0, q1, acc)).sum(-1)   # rowsum(dO * O)
         li = _tile_rows(lse[..., None], kv_heads, q0, q1, acc)            # [B, A_kv, G n, 1]
         dqi = torch.zeros_like(qi)
-        for k0, k1 in _tiles(q1 if causal else length, chunk):
+        for k0, k1 in _tiles(base + q1 if causal else k.shape[2], chunk):
             kj, vj = k[:, :, k0:k1].to(acc), v[:, :, k0:k1].to(acc)
-            s = _masked(torch.matmul(qi, kj.transpose(-1, -2)).mul_(scale), q0, q1, k0, causal)
+            s = _masked(torch.matmul(qi, kj.transpose(-1, -2)).mul_(scale), base + q0, base + q1, k0, causal)
             p = torch.exp(s.sub_(li))                                      # the tile's probabilities
             dv[:, :, k0:k1].add_(torch.matmul(p.transpose(-1, -2), goi))   # the G query heads summed by the matmul
             ds = torch.matmul(goi, vj.transpose(-1, -2)).sub_(delta[..., None]).mul_(p).mul_(scale)
@@ -132,6 +148,8 @@ def chunked_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor
             del ds, kj, vj
         _put_rows(dq, dqi, q0, q1)
         del qi, goi, delta, li, dqi
+    if into is not None:
+        return dq, dk, dv
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -144,3 +144,33 @@ def test_bad_input_is_refused_before_any_work():
         ca.chunked_attention(q[:, :, :5], k, v)
     with pytest.raises(BoundpassInputError, match="heads, L, D"):
         ca.chunked_attention(q[0], k[0], v[0])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads,kv_heads,d,dv,length,block,chunk", [
+    (4, 2, 8, 8, 37, 10, 4),      # GQA, ragged last block and tile
+    (6, 2, 16, 24, 33, 16, 16),   # MLA-style unequal value head dim
+    (4, 4, 8, 8, 32, 32, 8),      # one block: the whole sequence
+])
+def test_query_blocks_at_their_offsets_are_the_sequence(causal, heads, kv_heads, d, dv, length, block, chunk):
+    """The kernels on a query block at its offset (what a schedule walking the sequence's query blocks calls): each
+    block's rows and log-sum-exp are the whole sequence's rows, and its backward, accumulating dk / dv in place over
+    the blocks (``into``), gives the sequence's dq rows, dk and dv (fp64, against torch's math path)."""
+    q, k, v, grad = _inputs(torch.float64, heads=heads, kv_heads=kv_heads, length=length, d=d, dv=dv)
+    ref = _step(ca.reference, q, k, v, grad, causal=causal)
+    _, ref_lse = ca.chunked_attention_forward(q.detach(), k.detach(), v.detach(), causal, None, chunk)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    dk, dv_ = torch.zeros_like(kd), torch.zeros_like(vd)
+    outs, dqs = [], []
+    for s in range(0, length, block):
+        e = min(s + block, length)
+        out, lse = ca.chunked_attention_forward(qd[:, :, s:e], kd, vd, causal, None, chunk, q_offset=s)
+        torch.testing.assert_close(lse, ref_lse[:, :, s:e], rtol=1e-12, atol=1e-12)
+        outs.append(out)
+        dq, _, _ = ca.chunked_attention_backward(grad[:, :, s:e], qd[:, :, s:e], kd, vd, out, lse, causal, None,
+                                                 chunk, q_offset=s, into=(dk, dv_))
+        dqs.append(dq)
+    for got, want in zip((torch.cat(outs, 2), torch.cat(dqs, 2), dk, dv_), ref):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
+    with pytest.raises(BoundpassInputError, match="positions of the"):
+        ca.chunked_attention_forward(qd[:, :, :block], kd, vd, causal, None, chunk, q_offset=length - block + 1)
