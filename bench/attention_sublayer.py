@@ -18,7 +18,7 @@ block as it runs, built from the same seed.
 
 Writes docs/results/attention_sublayer.json and .md.
 
-    python bench/attention_sublayer.py [--lengths 1024,2048,4096] [--block 256]
+    python bench/attention_sublayer.py [--lengths 1024,2048,4096] [--blocks 128,256,512]
 """
 from __future__ import annotations
 
@@ -148,17 +148,18 @@ def _routed(name: str) -> bool:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="1024,2048,4096")
-    p.add_argument("--block", type=int, default=256, help="query rows per block (and the kernels' tile)")
+    p.add_argument("--blocks", default="256", help="query rows per block (and the kernels' tile), comma-separated")
     args = p.parse_args(argv)
     torch.set_num_threads(2)
     started = time.perf_counter()
     rows = []
-    for length in (int(s) for s in args.lengths.split(",")):
-        plain, walked = measure(length, None), measure(length, args.block)
+    for length, block in ((n, b) for n in (int(s) for s in args.lengths.split(","))
+                          for b in (int(s) for s in args.blocks.split(","))):
+        plain, walked = measure(length, None), measure(length, block)
         rel = {n: ((walked["grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
                for n, g in plain["grads"].items()}
         routed = [n for n in rel if _routed(n)]
-        rows.append(dict(length=length, block=args.block, peak_plain=plain["peak"], peak_walked=walked["peak"],
+        rows.append(dict(length=length, block=block, peak_plain=plain["peak"], peak_walked=walked["peak"],
                          seconds_plain=plain["seconds"], seconds_walked=walked["seconds"],
                          loss_rel=abs(walked["loss"] - plain["loss"]) / abs(plain["loss"]),
                          grad_rel_max=max(v for n, v in rel.items() if n not in routed),
@@ -167,11 +168,15 @@ def main(argv=None) -> int:
         print(rows[-1], flush=True)
     data = dict(rows=rows, meta=run_metadata(), command="python bench/attention_sublayer.py "
                 + " ".join(argv if argv is not None else sys.argv[1:]))
-    if len(rows) > 1:
-        a, b = rows[-2], rows[-1]
-        span = b["length"] - a["length"]
-        data["slope_plain"] = (b["peak_plain"] - a["peak_plain"]) / span
-        data["slope_walked"] = (b["peak_walked"] - a["peak_walked"]) / span
+    # the peak's growth per token between the two longest lengths, per block size
+    lengths = sorted({r["length"] for r in rows})
+    if len(lengths) > 1:
+        data["slopes"] = {}
+        for block in sorted({r["block"] for r in rows}):
+            a, b = (next(r for r in rows if r["length"] == n and r["block"] == block) for n in lengths[-2:])
+            span = b["length"] - a["length"]
+            data["slopes"][block] = dict(plain=(b["peak_plain"] - a["peak_plain"]) / span,
+                                         walked=(b["peak_walked"] - a["peak_walked"]) / span)
     publish("attention_sublayer", data, render, started)
     return 0
 
@@ -192,10 +197,10 @@ def render(data: dict) -> str:
                               "time walked", "loss rel. diff", f"max rel. diff, {data['rows'][0]['grads']} gradients "
                               "(input, attention, norms, router, shared expert)",
                               f"routed experts ({data['rows'][0]['routed']}, bf16 matmuls)"], table), ""]
-    if "slope_plain" in data:
-        lines += [f"Peak per token between the last two lengths: {data['slope_plain'] / 1024:.1f} KiB as it runs, "
-                  f"{data['slope_walked'] / 1024:.1f} KiB walked ({data['slope_walked'] / data['slope_plain']:.2f}x).",
-                  ""]
+    for block, sl in (data.get("slopes") or {}).items():
+        lines += [f"Peak per token between the two longest lengths, query blocks of {block}: {sl['plain'] / 1024:.1f} "
+                  f"KiB as it runs, {sl['walked'] / 1024:.1f} KiB walked ({sl['walked'] / sl['plain']:.2f}x)."]
+    lines += [""]
     lines += ["What is left at O(L) walked: x and its gradient, k and v (and MLA's [L, 16, 256] kv up-projection they "
               "are views of), their gradients, the block's output; the next step is k / v kept on the host or "
               "recomputed per key block from MLA's latent, the FFN in blocks once the attention no longer binds, "
