@@ -15,6 +15,9 @@ split over all W ranks (N = context / W), E_p = 8 (one node), bf16 weights/activ
                      most optimistic case)
   baseline + host optimizer   the same with AdamW state on the host (ZeRO-Offload-style), shown because the
                      baseline's on-device AdamW state alone exceeds 139 GiB where Θ/W is large
+  baseline, data parallel + host optimizer   stock torchtitan's FSDP2 data parallelism instead of the sequence
+                     split: W sequences per step, a whole one per rank (N = context), attention local, torchtitan's
+                     chunked loss (8 chunks), AdamW state on the host, balanced routing (`plan --layout dp`)
   boundpass          Ring-DTP + PipelinedLLEP + SCO + OffloadStreamAdamW (c = 4,096, C = 4,096, β = 2^24, S = 2)
   --search           at a 1M-token sequence on the paper's pairings: the knobs boundpass plan --search picks
 
@@ -76,8 +79,17 @@ VARIANTS = {
     "baseline (worst-case routing)": dict(operators=(), routing="worst"),
     "baseline (balanced routing)": dict(operators=(), routing="balanced"),
     "baseline + host optimizer (balanced)": dict(operators=("offload_adamw",), routing="balanced"),
+    # stock torchtitan's FSDP2 data parallelism: every rank a whole sequence (W sequences per step), attention local,
+    # torchtitan's chunked loss; with the host optimizer, so that it fits where the variant above does
+    "baseline, data parallel + host optimizer (balanced)": dict(operators=("offload_adamw",), routing="balanced",
+                                                                layout="dp", loss_chunks=8),
     "boundpass (all four)": dict(operators=OPERATORS),
 }
+
+
+def _sequences(ranks: int, variant: dict) -> int:
+    """Sequences per step: one split over the W ranks, or W under data parallelism (a whole one per rank)."""
+    return ranks if variant.get("layout") == "dp" else 1
 
 
 def _busy_core_seconds() -> float | None:
@@ -174,14 +186,14 @@ def _render_cli(cli: dict) -> list:
 def _reach(model: str, flavor: str, ranks: int, variant: dict) -> dict:
     start = time.perf_counter()
     r = plan(model, flavor, ranks=ranks, ep=EP, context=ranks, budget=BUDGET, host_budget=HOST_PER_RANK,
-             do_trace=False, solve=True, **variant)
+             global_batch=_sequences(ranks, variant), do_trace=False, solve=True, **variant)
     return {"context": r.solve["value"], "next_does_not_fit": r.solve["next"], "tokens_per_rank": r.solve["tokens_per_rank"],
             "solve_seconds": time.perf_counter() - start}
 
 
 def _at(model: str, flavor: str, ranks: int, context: int, variant: dict, trace: bool) -> dict:
     r = plan(model, flavor, ranks=ranks, ep=EP, context=context, budget=BUDGET, host_budget=HOST_PER_RANK,
-             do_trace=trace, **variant)
+             global_batch=_sequences(ranks, variant), do_trace=trace, **variant)
     bind = r.table.binding()
     data = r.to_json()
     return {"fits": r.fits, "device_peak_bytes": r.table.total, "host_bytes": r.table.host_total,
