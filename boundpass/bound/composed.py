@@ -1,4 +1,6 @@
 """The composed per-rank budget of one training step (docs/design.md §2, MoP layout): every term a sympy formula.
+(``Launch.layout="dp"``: stock FSDP2's data parallelism instead, the baseline plan models: no exchange, attention
+local, FSDP2's held reduce-scatter input; docs/plan.md.)
 
 Layout: ZeRO-3 shards every parameter, gradient and optimizer state over the W ranks; experts are placed over
 E_p expert-parallel ranks (E/E_p per rank, each gathered from its ZeRO shards); attention runs under a
@@ -267,7 +269,8 @@ def _phase_alternatives(s, kinds: set) -> dict:
     out = {"step": [alt("step", "grad", "grad_embedding")], "head": [alt("transient", "gather_prefetch", "head",
                                                                         "grad_head")]}
     if "embedding_backward" in kinds:
-        out["embedding"] = [alt("grad", "grad_embedding", "embedding_backward")]
+        # (stock FSDP2: block 0's reduce-scatter input is still held while the embedding's backward runs)
+        out["embedding"] = [alt("grad", "grad_embedding", "embedding_backward", "reduce_held")]
     for ffn in ("dense", "moe"):
         grads = f"grad_{ffn}" if f"grad_{ffn}" in kinds else "grad"
         prefetch_bwd = "gather_prefetch_first" if ffn == "dense" and "gather_prefetch_first" in kinds \
