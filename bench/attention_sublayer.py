@@ -40,11 +40,10 @@ from boundpass.runtime import chunked_attention as ca
 
 
 def _moe_block(length: int):
-    from boundpass.planning import block_trace
     from boundpass.recipes.models import build_debug_moe
     from boundpass.runtime.seq_to_head import SeqToHeadAttention
     net = build_debug_moe("deepseek_v3", vocab_size=4096, seq_len=length)
-    block = block_trace._first_blocks(net)[-1][1]
+    block = next(b for b in net.layers.values() if getattr(b, "moe", None) is not None)  # the first MoE block
     block.attention.inner_attention = SeqToHeadAttention(block.attention.inner_attention, None)  # fused, v padded
     return block
 
@@ -80,7 +79,7 @@ class _QueryBlocks(torch.autograd.Function):
         x, k, v, *params = ctx.saved_tensors
         attn, rows = ctx.attn, ctx.rows
         dx = torch.empty_like(x)
-        acc = ca._acc_dtype(k.dtype)
+        acc = torch.promote_types(k.dtype, torch.float32)  # the kernels' accumulation dtype
         dk, dv = torch.zeros(k.shape, dtype=acc), torch.zeros(v.shape, dtype=acc)
         dparams = [torch.zeros_like(p) for p in params]
         for s in range(0, x.shape[1], rows):

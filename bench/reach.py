@@ -97,7 +97,7 @@ def _args(side: str, model: str, seq: int, *, ep: int, ac: str, chunk_tokens: in
             "--training.mixed_precision_param", "float32"]
     if side == "fsdp2":
         args += ["--config", fsdp_config, "--parallelism.expert_parallel_degree", str(ep),
-                 "--loss.num_chunks", str(max(8, seq // chunk_tokens))]
+                 "--loss.num_chunks", str(_loss_chunks(seq, chunk_tokens))]
         if cp > 1:
             args += ["--parallelism.context_parallel_degree", str(cp)]
     else:

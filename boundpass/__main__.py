@@ -13,7 +13,7 @@ import time
 
 from boundpass.core.config import OPTIMIZER_SLOTS, OPTIMIZER_STAGING_BYTES, PLAN_BUDGET, PLAN_DISPATCH_CAP, PLAN_VOCAB_BLOCK
 from boundpass.core.errors import BoundpassError
-from boundpass.core.plan_input import OPERATORS, CostModel, locate, make_input
+from boundpass.core.plan_input import LAYOUTS, OPERATORS, CostModel, locate, make_input
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="SCO offloads at most this many checkpoint boundaries (default: all the host budget holds)")
     p.add_argument("--routing", default="worst", choices=("worst", "balanced"),
                    help="standard EP's received rows: worst case (E_p N k) or balanced (N k)")
-    p.add_argument("--layout", default="mop", choices=("mop", "dp"),
+    p.add_argument("--layout", default="mop", choices=LAYOUTS,
                    help="mop: one sequence split over the ranks (boundpass's layout); dp: FSDP2's data parallelism, "
                         "whole sequences per rank (stock torchtitan), for a baseline with --operators none")
     p.add_argument("--loss-chunks", type=int, default=1,

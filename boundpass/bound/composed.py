@@ -55,7 +55,7 @@ from boundpass.core import symbols as sym
 from boundpass.bound.bounds import BoundTerm, BudgetTable, device_peak, raise_infeasible
 from boundpass.core.config import OPTIMIZER_SLOTS, PLAN_DISPATCH_CAP, PLAN_VOCAB_BLOCK
 from boundpass.core.errors import BoundpassInputError
-from boundpass.core.plan_input import OPERATORS  # noqa: F401  (defined where the CLI reads it without torch)
+from boundpass.core.plan_input import LAYOUTS, OPERATORS  # noqa: F401  (where the CLI reads them without torch)
 from boundpass.core.units import format_bytes
 
 # the modules, not the same-named functions boundpass.runtime re-exports
@@ -197,10 +197,6 @@ def check_launch(shape: ModelShape, launch: Launch) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < (
                 0 if name in ("dispatch_borrowed_slots", "sco_max_layers") else 1)):
             raise BoundpassInputError(f"{name} must be a positive int (or None for the default), got {value!r}")
-
-
-# Launch.layout's values: boundpass's MoP layout, FSDP2's data parallelism (whole sequences per rank)
-LAYOUTS = ("mop", "dp")
 
 
 def _divisors(n: int) -> list[int]:

@@ -18,6 +18,9 @@ from boundpass.core.model_source import ModelSource, default_source, source_for
 
 # the bounded operators a launch can switch on (boundpass/bound/composed.py composes their terms)
 OPERATORS = ("ring_dtp", "pipelined_llep", "sco", "offload_adamw")
+# how the W ranks share a step (composed.Launch.layout): boundpass's MoP layout (one sequence split over the ranks),
+# or stock FSDP2's data parallelism (whole sequences per rank)
+LAYOUTS = ("mop", "dp")
 
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
 
@@ -117,7 +120,7 @@ def make_input(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | 
                                       f"evenly over W = {ranks} ranks; use a multiple of {ranks}")
         tokens_per_rank = context * global_batch // ranks
     tokens_per_rank = _positive_int("tokens_per_rank (N)", tokens_per_rank)
-    if layout not in ("mop", "dp"):
+    if layout not in LAYOUTS:
         raise BoundpassInputError(f"layout must be 'mop' (one sequence split over the ranks) or 'dp' (FSDP2's data "
                                   f"parallelism: whole sequences per rank), got {layout!r}")
     if layout == "dp" and context is not None and global_batch % ranks:
