@@ -224,27 +224,35 @@ def chunked_attention_bound(part: str = "forward", *, mixed_precision: bool) -> 
               the larger of rowsum(dO O)'s operands (2 D_v) and the key loop's scores, probabilities and dS with one
               [C_s x d] product per key/value head; kj / vj upcast; the causal mask
     """
-    N, C_s, A_q, A_kv, D, D_v = sym.N, C_s_sym, sym.A_q, sym.A_kv, sym.D_h, D_v_sym
+    N, A_q, A_kv, D, D_v = sym.N, sym.A_q, sym.A_kv, sym.D_h, D_v_sym
     b, b_acc = sym.b, sym.b_acc
-    rows = N / L_seq_sym * C_s           # B C_s: rows of one tile, per head
     q_bytes, kv_bytes = N * A_q * D * b, N * A_kv * (D + D_v) * b
     out_bytes, lse_bytes = N * A_q * D_v * b, N * A_q * b_acc
-    upcast_kv = rows * A_kv * (D + D_v) * b_acc if mixed_precision else 0
-    scores = rows * A_q * C_s * b_acc
-    mask = C_s * C_s + 16 * C_s
+    tile = tile_workspace(part, mixed_precision=mixed_precision, batch=N / L_seq_sym)
     if part == "forward":
-        tile = rows * A_q * (D + 2 * D_v + 5) * b_acc + upcast_kv + 2 * scores + mask
         return q_bytes + kv_bytes + out_bytes + lse_bytes + tile
     inputs = out_bytes + q_bytes + kv_bytes + out_bytes + lse_bytes
     # dq (b), the dk / dv accumulators (b_acc), and their casts to the inputs' dtype when it is narrower
     outputs = q_bytes + N * A_kv * (D + D_v) * b_acc + (kv_bytes if mixed_precision else 0)
+    return inputs + outputs + tile
+
+
+def tile_workspace(part: str = "forward", *, mixed_precision: bool, batch=None) -> sympy.Expr:
+    """What one tile of the kernels allocates beyond their inputs and outputs (the terms of
+    ``chunked_attention_bound`` that do not grow with L): B C_s rows of every head, ``batch`` = B."""
+    C_s, A_q, A_kv, D, D_v, b_acc = C_s_sym, sym.A_q, sym.A_kv, sym.D_h, D_v_sym, sym.b_acc
+    rows = (sym.N / L_seq_sym if batch is None else batch) * C_s     # B C_s: rows of one tile, per head
+    upcast_kv = rows * A_kv * (D + D_v) * b_acc if mixed_precision else 0
+    scores = rows * A_q * C_s * b_acc
+    mask = C_s * C_s + 16 * C_s
+    if part == "forward":
+        return rows * A_q * (D + 2 * D_v + 5) * b_acc + upcast_kv + 2 * scores + mask
     kv_rows = rows * A_kv                # B C_s key rows of every key/value head
     held = rows * A_q * (2 * D + D_v + 2) * b_acc    # qi, dqi, goi, delta, the lse rows
     # rowsum(dO O): O's rows and the product; then the key loop: scores, probabilities and dS live together, beside
     # one [C_s x d] product of a key/value head
-    tile = held + upcast_kv + sympy.Max(rows * A_q * 2 * D_v * b_acc,
+    return held + upcast_kv + sympy.Max(rows * A_q * 2 * D_v * b_acc,
                                         3 * scores + kv_rows * (D + D_v) * b_acc + mask)
-    return inputs + outputs + tile
 
 
 C_s_sym = sympy.Symbol("C_s", integer=True, positive=True)    # query / key rows per tile

@@ -129,9 +129,15 @@ class AttentionConfig:
     chunk: int | None = None
     """The tile C_s (query and key rows per tile). None: the planner's choice, min(the widest the budget allows, the
     knee of the modelled time) (docs/knobs.md)."""
+    query_blocks: bool = True
+    """Where the call's query path and output projection are position-wise (torchtitan's attention of every family,
+    plain PyTorch, Hugging Face's): rewrite the whole sublayer to boundpass::attention_blocks, walked C_s query rows at
+    a time, so q, the attention output, their gradients and dq are never whole (runtime/attention_blocks.py). False:
+    the call alone, to boundpass::chunked_attention."""
 
     def __post_init__(self):
         _switch("attention.enable", self.enable)
+        _switch("attention.query_blocks", self.query_blocks)
         _positive("attention.chunk", self.chunk, what="tile C_s; ")
 
 

@@ -19,9 +19,11 @@ import torch.nn.functional as F
 
 from boundpass.bound.bounds import Knob
 from boundpass.measure.step_peak import module_path
+from boundpass.passes import attention_region as ar
 from boundpass.passes.graph_edit import concrete_size, graph_modules, node_adder
 from boundpass.passes.graph_edit import example_value as _val
 from boundpass.passes.protocol import Diagnosis
+from boundpass.runtime import attention_blocks as ab
 from boundpass.runtime import chunked_attention as ca
 
 _SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
@@ -47,14 +49,21 @@ class AttentionRegion:
     causal: bool = True
     dtype: torch.dtype | None = None
     chunk: int = 0                 # C_s chosen by the budget
+    blocks: bool = False           # the whole sublayer in query blocks (boundpass::attention_blocks)
+    blocks_reason: str = ""        # why not, when query blocks were asked for
     op_node: fx.Node | None = field(default=None, repr=False)
 
     def describe(self) -> str:
         if not self.rewritten:
             return f"SKIPPED   attention {self.module_path}: {self.reason}"
+        shape = (f"(B={self.batch}, L={self.length}, A_q={self.heads}, A_kv={self.kv_heads}, D={self.head_dim}, "
+                 f"D_v={self.v_head_dim}, {'causal' if self.causal else 'full'}, {self.dtype}, C_s={self.chunk})")
+        if self.blocks:
+            return (f"REWRITTEN attention {self.module_path}: query path + scaled_dot_product_attention + output "
+                    f"projection => boundpass::attention_blocks, C_s query rows at a time {shape}")
+        tail = f"; not in query blocks: {self.blocks_reason}" if self.blocks_reason else ""
         return (f"REWRITTEN attention {self.module_path}: scaled_dot_product_attention => boundpass::chunked_attention "
-                f"(B={self.batch}, L={self.length}, A_q={self.heads}, A_kv={self.kv_heads}, D={self.head_dim}, "
-                f"D_v={self.v_head_dim}, {'causal' if self.causal else 'full'}, {self.dtype}, C_s={self.chunk})")
+                f"{shape}{tail}")
 
 
 def _bound_args(node: fx.Node) -> dict:
@@ -88,8 +97,50 @@ def _why_not(a: dict) -> str:
     return ""
 
 
-def rewrite_attention_regions(gm: fx.GraphModule, chunk: int = 0) -> list[AttentionRegion]:
-    """Rewrite every eligible call in place (tile ``chunk``; 0: left for the planner); return all calls found."""
+def _query_blocks(sub: fx.GraphModule, node: fx.Node, a: dict, chunk: int):
+    """The sublayer around the call rewritten to boundpass::attention_blocks: (its op node, "") or (None, why not)."""
+    q, k, v = a["query"], a["key"], a["value"]
+    length = _val(q).shape[2]
+    if not isinstance(length, int):
+        return None, "the sequence length is symbolic in this graph"
+    try:
+        qpath = ar.query_path(node, q, k, v)
+        q_inputs = ar.inputs_of(qpath) if qpath else [q]
+        dims, qwalk = ar.follow_inputs(qpath, q_inputs, length, q, 2)
+        opath = ar.output_path(node)
+        o_inputs = ar.inputs_of(opath, node)
+        result = opath[-1] if opath else node
+        odims = {node: 2, **{i: None for i in o_inputs}}   # the projection's weight and bias
+        owalk = ar.follow(opath, length, odims)
+        if odims[result] is None:
+            raise ar.NotPositionwise("the output projection's result does not carry the sequence")
+    except ar.NotPositionwise as why:
+        return None, str(why)
+    rows = [i for i in q_inputs if dims[i] is not None]
+    params = [i for i in q_inputs if dims[i] is None] + o_inputs
+    region = ab.Region(query=ar.program(qpath, rows + params[:len(params) - len(o_inputs)], q, qwalk),
+                       out=ar.program(opath, [node, *o_inputs], result, owalk),
+                       row_dims=tuple(dims[i] for i in rows), query_params=len(params) - len(o_inputs),
+                       y_shape=tuple(_val(result).shape), y_dim=odims[result], y_dtype=_val(result).dtype,
+                       needs=tuple(bool(getattr(_val(i), "requires_grad", False)) for i in (*rows, *params, k, v)))
+    try:
+        key = ab.register_region(region, [_val(i) for i in rows], [_val(i) for i in params], _val(node))
+    except Exception as why:  # a program that still makes a sequence-long dim at a block's rows
+        return None, f"the query path does not run on a block of rows ({type(why).__name__}: {why})"
+    add = node_adder(sub.graph, _val(q).fake_mode, module_stack_of=node, trace_of=node)
+    with sub.graph.inserting_before(result):
+        op = add(torch.ops.boundpass.attention_blocks_fwd.default, rows, params, k, v, key, bool(a["is_causal"]),
+                 float(a["scale"] or 0.0), int(chunk))
+    result.replace_all_uses_with(op)
+    for dead in reversed([*qpath, node, *opath]):
+        sub.graph.erase_node(dead)
+    return op, ""
+
+
+def rewrite_attention_regions(gm: fx.GraphModule, chunk: int = 0, *,
+                              query_blocks: bool = False) -> list[AttentionRegion]:
+    """Rewrite every eligible call in place (tile ``chunk``; 0: left for the planner); return all calls found.
+    ``query_blocks``: the whole sublayer where it is position-wise, the call alone elsewhere (the region says why)."""
     regions, touched = [], []
     calls = [(sub, node) for sub in list(graph_modules(gm)) for node in sub.graph.nodes
              if node.op == "call_function" and any(node.target is f for f in _SDPA)]
@@ -102,19 +153,22 @@ def rewrite_attention_regions(gm: fx.GraphModule, chunk: int = 0) -> list[Attent
             continue
         q, k, v = a["query"], a["key"], a["value"]
         qv, kv, vv = _val(q), _val(k), _val(v)
-        add = node_adder(sub.graph, qv.fake_mode, module_stack_of=node, trace_of=node)
-        with sub.graph.inserting_before(node):
-            op = add(torch.ops.boundpass.chunked_attention_fwd.default, q, k, v, bool(a["is_causal"]),
-                     float(a["scale"] or 0.0), int(chunk))
-            out = add(operator.getitem, op, 0)
-        node.replace_all_uses_with(out)
-        sub.graph.erase_node(node)
+        op, why_not_blocks = _query_blocks(sub, node, a, chunk) if query_blocks else (None, "")
+        if op is None:
+            add = node_adder(sub.graph, qv.fake_mode, module_stack_of=node, trace_of=node)
+            with sub.graph.inserting_before(node):
+                op = add(torch.ops.boundpass.chunked_attention_fwd.default, q, k, v, bool(a["is_causal"]),
+                         float(a["scale"] or 0.0), int(chunk))
+                out = add(operator.getitem, op, 0)
+            node.replace_all_uses_with(out)
+            sub.graph.erase_node(node)
         touched.append(sub)
         regions.append(AttentionRegion(module_path=path, rewritten=True, tokens=qv.shape[0] * qv.shape[2],
                                        batch=int(qv.shape[0]), length=qv.shape[2], heads=int(qv.shape[1]),
                                        kv_heads=int(kv.shape[1]), head_dim=int(qv.shape[3]),
                                        v_head_dim=int(vv.shape[3]), causal=bool(a["is_causal"]), dtype=qv.dtype,
-                                       chunk=int(chunk), op_node=op))
+                                       chunk=int(chunk), blocks=query_blocks and not why_not_blocks,
+                                       blocks_reason=why_not_blocks, op_node=op))
     for sub in {id(s): s for s in touched}.values():
         sub.recompile()
     return regions
@@ -128,7 +182,8 @@ class AttentionPass:
         return config.attention.enable
 
     def rewrite(self, gm: fx.GraphModule, ctx) -> list[AttentionRegion]:
-        return rewrite_attention_regions(gm, ctx.fixed.get("attention_chunk", 0))
+        return rewrite_attention_regions(gm, ctx.fixed.get("attention_chunk", 0),
+                                         query_blocks=ctx.config.attention.query_blocks)
 
     def knobs(self, regions: list, ctx) -> list[Knob]:
         from boundpass.bound import cost_model
@@ -141,13 +196,15 @@ class AttentionPass:
 
         def knee_of(region, length) -> int:
             b_acc = torch.promote_types(region.dtype or torch.float32, torch.float32).itemsize
-            device = getattr(_val(region.op_node.args[0]), "device", None)
+            device = getattr(_val(region.op_node.args[2]), "device", None)
             return cost_model.chunked_attention_knee(
                 lo=lo, hi=hi, B=region.batch, L=length, A_q=region.heads, D=region.head_dim, D_v=region.v_head_dim,
                 causal=region.causal, b_acc=b_acc, costs=cost_model.costs_for(getattr(device, "type", "cpu")))
         return [Knob("attention_chunk", ca.C_s_sym, lo=lo, hi=hi, arg="chunk",
                      ops=(torch.ops.boundpass.chunked_attention_fwd.default,
-                          torch.ops.boundpass.chunked_attention_bwd.default),
+                          torch.ops.boundpass.chunked_attention_bwd.default,
+                          torch.ops.boundpass.attention_blocks_fwd.default,
+                          torch.ops.boundpass.attention_blocks_bwd.default),
                      user=ctx.config.attention.chunk, regions=rewritten,
                      knee=max(knee_of(r, n) for r, n in zip(rewritten, lengths)), owner=self.name)]
 

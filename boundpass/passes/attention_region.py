@@ -1,0 +1,334 @@
+"""The attention sublayer around one scaled_dot_product_attention call, found by structure and proved
+position-wise, as the two programs runtime/attention_blocks.py walks in query blocks.
+
+The query path is every node the call's query is computed from that the key and value are not (torchtitan's MLA:
+the low-rank q projection, its norm, the split, RoPE; GQA: the q projection, q_norm, RoPE; a fused q/k/v projection
+leaves only what follows its split). Its inputs are the parameters it reads and the tensors it shares with the rest
+of the block (the normed hidden states, the RoPE table's rows): the *row inputs*, each with one sequence dim. The
+output path is the chain from the call's output through reshapes to the first linear (the output projection),
+every link used once.
+
+Both paths must be position-wise along the sequence, or walking them in blocks would change what they compute.
+Each node is checked by a rule that follows the sequence dim through it (``_follow``): linear maps and elementwise
+ops keep it (broadcast operands aligned on it), reshapes keep it when the dims before it are unchanged, splits,
+concatenations, slices, norms and reductions act on other dims only. A node no rule covers, or one that would mix
+positions, leaves the sublayer as it is (the region's reason names it). Shapes in a Dynamo graph are literal ints: the
+sequence length in a reshape's target is rewritten to the block's row count ``n``, the programs' first input; every
+other int stays, and a program that still makes a sequence-long dim at a block's rows is refused (``_check_rows``).
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from boundpass.passes.graph_edit import example_value as _val
+
+
+class NotPositionwise(Exception):
+    """Why a path cannot be walked in query blocks."""
+
+
+_ELEMENTWISE_FUNCTIONS = {operator.mul, operator.add, operator.sub, operator.truediv, operator.neg, operator.pow,
+                          torch.mul, torch.add, torch.sub, torch.div, torch.neg, torch.rsqrt, torch.exp, torch.sigmoid,
+                          torch.tanh, torch.sqrt, torch.pow, torch.sin, torch.cos, F.silu, F.gelu, F.relu}
+_ELEMENTWISE_METHODS = {"float", "half", "bfloat16", "double", "type_as", "to", "contiguous", "clone", "mul", "add",
+                        "sub", "div", "neg", "pow", "rsqrt", "sigmoid", "exp", "__neg__", "__mul__", "__add__",
+                        "type"}
+_LINEAR = {torch._C._nn.linear, F.linear}
+_RESHAPES = {"view", "reshape"}
+_NORMS = {torch.rms_norm, torch.layer_norm, F.rms_norm, F.layer_norm}
+_SPLITS = {torch.split, torch.functional.split, torch.chunk, torch.tensor_split}
+
+
+def _name(node: fx.Node) -> str:
+    return node.target if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
+
+
+def _shape(x):
+    v = _val(x)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def input_dims(node: fx.Node, length: int) -> list:
+    """The sequence dims a region input may have: none for parameters and tensors without a dim of ``length``;
+    otherwise none or any dim of that size (a weight or a head dim equal to L as well: ``follow_inputs`` keeps the
+    one assignment under which the path is position-wise and q carries the sequence)."""
+    value = _val(node)
+    if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+        return [None]
+    return [i for i, s in enumerate(value.shape) if s == length] + [None]
+
+
+class _Follow:
+    """Follows the sequence dim through the nodes of a path; notes which int args are the sequence length."""
+
+    def __init__(self, length: int, dims: dict):
+        self.length, self.dims = length, dims
+        self.literals: dict = {}        # node -> positions in its flattened shape args that are the length
+
+    def dim(self, arg):
+        return self.dims.get(arg) if isinstance(arg, fx.Node) else None
+
+    def __call__(self, node: fx.Node):
+        if node.op not in ("call_function", "call_method"):
+            raise NotPositionwise(f"{node.op} {node.name}")
+        name, args = _name(node), node.args
+        shape = _shape(node)
+        if node.op == "call_function" and node.target is operator.getitem and isinstance(_val(args[0]), (tuple, list)):
+            d = self.dim(args[0])
+            return d[args[1]] if isinstance(d, (tuple, list)) else d
+        if node.op == "call_function" and node.target is operator.getitem:
+            return self._index(node)
+        if node.op == "call_function" and node.target in _LINEAR:
+            d = self.dim(args[0])
+            if any(self.dim(a) is not None for a in args[1:]) or any(self.dim(a) is not None for a in node.kwargs.values()):
+                raise NotPositionwise(f"{node.name}: a linear map whose weight carries the sequence")
+            if d is not None and d == len(_shape(args[0])) - 1:
+                raise NotPositionwise(f"{node.name}: a linear map along the sequence")
+            return d
+        if ((node.op == "call_function" and node.target in _ELEMENTWISE_FUNCTIONS)
+                or (node.op == "call_method" and name in _ELEMENTWISE_METHODS)):
+            return self._broadcast(node, shape)
+        if node.op == "call_function" and node.target in _NORMS:
+            d, normalized = self.dim(args[0]), args[1]
+            if any(self.dim(a) is not None for a in args[2:4]):
+                raise NotPositionwise(f"{node.name}: a norm whose weight carries the sequence")
+            if d is not None and d >= len(shape) - len(normalized):
+                raise NotPositionwise(f"{node.name}: a norm over the sequence")
+            return d
+        if (node.op == "call_method" and name in _RESHAPES) or (node.op == "call_function"
+                                                                and node.target is torch.reshape):
+            return self._reshape(node, shape)
+        if node.op == "call_method" and name == "expand":
+            return self._expand(node, shape)
+        if (node.op == "call_method" and name in ("transpose", "permute", "flatten", "unsqueeze", "squeeze")) or \
+                (node.op == "call_function" and node.target in (torch.transpose, torch.flatten, torch.unsqueeze)):
+            return self._moved(node, name.split(".")[-1], shape)
+        if (node.op == "call_function" and node.target in _SPLITS) or (node.op == "call_method"
+                                                                       and name in ("split", "chunk")):
+            d = self.dim(args[0])
+            dim = node.kwargs.get("dim", args[2] if len(args) > 2 else 0)
+            if d is not None and _norm_dim(dim, len(_shape(args[0]))) == d:
+                raise NotPositionwise(f"{node.name}: a split along the sequence")
+            return tuple(d for _ in _val(node))
+        if node.op == "call_function" and node.target is torch.cat:
+            parts = args[0]
+            dim = node.kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            ds = {self.dim(p) for p in parts}
+            if len(ds) != 1 or (None in ds and len(parts) > 1 and any(s == self.length for p in parts
+                                                                          for s in _shape(p))):
+                raise NotPositionwise(f"{node.name}: concatenated tensors disagree on the sequence dim")
+            d = ds.pop()
+            if d is not None and _norm_dim(dim, len(shape)) == d:
+                raise NotPositionwise(f"{node.name}: a concatenation along the sequence")
+            return d
+        if node.op == "call_function" and node.target in (torch.view_as_complex, torch.view_as_real):
+            d = self.dim(args[0])
+            if d is not None and node.target is torch.view_as_complex and d == len(_shape(args[0])) - 1:
+                raise NotPositionwise(f"{node.name}: the sequence is the complex pair dim")
+            return d
+        raise NotPositionwise(f"{node.name} ({name}) is not an op the query blocks know to be position-wise")
+
+    def _broadcast(self, node, shape):
+        out = None
+        operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(_val(a), torch.Tensor)]
+        for a in operands:
+            d, s = self.dim(a), _shape(a)
+            if d is None:
+                continue
+            from_right = len(s) - d
+            if out is not None and out != from_right:
+                raise NotPositionwise(f"{node.name}: operands carry the sequence at different dims")
+            out = from_right
+        if out is None:
+            return None
+        for a in operands:
+            s = _shape(a)
+            if self.dim(a) is None and len(s) >= out and s[len(s) - out] != 1:
+                raise NotPositionwise(f"{node.name}: an operand without the sequence is broadcast along it")
+        return len(shape) - out
+
+    def _index(self, node):
+        base, index = node.args
+        d = self.dim(base)
+        if d is None:
+            return None
+        ndim = len(_shape(base))
+        index = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(i, fx.Node) or i is None or isinstance(i, int) for i in index):
+            raise NotPositionwise(f"{node.name}: indexing other than slices")
+        if Ellipsis in index:
+            at = index.index(Ellipsis)
+            index = index[:at] + (slice(None),) * (ndim - len(index) + 1) + index[at + 1:]
+        if d < len(index) and index[d] != slice(None):
+            raise NotPositionwise(f"{node.name}: a slice of the sequence")
+        return d
+
+    def _reshape(self, node, shape):
+        base = node.args[0]
+        d = self.dim(base)
+        if d is None:
+            return None
+        before = _shape(base)
+        prefix = math.prod(before[:d])
+        for j in range(len(shape)):
+            if math.prod(shape[:j]) == prefix and shape[j] == self.length:
+                self._note_length(node, j)
+                return j
+        raise NotPositionwise(f"{node.name}: a reshape of {before} to {shape} merges the sequence with another dim")
+
+    def _expand(self, node, shape):
+        d = self.dim(node.args[0])
+        if d is not None:
+            self._note_length(node, d)
+        return d
+
+    def _note_length(self, node, position: int) -> None:
+        sizes = node.args[1:]
+        if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+            sizes = sizes[0]
+        if position < len(sizes) and sizes[position] == self.length:
+            self.literals[node] = position
+
+    def _moved(self, node, name, shape):
+        base = node.args[0]
+        d, ndim = self.dim(base), len(_shape(base))
+        if d is None:
+            return None
+        rest = list(node.args[1:])
+        if name == "transpose":
+            a, b = (_norm_dim(x, ndim) for x in rest[:2])
+            return b if d == a else a if d == b else d
+        if name == "permute":
+            order = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
+            return [_norm_dim(x, ndim) for x in order].index(d)
+        if name == "unsqueeze":
+            at = _norm_dim(rest[0], ndim + 1)
+            return d + 1 if at <= d else d
+        if name == "flatten":
+            start = _norm_dim(rest[0] if rest else node.kwargs.get("start_dim", 0), ndim)
+            end = _norm_dim(rest[1] if len(rest) > 1 else node.kwargs.get("end_dim", -1), ndim)
+            if start <= d <= end and start != end:
+                raise NotPositionwise(f"{node.name}: a flatten merges the sequence with another dim")
+            return d if d < start else d - (end - start)
+        raise NotPositionwise(f"{node.name}: {name}")
+
+
+def query_path(sdpa: fx.Node, query: fx.Node, key: fx.Node, value: fx.Node) -> list[fx.Node]:
+    """The nodes computing ``query`` that key and value do not need, in graph order; each used only inside."""
+    shared = _ancestors(key) | _ancestors(value) | {key, value}
+    path = [n for n in _ancestors(query) | {query} if n not in shared and n.op != "placeholder"
+            and n.op != "get_attr"]
+    # an item of a tuple made outside (a fused q/k/v projection's split) is where the path starts: an input
+    path = [n for n in path if not (n.op == "call_function" and n.target is operator.getitem
+                                    and n.args[0] not in path and isinstance(_val(n.args[0]), (tuple, list)))]
+    inside = set(path) | {sdpa}
+    for n in path:
+        outside = [u for u in n.users if u not in inside]
+        if outside:
+            raise NotPositionwise(f"{n.name} is used outside the query path (by {outside[0].name})")
+    order = {n: i for i, n in enumerate(sdpa.graph.nodes)}
+    return sorted(path, key=order.__getitem__)
+
+
+def output_path(sdpa: fx.Node) -> list[fx.Node]:
+    """The chain from the call's output to the first linear after it (reshapes between), each link used once;
+    empty when no linear follows that way."""
+    chain, node = [], sdpa
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.op not in ("call_function", "call_method"):
+            break
+        chain.append(user)
+        if user.op == "call_function" and user.target in _LINEAR:
+            return chain
+        if not (user.op == "call_method" and _name(user) in ("transpose", "contiguous", "view", "reshape", "flatten",
+                                                              "permute")):
+            break
+        node = user
+    return []
+
+
+def _ancestors(node: fx.Node) -> set:
+    out, stack = set(), list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in out:
+            out.add(n)
+            stack.extend(n.all_input_nodes)
+    return out
+
+
+def inputs_of(path: list[fx.Node], *also: fx.Node) -> list[fx.Node]:
+    """The nodes outside ``path`` that it reads, in first-use order (``also``: nodes to treat as inside)."""
+    inside, out = set(path) | set(also), []
+    for n in path:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in out:
+                out.append(a)
+    return out
+
+
+def follow(path: list[fx.Node], length: int, dims: dict) -> _Follow:
+    """Check every node of ``path`` position-wise; ``dims`` (input -> its sequence dim) gains every node's."""
+    walker = _Follow(length, dims)
+    for n in path:
+        dims[n] = walker(n)
+    return walker
+
+
+def follow_inputs(path: list[fx.Node], inputs: list[fx.Node], length: int, result: fx.Node, result_dim: int,
+                  fixed: dict | None = None) -> tuple[dict, _Follow]:
+    """``follow`` under the one assignment of the inputs' sequence dims (``input_dims``) under which every node is
+    position-wise and ``result`` carries the sequence at ``result_dim``; refused when none or several do."""
+    import itertools
+    choices = [input_dims(i, length) for i in inputs]
+    found, why = [], ""
+    for combo in itertools.islice(itertools.product(*choices), 64):
+        dims = {**(fixed or {}), **dict(zip(inputs, combo))}
+        try:
+            walker = follow(path, length, dims)
+        except NotPositionwise as e:
+            why = why or str(e)
+            continue
+        if dims[result] == result_dim:
+            found.append((dims, walker))
+        else:
+            why = why or f"{result.name} carries the sequence at dim {dims[result]}, not {result_dim}"
+    if not found:
+        raise NotPositionwise(why)
+    if len(found) > 1:
+        raise NotPositionwise(f"the inputs' sequence dims are ambiguous ({len(found)} consistent assignments)")
+    return found[0]
+
+
+def program(path: list[fx.Node], inputs: list[fx.Node], result: fx.Node, walker: _Follow) -> fx.GraphModule:
+    """``path`` as a GraphModule (n, *inputs) -> result, the sequence length in its reshapes replaced by n."""
+    graph = fx.Graph()
+    n = graph.placeholder("n")
+    env = {a: graph.placeholder(f"in{i}") for i, a in enumerate(inputs)}
+    for node in path:
+        new = graph.node_copy(node, lambda a: env[a])
+        if node in walker.literals:
+            new.args = _with_length(new.args, walker.literals[node], n)
+        env[node] = new
+    graph.output(env[result])
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _with_length(args: tuple, position: int, n: fx.Node) -> tuple:
+    base, sizes = args[0], list(args[1:])
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+        inner = list(sizes[0])
+        inner[position] = n
+        return (base, type(sizes[0])(inner))
+    sizes[position] = n
+    return (base, *sizes)
