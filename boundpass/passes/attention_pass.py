@@ -116,6 +116,9 @@ def _query_blocks(sub: fx.GraphModule, node: fx.Node, a: dict, chunk: int):
             raise ar.NotPositionwise("the output projection's result does not carry the sequence")
     except ar.NotPositionwise as why:
         return None, str(why)
+    unpadded = ar.padded_value(v, opath)   # (the value before the padding for torch's fused kernel, reshapes)
+    width = _val(unpadded[0]).shape[-1] if unpadded is not None else _val(v).shape[3]
+    o_example = _val(node).new_empty((*_val(node).shape[:3], width))
     rows = [i for i in q_inputs if dims[i] is not None]
     params = [i for i in q_inputs if dims[i] is None] + o_inputs
     region = ab.Region(query=ar.program(qpath, rows + params[:len(params) - len(o_inputs)], q, qwalk),
@@ -124,16 +127,26 @@ def _query_blocks(sub: fx.GraphModule, node: fx.Node, a: dict, chunk: int):
                        y_shape=tuple(_val(result).shape), y_dim=odims[result], y_dtype=_val(result).dtype,
                        needs=tuple(bool(getattr(_val(i), "requires_grad", False)) for i in (*rows, *params, k, v)))
     try:
-        key = ab.register_region(region, [_val(i) for i in rows], [_val(i) for i in params], _val(node))
+        key = ab.register_region(region, [_val(i) for i in rows], [_val(i) for i in params], o_example)
     except Exception as why:  # a program that still makes a sequence-long dim at a block's rows
         return None, f"the query path does not run on a block of rows ({type(why).__name__}: {why})"
     add = node_adder(sub.graph, _val(q).fake_mode, module_stack_of=node, trace_of=node)
+    if unpadded is not None:
+        v, links = unpadded
+        with sub.graph.inserting_before(node):
+            for link in links:
+                v = add(link.target, v, *link.args[1:], kind="call_method")
     with sub.graph.inserting_before(result):
         op = add(torch.ops.boundpass.attention_blocks_fwd.default, rows, params, k, v, key, bool(a["is_causal"]),
                  float(a["scale"] or 0.0), int(chunk))
     result.replace_all_uses_with(op)
+    padded = node.args[2] if len(node.args) > 2 else node.kwargs["value"]
     for dead in reversed([*qpath, node, *opath]):
         sub.graph.erase_node(dead)
+    while unpadded is not None and isinstance(padded, fx.Node) and not padded.users:   # the padded value's chain
+        below = padded.args[0]
+        sub.graph.erase_node(padded)
+        padded = below
     return op, ""
 
 
@@ -154,7 +167,9 @@ def rewrite_attention_regions(gm: fx.GraphModule, chunk: int = 0, *,
         q, k, v = a["query"], a["key"], a["value"]
         qv, kv, vv = _val(q), _val(k), _val(v)
         op, why_not_blocks = _query_blocks(sub, node, a, chunk) if query_blocks else (None, "")
-        if op is None:
+        if op is not None:
+            vv = _val(op.args[3])   # the value the op reads (unpadded where the model padded it)
+        else:
             add = node_adder(sub.graph, qv.fake_mode, module_stack_of=node, trace_of=node)
             with sub.graph.inserting_before(node):
                 op = add(torch.ops.boundpass.chunked_attention_fwd.default, q, k, v, bool(a["is_causal"]),

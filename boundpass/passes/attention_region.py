@@ -240,8 +240,8 @@ def query_path(sdpa: fx.Node, query: fx.Node, key: fx.Node, value: fx.Node) -> l
 
 
 def output_path(sdpa: fx.Node) -> list[fx.Node]:
-    """The chain from the call's output to the first linear after it (reshapes between), each link used once;
-    empty when no linear follows that way."""
+    """The chain from the call's output to the first linear after it (reshapes and slices between), each link used
+    once; empty when no linear follows that way."""
     chain, node = [], sdpa
     while len(node.users) == 1:
         (user,) = node.users
@@ -250,8 +250,10 @@ def output_path(sdpa: fx.Node) -> list[fx.Node]:
         chain.append(user)
         if user.op == "call_function" and user.target in _LINEAR:
             return chain
-        if not (user.op == "call_method" and _name(user) in ("transpose", "contiguous", "view", "reshape", "flatten",
-                                                              "permute")):
+        reshaping = user.op == "call_method" and _name(user) in ("transpose", "contiguous", "view", "reshape",
+                                                                  "flatten", "permute")
+        slicing = user.op == "call_function" and user.target is operator.getitem   # a padded value's columns off
+        if not (reshaping or slicing):
             break
         node = user
     return []
@@ -332,3 +334,39 @@ def _with_length(args: tuple, position: int, n: fx.Node) -> tuple:
         return (base, type(sizes[0])(inner))
     sizes[position] = n
     return (base, *sizes)
+
+
+_PADS = {torch._C._nn.pad, F.pad}
+
+
+def padded_value(value: fx.Node, opath: list[fx.Node]):
+    """(the value before its zero padding, the reshapes between the two) when ``value`` is a value zero-padded along
+    its head dim to the query's for torch's fused kernel (torchtitan on CPU, the MoP layout) and the output path
+    slices the padded columns off again; else None. The chunked kernels take a value head dim of its own, so the op
+    reads the narrower value and the slice is a no-op on its output."""
+    chain, node = [], value
+    while node.op == "call_method" and _name(node) in ("transpose", "contiguous") and len(node.users) == 1:
+        chain.append(node)
+        node = node.args[0]
+    if not (node.op == "call_function" and node.target in _PADS and len(node.users) == 1):
+        return None
+    pad = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad")
+    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+    fill = node.args[3] if len(node.args) > 3 else node.kwargs.get("value")
+    if mode != "constant" or fill not in (None, 0, 0.0) or not isinstance(pad, (tuple, list)) or len(pad) != 2 \
+            or pad[0] != 0:
+        return None
+    width = _shape(node.args[0])[-1]
+    for link in opath:
+        if link.op == "call_function" and link.target is operator.getitem:
+            index = link.args[1] if isinstance(link.args[1], tuple) else (link.args[1],)
+            last = index[-1]
+            keeps_last = _shape(link.args[0])[-1] == _shape(value)[-1] and (Ellipsis in index
+                                                                           or len(index) == len(_shape(link.args[0])))
+            if keeps_last and isinstance(last, slice) and last.start in (None, 0) and last.stop == width \
+                    and last.step in (None, 1):
+                return node.args[0], list(reversed(chain))
+            return None
+        if _shape(link)[-1] != _shape(value)[-1]:
+            return None
+    return None
