@@ -89,52 +89,54 @@ def _new_bytes(values, seen: set) -> int:
 
 def _per_row(region: Region, rows: list, params: list, o: Tensor, n: int = 4) -> None:
     """Set the region's bytes per query row of every tensor each program makes (its intermediates' storages, counted
-    once), of one row of the row inputs, and q's heads and head dim. The programs are position-wise, so their bytes
-    are multiples of the rows; they run on fake tensors here (no memory)."""
+    once; the larger of a run without grad, as the forward runs it, and one with, as the backward does: matmul copies
+    a non-contiguous input only when it requires grad), of one row of the row inputs, and q's heads and head dim.
+    The programs are position-wise, so their bytes are multiples of the rows; they run on fake tensors here."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = FakeTensorMode()
-    counts = []
-    for program in (region.query, region.out):
-        seen: set = set()
-        with mode:
-            if program is region.query:
-                cut = [torch.empty(_rows_shape(t, d, n), dtype=t.dtype) if d is not None else
-                       torch.empty(t.shape, dtype=t.dtype) for t, d in zip(rows, region.row_dims)]
-                inputs = [*cut, *[torch.empty(p.shape, dtype=p.dtype) for p in params[:region.query_params]]]
-            else:
-                shape = list(o.shape)
-                shape[2] = n
-                inputs = [torch.empty(shape, dtype=o.dtype),
-                          *[torch.empty(p.shape, dtype=p.dtype) for p in params[region.query_params:]]]
-            _new_bytes(inputs, seen)
-            interp = _Counting(program, seen)
-            result = interp.run(n, *inputs)
-        if program is region.query:
-            region.heads, region.d_qk = int(result.shape[1]), int(result.shape[3])
-        counts.append(-(-interp.made // n))
+    n_rows, nq = len(rows), region.query_params
+    need_rows, need_params = region.needs[:n_rows], region.needs[n_rows:n_rows + len(params)]
+    counts = [0, 0]
+    for grad in (False, True):
+        mode = FakeTensorMode()
+        for which, program in enumerate((region.query, region.out)):
+            seen: set = set()
+            with mode, torch.set_grad_enabled(grad):
+                if which == 0:
+                    # a block's rows are views of the whole inputs, as the kernels cut them: a program that needs
+                    # them contiguous copies them, and that copy is counted
+                    cut = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).narrow(d, 0, n) if d is not None
+                           else torch.empty(t.shape, dtype=t.dtype) for t, d in zip(rows, region.row_dims)]
+                    leaves = [*cut, *[torch.empty(p.shape, dtype=p.dtype) for p in params[:nq]]]
+                    needs = [*need_rows, *need_params[:nq]]
+                else:
+                    leaves = [torch.empty((*o.shape[:2], n, *o.shape[3:]), dtype=o.dtype),
+                              *[torch.empty(p.shape, dtype=p.dtype) for p in params[nq:]]]
+                    needs = [True, *need_params[nq:]]
+                inputs = [t.requires_grad_(grad and need and t.is_floating_point()) if t.is_leaf else t
+                          for t, need in zip(leaves, needs)]
+                _new_bytes(inputs, seen)
+                with _Counting(seen) as counting:
+                    result = program(n, *inputs)
+            if which == 0:
+                region.heads, region.d_qk = int(result.shape[1]), int(result.shape[3])
+            counts[which] = max(counts[which], -(-counting.made // n))
     region.query_row_bytes, region.out_row_bytes = counts
     region.input_row_bytes = sum(t.dtype.itemsize * (t.numel() // t.shape[d])
                                  for t, d in zip(rows, region.row_dims) if d is not None)
 
 
-def _rows_shape(t, dim: int, n: int) -> list:
-    shape = list(t.shape)
-    shape[dim] = n
-    return shape
+class _Counting(torch.utils._python_dispatch.TorchDispatchMode):
+    """Adds up the storages every aten op makes while a program runs (the copies inside composite ops too: a
+    linear's input made contiguous is what autograd saves)."""
 
-
-class _Counting(torch.fx.Interpreter):
-    """Runs a program and adds up the storages its nodes make."""
-
-    def __init__(self, module, seen: set):
-        super().__init__(module)
+    def __init__(self, seen: set):
+        super().__init__()
         self.seen, self.made = seen, 0
 
-    def run_node(self, node):
-        out = super().run_node(node)
-        if node.op not in ("placeholder", "output"):
-            self.made += _new_bytes(torch.utils._pytree.tree_leaves(out), self.seen)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.made += _new_bytes(torch.utils._pytree.tree_leaves(out), self.seen)
         return out
 
 
@@ -205,10 +207,12 @@ def blocks_backward(grad_y: Tensor, rows: list, params: list, k: Tensor, v: Tens
             wanted = [o, *[p for p in op if p.requires_grad]]
             grads = torch.autograd.grad(y, wanted, grad_y.narrow(region.y_dim, s, e - s), allow_unused=True)
         del y
+        grad_o = grads[0]
         _add(d_params[nq:], [p.requires_grad for p in op], grads[1:])
-        dq, _, _ = ca.chunked_attention_backward(grads[0], q.detach(), k, v, o.detach(), lse, causal, scale, chunk,
+        del grads, op   # the output projection's weight gradient is added: not held through the kernels
+        dq, _, _ = ca.chunked_attention_backward(grad_o, q.detach(), k, v, o.detach(), lse, causal, scale, chunk,
                                                  q_offset=s, into=(dk, dv))
-        del grads, o, lse
+        del grad_o, o, lse
         leaves = [t for t in (*cut, *qp) if t.requires_grad]
         if leaves and q.requires_grad:
             with _autograd_in_kernel():
@@ -286,24 +290,61 @@ def _backward(ctx, grad_y):
 attention_blocks_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def sublayer(query, out, rows: list[Tensor], params: list[Tensor], k: Tensor, v: Tensor, *, row_dims: tuple,
+             query_params: int, causal: bool = True, scale: float | None = None, chunk: int = 256) -> Tensor:
+    """``out(L, attention(query(L, *rows, *params[:query_params]), k, v), *params[query_params:])`` walked in query
+    blocks of ``chunk`` rows (differentiable), without the compiler: ``query`` and ``out`` are position-wise
+    callables that fx.symbolic_trace can trace (their first argument the rows in the block), ``row_dims`` each row
+    input's sequence dim. Registers one region per call (the pass registers one per graph)."""
+    if chunk < 1:
+        raise BoundpassInputError(f"attention blocks: chunk must be >= 1, got {chunk}")
+    key = make_region(query, out, rows, params, k, v, row_dims=row_dims, query_params=query_params)
+    return torch.ops.boundpass.attention_blocks_fwd(list(rows), list(params), k, v, key, causal, float(scale or 0.0),
+                                                    int(chunk))
+
+
+def make_region(query, out, rows: list[Tensor], params: list[Tensor], k: Tensor, v: Tensor, *, row_dims: tuple,
+                query_params: int) -> str:
+    """Register the region of ``sublayer``'s arguments; return its key."""
+    if len(row_dims) != len(rows) or all(d is None for d in row_dims):
+        raise BoundpassInputError(f"attention blocks: row_dims {row_dims} must give each of the {len(rows)} row "
+                                  "inputs its sequence dim (at least one)")
+    programs = [torch.fx.symbolic_trace(f) if not isinstance(f, torch.fx.GraphModule) else f for f in (query, out)]
+    length = next(int(t.shape[d]) for t, d in zip(rows, row_dims) if d is not None)
+    with torch.device("meta"):
+        meta = lambda t: torch.empty(t.shape, dtype=t.dtype)  # noqa: E731
+        q = programs[0](length, *[meta(t) for t in rows], *[meta(p) for p in params[:query_params]])
+        o = torch.empty((*q.shape[:3], v.shape[3]), dtype=q.dtype)
+        y = programs[1](length, o, *[meta(p) for p in params[query_params:]])
+    y_dim = [i for i, s in enumerate(y.shape) if s == length]
+    if len(y_dim) != 1:
+        raise BoundpassInputError(f"attention blocks: the output {tuple(y.shape)} has no one sequence dim of {length}")
+    needs = tuple(t.requires_grad for t in (*rows, *params, k, v))
+    region = Region(query=programs[0], out=programs[1], row_dims=tuple(row_dims), query_params=query_params,
+                    y_shape=tuple(y.shape), y_dim=y_dim[0], y_dtype=y.dtype, needs=needs)
+    return register_region(region, list(rows), list(params), o)
+
+
 # ------------------------------------------------------------------------------------------------ bound
 def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
-    """Device bytes of one call, C_s symbolic (``ca.C_s_sym``; the call's chunk when the pass fixed one):
+    """Device bytes of one call, C_s symbolic (``ca.C_s_sym``; the call's chunk when the pass fixed one). With n =
+    min(C_s, L) rows per block, q_n / o_n one block's q and o (b), lse_n its log-sum-exp (b_acc), Q_n / O_n every
+    tensor the query / output program makes on a block (measured per row on fake tensors at registration; all counted
+    alive, an upper bound of each program's own peak), X_n one block's rows of the row inputs:
 
     forward : the inputs (row inputs, parameters, k, v) + y
-              + one block of n = min(C_s, L) rows: the query program's tensors (q among them), o (b) and its
-                log-sum-exp (b_acc), the output program's tensors, and the kernels' forward tile
-    backward: grad_y and the inputs + the gradients it returns (the row inputs', the parameters', dk / dv in b_acc and
-              their casts when narrower)
-              + one block: the query program's tensors twice (kept for its backward, then their gradients) and the
-                gradients of its row inputs' rows, o and its log-sum-exp, the output program's tensors twice and
-                o's gradient, dq, every parameter's gradient of this block (autograd returns them whole before they
-                are added), and the larger of the kernels' forward and backward tiles
-    Each program's bytes per row are measured on fake tensors when the region is registered; they are counted all
-    alive at once (an upper bound of the program's own peak)."""
+              + max(Q_n                                  the query program
+                    q_n + o_n + lse_n + the kernels' forward tile,
+                    o_n + O_n)                           the output program
+    backward: grad_y and the inputs + the gradients it returns (the row inputs', the parameters', dk / dv in b_acc
+              and their casts when narrower)
+              + Q_n (kept for the query program's backward) + o_n + lse_n
+              + max(the kernels' forward tile             (o recomputed)
+                    2 O_n + o's gradient + the output projection's weight gradients (autograd returns them whole),
+                    o's gradient + dq + the kernels' backward tile,
+                    dq + Q_n (the query program's gradients) + X_n + the query path's weight gradients)"""
     r = region_of(a["region"])
     k, v, rows, params = a["k"], a["v"], a["rows"], a["params"]
-    backward = "grad_y" in a
     length = next(contracts.as_expr(t.shape[d]) for t, d in zip(rows, r.row_dims) if d is not None)
     n = sympy.Min(ca.C_s_sym, length) if a["chunk"] <= 0 else sympy.Min(int(a["chunk"]), length)
     tile_chunk = ca.C_s_sym if a["chunk"] <= 0 else sympy.Integer(int(a["chunk"]))
@@ -324,19 +365,19 @@ def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
     values = {ca.sym.A_q: heads, ca.sym.A_kv: int(k.shape[1]), ca.sym.D_h: d_qk, ca.D_v_sym: d_v,
               ca.sym.b_acc: acc, ca.C_s_sym: tile_chunk}
     tile_f = ca.tile_workspace("forward", mixed_precision=mixed, batch=batch).xreplace(values)
-    o_rows = batch * heads * (d_v * b + acc)                 # o and its log-sum-exp, per query row
-    if not backward:
-        return inputs + length * y_row + n * (r.query_row_bytes + r.out_row_bytes + o_rows) + tile_f
+    q_n, o_n, lse_n = n * batch * heads * d_qk * b, n * batch * heads * d_v * b, n * batch * heads * acc
+    Q_n, O_n = n * r.query_row_bytes, n * r.out_row_bytes
+    if "grad_y" not in a:
+        return inputs + length * y_row + sympy.Max(Q_n, q_n + o_n + lse_n + tile_f, o_n + O_n)
     tile_b = ca.tile_workspace("backward", mixed_precision=mixed, batch=batch).xreplace(values)
-    n_rows = len(rows)
-    needs = r.needs
+    n_rows, nq, needs = len(rows), r.query_params, r.needs
     outputs = sum((nbytes(t) for t, need in zip((*rows, *params), needs) if need), sympy.Integer(0))
-    kv_acc = (nbytes(k) + nbytes(v)) * acc / b
-    outputs += kv_acc + ((nbytes(k) + nbytes(v)) if mixed else 0)
-    param_grads = sum((nbytes(p) for p, need in zip(params, needs[n_rows:-2]) if need), sympy.Integer(0))
-    block = (n * (2 * r.query_row_bytes + r.input_row_bytes + o_rows + 2 * r.out_row_bytes
-                  + batch * heads * (d_v + d_qk) * b)
-             + param_grads + sympy.Max(tile_f, tile_b))
+    outputs += (nbytes(k) + nbytes(v)) * acc / b + ((nbytes(k) + nbytes(v)) if mixed else 0)
+    param_needs = needs[n_rows:n_rows + len(params)]
+    q_weights = sum((nbytes(p) for p, need in zip(params[:nq], param_needs[:nq]) if need), sympy.Integer(0))
+    o_weights = sum((nbytes(p) for p, need in zip(params[nq:], param_needs[nq:]) if need), sympy.Integer(0))
+    block = Q_n + o_n + lse_n + sympy.Max(tile_f, 2 * O_n + o_n + o_weights, o_n + q_n + tile_b,
+                                          q_n + Q_n + n * r.input_row_bytes + q_weights)
     return length * y_row + inputs + outputs + block
 
 

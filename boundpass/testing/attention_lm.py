@@ -1,5 +1,6 @@
 """A small LM whose blocks are attention only (no MLP): GQA with an MLA-style value head dim unequal to the
-query/key head dim by default, causal SDPA, an optional mask tensor or dropout (what the attention pass must skip).
+query/key head dim by default, causal SDPA, an optional mask tensor or dropout (what the attention pass must skip), or a query read from the
+previous position (what it must not walk in query blocks).
 Unequal head dims keep torch's SDPA on its math path on a CPU ([B, A_q, L, L] scores); ``dv=16`` takes the fused
 kernel. Used by tests/passes/test_attention_pass.py and bench/attention.py."""
 import torch
@@ -12,9 +13,10 @@ V, H = 256, 64
 class Attention(nn.Module):
     """GQA with an MLA-style value head dim (24) unequal to the query/key head dim (16)."""
 
-    def __init__(self, heads=4, kv_heads=2, d=16, dv=24, mask=None, dropout=0.0):
+    def __init__(self, heads=4, kv_heads=2, d=16, dv=24, mask=None, dropout=0.0, shifted_query=False):
         super().__init__()
         self.heads, self.kv_heads, self.d, self.dv, self.mask, self.dropout = heads, kv_heads, d, dv, mask, dropout
+        self.shifted_query = shifted_query   # each query from the previous position: not position-wise
         self.q = nn.Linear(H, heads * d, bias=False)
         self.k = nn.Linear(H, kv_heads * d, bias=False)
         self.v = nn.Linear(H, kv_heads * dv, bias=False)
@@ -22,7 +24,7 @@ class Attention(nn.Module):
 
     def forward(self, x):
         b, n, _ = x.shape
-        q = self.q(x).view(b, n, self.heads, self.d).transpose(1, 2)
+        q = self.q(torch.roll(x, 1, dims=1) if self.shifted_query else x).view(b, n, self.heads, self.d).transpose(1, 2)
         k = self.k(x).view(b, n, self.kv_heads, self.d).transpose(1, 2)
         v = self.v(x).view(b, n, self.kv_heads, self.dv).transpose(1, 2)
         if self.mask == "tensor":

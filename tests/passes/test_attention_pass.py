@@ -44,6 +44,7 @@ def test_rewritten_exact_certified_both_ways_and_refused_just_below():
     regions = report.rewritten_of("attention")
     assert len(regions) == 2 and all(r.causal and r.heads == 4 and r.kv_heads == 2 and r.v_head_dim == 24
                                      for r in regions)
+    assert all(r.blocks for r in regions), [r.describe() for r in regions]   # the whole sublayer in query blocks
     knob = next(k for k in step.certificates[-1].planner.knobs if k.name == "attention_chunk")
     assert knob.why == "knee" and knob.lo <= knob.value == knob.knee <= 512
     assert "attention_chunk = " in report.text(graph="none")
@@ -112,6 +113,35 @@ def test_what_the_op_cannot_compute_is_skipped_with_the_reason(kw, reason):
     assert reason in report.skipped_of("attention")[0].reason
 
 
+def test_query_blocks_hold_less_than_the_call_alone_certified_both_ways():
+    """The sublayer walked in query blocks never holds q, the attention output, their gradients or dq whole: the
+    step's measured peak is below the call rewritten alone, and the certificate holds it both ways."""
+    plain = LM(layers=1, heads=8, kv_heads=2, d=32, dv=48)
+    batch = _batch(1024, batch=1)
+    peaks = {}
+    for blocks in (True, False):
+        step = boundpass.compile(copy.deepcopy(plain), loss_fn=_loss, budget="4GiB", attention_enable=True,
+                                 attention_query_blocks=blocks, attention_chunk=128)
+        measured = allocator_step_peak(step, step.model, None, [batch, batch])
+        certified = step.certificates[-1].table.total
+        assert measured <= certified <= 1.10 * measured, (blocks, certified, measured)
+        assert [r.blocks for r in boundpass.explain(step).rewritten_of("attention")] == [blocks]
+        peaks[blocks] = measured
+    assert peaks[True] < 0.8 * peaks[False], peaks
+
+
+def test_a_query_path_that_mixes_positions_is_not_walked():
+    """A query read from the previous position (torch.roll along the sequence) cannot be cut into query blocks:
+    the call alone is rewritten, the region says why, and the step stays exact."""
+    model = LM(layers=1, shifted_query=True)
+    plain = copy.deepcopy(model)
+    step = boundpass.compile(model, loss_fn=_loss, budget="1GiB", attention_enable=True)
+    _close_step(step, model, plain, _batch(128))
+    (region,) = boundpass.explain(step).rewritten_of("attention")
+    assert not region.blocks and "roll" in region.blocks_reason, region.describe()
+    assert "not in query blocks" in region.describe()
+
+
 def test_off_by_default():
     step = boundpass.compile(LM(layers=1), loss_fn=_loss, budget="1GiB")
     step(*_batch(64)).backward()
@@ -133,6 +163,7 @@ def test_torchtitans_attention_is_rewritten(family):
     _close_step(step, model, plain, batch, rtol=1e-4, atol=1e-4)
     report = boundpass.explain(step)
     assert len(report.rewritten_of("attention")) == len(model.layers)
+    assert all(r.blocks for r in report.rewritten_of("attention"))   # MLA / GQA with RoPE: position-wise
     assert report.rewritten_of("vocab") and report.rewritten_of("dispatch")
 
 

@@ -1,0 +1,160 @@
+"""The attention sublayer in query blocks (runtime/attention_blocks.py): exact against the sublayer as one piece
+(torch's math path between the same query and output programs) forward and backward, causal and full, GQA, MLA's
+unequal value head dim, RoPE-like row inputs, ragged blocks, fp64 / bf16; its bound both ways on real tensors at the
+op's own scale; its memory contract registered; bad input refused."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from boundpass.core.errors import BoundpassInputError
+from boundpass.measure.memtrack import LiveStorageTracker
+from boundpass.runtime import attention_blocks as ab
+from boundpass.runtime import chunked_attention as ca
+
+
+class Query(torch.nn.Module):
+    """q = RoPE-like rotation of a projection: rows (x [B, L, H], cos [L, D]), a weight; heads A, head dim D."""
+
+    def __init__(self, batch, heads, d):
+        super().__init__()
+        self.batch, self.heads, self.d = batch, heads, d
+
+    def forward(self, n, x, cos, w):
+        q = F.linear(x, w).view(self.batch, n, self.heads, self.d)
+        return (q * cos.unsqueeze(1)).transpose(1, 2)
+
+
+class Out(torch.nn.Module):
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def forward(self, n, o, w):
+        return F.linear(o.transpose(1, 2).reshape(self.batch, n, -1), w)
+
+
+def _case(dtype, *, batch=2, heads=4, kv_heads=2, length=37, d=8, dv=12, hidden=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = lambda *s: (torch.randn(*s, generator=g) / s[-1] ** 0.5).to(dtype).requires_grad_()  # noqa: E731
+    x, wq, wo = t(batch, length, hidden), t(heads * d, hidden), t(hidden, heads * dv)
+    cos = torch.randn(length, d, generator=g).to(dtype)          # a row input that takes no gradient
+    k, v = t(batch, kv_heads, length, d), t(batch, kv_heads, length, dv)
+    grad = torch.randn(batch, length, hidden, generator=g).to(dtype)
+    return dict(x=x, cos=cos, wq=wq, wo=wo, k=k, v=v, grad=grad, batch=batch, heads=heads, d=d)
+
+
+def _walked(c, causal, chunk):
+    return ab.sublayer(Query(c["batch"], c["heads"], c["d"]), Out(c["batch"]), [c["x"], c["cos"]], [c["wq"], c["wo"]],
+                       c["k"], c["v"], row_dims=(1, 0), query_params=1, causal=causal, chunk=chunk)
+
+
+def _whole(c, causal):
+    length = c["x"].shape[1]
+    q = Query(c["batch"], c["heads"], c["d"])(length, c["x"], c["cos"], c["wq"])
+    o = ca.reference(q, c["k"], c["v"], causal=causal)
+    return Out(c["batch"])(length, o, c["wo"])
+
+
+def _grads(y, c):
+    return (y, *torch.autograd.grad(y, [c["x"], c["wq"], c["wo"], c["k"], c["v"]], c["grad"]))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads,kv_heads,d,dv,length,chunk", [
+    (4, 4, 8, 8, 32, 8),      # MHA, the length a multiple of the block
+    (4, 2, 8, 12, 37, 8),     # GQA, MLA's value head dim, a ragged last block
+    (2, 1, 16, 8, 5, 16),     # one block wider than the sequence
+    (4, 2, 8, 8, 19, 1),      # one row per block
+])
+def test_exact_in_fp64(causal, heads, kv_heads, d, dv, length, chunk):
+    c = _case(torch.float64, heads=heads, kv_heads=kv_heads, d=d, dv=dv, length=length)
+    got, want = _grads(_walked(c, causal, chunk), c), _grads(_whole(c, causal), c)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_bf16_no_further_from_fp64_than_the_math_path():
+    c64 = _case(torch.float64, length=96, d=16, dv=24)
+    c16 = {n: (t.detach().to(torch.bfloat16).requires_grad_(t.requires_grad) if torch.is_tensor(t) else t)
+           for n, t in c64.items()}
+    truth = _grads(_whole(c64, True), c64)
+    walked, math = _grads(_walked(c16, True, 32), c16), _grads(_whole(c16, True), c16)
+    for t, a, b in zip(truth, walked, math):
+        assert (a.double() - t).abs().max() <= 2 * (b.double() - t).abs().max() + 1e-3
+
+
+def _measured(part, c, causal, chunk):
+    """The op's forward or backward kernel on real tensors at the live-storage tracker (inputs counted from the
+    start), and its registered bound at the same call."""
+    rows, params = [c["x"].detach(), c["cos"]], [c["wq"].detach(), c["wo"].detach()]
+    k, v, grad = c["k"].detach(), c["v"].detach(), c["grad"]
+    key = ab.make_region(Query(c["batch"], c["heads"], c["d"]), Out(c["batch"]), [c["x"], c["cos"]],
+                         [c["wq"], c["wo"]], c["k"], c["v"], row_dims=(1, 0), query_params=1)
+    region = ab.region_of(key)
+    tracker = LiveStorageTracker().track_existing(*rows, *params, k, v, *([grad] if part == "backward" else []))
+    with tracker:
+        if part == "forward":
+            out = ab.blocks_forward(rows, params, k, v, region, causal, None, chunk)
+        else:
+            out = ab.blocks_backward(grad, rows, params, k, v, region, causal, None, chunk)
+        del out
+    args = dict(rows=rows, params=params, k=k, v=v, region=key, causal=causal, scale=0.0, chunk=chunk)
+    if part == "backward":
+        args["grad_y"] = grad
+    return tracker.peak_bytes(), int(ab.attention_blocks_bound(args, {}))
+
+
+@pytest.mark.parametrize("part", ["forward", "backward"])
+@pytest.mark.parametrize("dtype,heads,kv_heads,d,dv,hidden,batch,length,chunk,causal", [
+    (torch.float32, 4, 2, 32, 32, 64, 2, 1024, 64, True),
+    (torch.float32, 8, 8, 48, 32, 128, 1, 2048, 128, True),
+    (torch.bfloat16, 4, 1, 32, 48, 64, 2, 1024, 128, True),
+    (torch.float32, 4, 4, 32, 32, 64, 1, 600, 64, False),
+])
+def test_bound_sound_and_tight(part, dtype, heads, kv_heads, d, dv, hidden, batch, length, chunk, causal):
+    c = _case(dtype, batch=batch, heads=heads, kv_heads=kv_heads, d=d, dv=dv, hidden=hidden, length=length)
+    measured, bound = _measured(part, c, causal, chunk)
+    assert measured <= bound <= 1.25 * measured, (measured, bound, bound / measured)
+
+
+def test_what_the_block_holds_does_not_grow_with_the_length():
+    """At a fixed block the bound minus the inputs and outputs is the same at every length (the op never holds q,
+    the attention output or their gradients whole), and it grows with the block."""
+    def workspace(length, chunk, part):
+        c = _case(torch.float32, length=length, d=32, dv=32, hidden=64)
+        rows, params = [c["x"].detach(), c["cos"]], [c["wq"].detach(), c["wo"].detach()]
+        key = ab.make_region(Query(2, 4, 32), Out(2), [c["x"], c["cos"]], [c["wq"], c["wo"]], c["k"], c["v"],
+                             row_dims=(1, 0), query_params=1)
+        args = dict(rows=rows, params=params, k=c["k"], v=c["v"], region=key, chunk=chunk)
+        io = sum(t.numel() * t.element_size() for t in (*rows, *params, c["k"], c["v"], c["grad"]))  # grad: or y
+        if part == "backward":
+            args["grad_y"] = c["grad"]
+            io += sum(t.numel() * 4 for t in (c["x"], c["wq"], c["wo"], c["k"], c["v"]))  # the gradients
+        return int(ab.attention_blocks_bound(args, {})) - io
+    for part in ("forward", "backward"):
+        assert workspace(512, 64, part) == workspace(4096, 64, part) < workspace(512, 128, part)
+
+
+def test_contract_registered_and_compiles():
+    """The op's memory contract is in the registry the step analysis reads, and the op runs under torch.compile
+    (its fake kernel) with the eager values and gradients."""
+    from boundpass.runtime import contracts
+    assert contracts.has_bound(torch.ops.boundpass.attention_blocks_fwd.default)
+    assert contracts.has_bound(torch.ops.boundpass.attention_blocks_bwd.default)
+    c = _case(torch.float32, length=40)
+    eager = _grads(_walked(c, True, 16), c)
+    compiled = torch.compile(lambda c: _walked(c, True, 16), backend="aot_eager")
+    got = _grads(compiled(c), c)
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_bad_input_is_refused():
+    c = _case(torch.float32)
+    with pytest.raises(BoundpassInputError, match="chunk must be"):
+        _walked(c, True, 0)
+    with pytest.raises(BoundpassInputError, match="row_dims"):
+        ab.sublayer(Query(2, 4, 8), Out(2), [c["x"], c["cos"]], [c["wq"], c["wo"]], c["k"], c["v"],
+                    row_dims=(1,), query_params=1)
+    with pytest.raises(BoundpassInputError, match="no region"):
+        ab.region_of("nowhere")
