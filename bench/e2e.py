@@ -245,8 +245,9 @@ def measured_step(trainer, data):
 
 
 def _reach_args(variant: str, seq: int, budget: str | None, backend: str, chunk_tokens: int, host_budget: str,
-                steps: int, dump: str) -> list[str]:
-    """The trainer's command line of one reach run (both variants: FullAC, --compile.enable, 1 rank, batch 1)."""
+                steps: int, dump: str, extra: tuple = ()) -> list[str]:
+    """The trainer's command line of one reach run (both variants: FullAC, --compile.enable, 1 rank, batch 1);
+    ``extra``: more boundpass options (bench/attention_sublayer.py: the attention pass)."""
     args = ["--module", "boundpass.recipes", "--config", "deepseek_v3_debug", "--training.seq_len", str(seq),
             "--training.local_batch_size", "1", "--training.steps", str(steps), "--compile.enable",
             "--compile.backend", backend, "--dump_folder", dump]
@@ -258,7 +259,7 @@ def _reach_args(variant: str, seq: int, budget: str | None, backend: str, chunk_
         # the per-block path: every TransformerBlock graph through boundpass (dispatch -> PipelinedLLEP, SCO across
         # blocks), the head through Ring-DTP, AdamW offloaded (OffloadStreamAdamW: its state on the host)
         args += ["--boundpass.budget", budget, "--boundpass.optimizer.offload", "True", "--boundpass.sco.enable",
-                 "auto", "--boundpass.host_budget", host_budget, "--boundpass.no-report"]
+                 "auto", "--boundpass.host_budget", host_budget, "--boundpass.no-report", *extra]
     return args + ["activation-checkpoint:full"]  # tyro: a subcommand's arguments follow it, so it goes last
 
 
@@ -283,7 +284,8 @@ def trainer_rank_setup(assets: str) -> None:
     counting_allocator.install()
 
 
-def _reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens, host_budget, timed_steps):
+def _reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens, host_budget, timed_steps,
+               extra: tuple = ()):
     """One trainer at one sequence length: step 1 (compile, lazy optimizer state), step 2 measured at torch's
     allocator, then `timed_steps` steps timed (nothing measured)."""
     trainer_rank_setup(assets)
@@ -291,7 +293,7 @@ def _reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens,
     from boundpass.core.units import format_bytes
     from boundpass.recipes.train import config_manager_class
     dump = tempfile.TemporaryDirectory(prefix="bp_e2e_reach_")
-    args = _reach_args(variant, seq, budget, backend, chunk_tokens, host_budget, 2 + timed_steps, dump.name)
+    args = _reach_args(variant, seq, budget, backend, chunk_tokens, host_budget, 2 + timed_steps, dump.name, extra)
     out = dict(variant=variant, seq=seq, budget=budget, accepted=None, peak=None, reason="",
                args=[a for a in args if a != dump.name and a != "--dump_folder"])
     start = time.perf_counter()
