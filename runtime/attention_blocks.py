@@ -1,26 +1,30 @@
 """The attention sublayer in query blocks: the query path, the attention and the output projection of a block
-walked B_q = C_s query rows at a time, so that what the sublayer holds at O(L) is its inputs (the normed hidden
-states, k, v), its output and the key / value gradients, never q, the attention output, their gradients or dq.
+walked C_s query rows at a time, so that q, the attention output, their gradients and dq are never whole; where the
+key / value path is position-wise too, k and v are made key tile by key tile as well and their gradients are
+finished tile by tile, so that neither k, v nor their fp32 gradient accumulators are ever held.
 
-A *region* is the part of a block between its inputs and the output projection's result, minus the key / value
-path (which runs once over the sequence, as the model has it): two position-wise programs (fx.GraphModules the pass
-extracts from the model's graph, ``boundpass.passes.attention_region``) and the chunked-attention kernels between
-them (runtime/chunked_attention.py, a query block at its offset):
+A *region* is the part of a block between its inputs and the output projection's result: position-wise programs
+(fx.GraphModules the pass extracts from the model's graph, ``boundpass.passes.attention_region``) and the
+chunked-attention kernels between them (runtime/chunked_attention.py):
 
-    query(n, *row_inputs[s:s+n], *params)  -> q rows [B, A_q, n, D]   (projections, norms, RoPE at those positions)
-    kernel(q rows, k, v, q_offset=s)       -> o rows [B, A_q, n, D_v] and their log-sum-exp
-    out(n, o rows, *params)                -> y rows                   (transpose, reshape, the output projection)
+    query(n, *rows[s:s+n], *params)   -> q rows [B, A_q, n, D]            (projections, norms, RoPE at the positions)
+    kv(n, *rows[s:s+n], *params)      -> k, v rows [B, A_kv, n, D / D_v]  (optional: else k and v are op inputs)
+    kernel(q rows, k, v, q_offset=s)  -> o rows [B, A_q, n, D_v] and their log-sum-exp
+    out(n, o rows, *params)           -> y rows                           (transpose, reshape, output projection)
 
-Forward: per block, the three steps under no grad, the rows written into y; nothing of a block is kept. Backward:
-per block, q and o again (recomputed, FPDT's and FlashAttention's trade), ``out``'s backward, the kernels' backward
-adding the block's key / value gradients into one pair of accumulators, ``query``'s backward into the block's rows
-of the row inputs' gradients and into the parameters' gradients. Exact up to reordered sums: every row of y is the
-same function of the same rows of the inputs and of all of k and v.
+Forward: (k and v made per key tile into whole buffers, freed at the end) per query block the three steps under no
+grad, the rows written into y; nothing of a block is kept. Backward, query-outer: per block, q and o again
+(recomputed), ``out``'s vjp, the kernels' backward for dq, ``query``'s vjp into the block's rows of the row inputs'
+gradients and into the weights'. Without a kv program the same kernels add the block's key / value gradients into
+one pair of fp32 accumulators (k, v inputs). With one, the query-outer pass keeps q, the output gradient, the
+log-sum-exp and rowsum(dO O) of every row instead, k and v are freed, and a key-outer pass makes each key tile again
+under autograd, finishes its gradients against every query tile that sees it (``ca.key_tile_backward``) and takes
+``kv``'s vjp into the rows' and the weights' gradients. Exact up to reordered sums: every row of y is the same
+function of the same rows of the inputs and of all keys and values.
 
 The programs are registered here by the pass under a key the op's schema carries (``region``); the op is opaque to
 Inductor and AOTAutograd takes its backward from ``register_autograd``. The bound (``attention_blocks_bound``) counts
-the inputs, the output, and one block: each program's intermediates at C_s rows (their bytes per row measured on
-fake tensors at registration), the kernels' tile and, in the backward, the gradients autograd makes of them.
+the inputs, the output, what the schedule keeps whole, and one block's phases.
 """
 from __future__ import annotations
 
@@ -39,21 +43,29 @@ from boundpass.runtime import contracts
 
 @dataclass
 class Region:
-    """One rewritten sublayer: its two programs and how their inputs are cut into query blocks."""
-    query: torch.nn.Module          # (n, *row_inputs, *query_params) -> q [B, A_q, n, D]
-    out: torch.nn.Module            # (n, o [B, A_q, n, D_v], *out_params) -> y rows
-    row_dims: tuple                 # each row input's sequence dim
-    query_params: int               # params[:query_params] are the query program's, the rest the output's
+    """One rewritten sublayer: its programs and how their inputs are cut into blocks."""
+    query: torch.nn.Module          # (n, *rows, *query weights) -> q [B, A_q, n, D]
+    out: torch.nn.Module            # (n, o [B, A_q, n, D_v], *output weights) -> y rows
+    row_dims: tuple                 # each row input's sequence dim (None: read whole by every block)
+    query_params: int               # params = [query's | kv's | output's]
     y_shape: tuple                  # y at the length the graph was traced at, its sequence dim at y_dim
     y_dim: int
     y_dtype: torch.dtype
-    needs: tuple                    # which inputs (row inputs, params, k, v) take a gradient
-    # bytes per query row, measured on fake tensors at registration (``_per_row``)
-    query_row_bytes: int = 0        # every tensor the query program makes, q included
-    out_row_bytes: int = 0          # every tensor the output program makes, y's rows included
+    needs: tuple                    # which inputs (rows, params, k, v) take a gradient
+    kv: torch.nn.Module | None = None   # (n, *rows, *kv weights) -> (k, v) rows; None: k and v are op inputs
+    kv_params: int = 0
+    # measured at registration (``_per_row``): bytes per row of every tensor a program makes, and shapes
+    query_row_bytes: int = 0
+    kv_row_bytes: int = 0
+    out_row_bytes: int = 0
     input_row_bytes: int = 0        # one row of every row input
-    heads: int = 0                  # q's heads and head dim (the query program's output)
+    heads: int = 0                  # q's heads and head dim
     d_qk: int = 0
+    kv_shape: tuple = ()            # (A_kv, D, D_v, dtype) of the kv program's k and v
+
+    def split(self, params: list) -> tuple[list, list, list]:
+        a, b = self.query_params, self.query_params + self.kv_params
+        return list(params[:a]), list(params[a:b]), list(params[b:])
 
 
 _REGIONS: dict[str, Region] = {}
@@ -62,7 +74,7 @@ _KEYS = itertools.count()
 
 def register_region(region: Region, row_examples: list, param_examples: list, o_example: Tensor) -> str:
     """Keep ``region`` for the op's calls; return the key its call sites carry. The examples (fake or real tensors at
-    the traced length) give each program's bytes per row."""
+    the traced length) give each program's bytes per row; a program that does not run on a block's rows raises."""
     _per_row(region, row_examples, param_examples, o_example)
     key = f"region{next(_KEYS)}"
     _REGIONS[key] = region
@@ -88,40 +100,50 @@ def _new_bytes(values, seen: set) -> int:
 
 
 def _per_row(region: Region, rows: list, params: list, o: Tensor, n: int = 4) -> None:
-    """Set the region's bytes per query row of every tensor each program makes (its intermediates' storages, counted
-    once; the larger of a run without grad, as the forward runs it, and one with, as the backward does: matmul copies
-    a non-contiguous input only when it requires grad), of one row of the row inputs, and q's heads and head dim.
-    The programs are position-wise, so their bytes are multiples of the rows; they run on fake tensors here."""
+    """Set the region's bytes per row of every tensor each program makes (its intermediates' storages, counted once;
+    the larger of a run without grad, as the forward runs it, and one with, as the backward does: matmul copies a
+    non-contiguous input only when it requires grad), of one row of the row inputs, and the shapes the programs
+    make. The programs are position-wise, so their bytes are multiples of the rows; they run on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    n_rows, nq = len(rows), region.query_params
+    n_rows = len(rows)
     need_rows, need_params = region.needs[:n_rows], region.needs[n_rows:n_rows + len(params)]
-    counts = [0, 0]
+    qp, kvp, op = region.split(params)
+    nq, nkv = len(qp), len(kvp)
+    programs = [("query", region.query), ("kv", region.kv), ("out", region.out)]
+    counts = {}
     for grad in (False, True):
         mode = FakeTensorMode()
-        for which, program in enumerate((region.query, region.out)):
+        for name, program in programs:
+            if program is None:
+                continue
             seen: set = set()
             with mode, torch.set_grad_enabled(grad):
-                if which == 0:
-                    # a block's rows are views of the whole inputs, as the kernels cut them: a program that needs
-                    # them contiguous copies them, and that copy is counted
+                if name == "out":
+                    leaves = [torch.empty((*o.shape[:2], n, *o.shape[3:]), dtype=o.dtype),
+                              *[torch.empty(p.shape, dtype=p.dtype) for p in op]]
+                    needs = [True, *need_params[nq + nkv:]]
+                else:
+                    # a block's rows are views of the whole inputs, as the op cuts them: a program that needs them
+                    # contiguous copies them, and that copy is counted
                     cut = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).narrow(d, 0, n) if d is not None
                            else torch.empty(t.shape, dtype=t.dtype) for t, d in zip(rows, region.row_dims)]
-                    leaves = [*cut, *[torch.empty(p.shape, dtype=p.dtype) for p in params[:nq]]]
-                    needs = [*need_rows, *need_params[:nq]]
-                else:
-                    leaves = [torch.empty((*o.shape[:2], n, *o.shape[3:]), dtype=o.dtype),
-                              *[torch.empty(p.shape, dtype=p.dtype) for p in params[nq:]]]
-                    needs = [True, *need_params[nq:]]
+                    weights, wneeds = (qp, need_params[:nq]) if name == "query" else (kvp, need_params[nq:nq + nkv])
+                    leaves = [*cut, *[torch.empty(p.shape, dtype=p.dtype) for p in weights]]
+                    needs = [*need_rows, *wneeds]
                 inputs = [t.requires_grad_(grad and need and t.is_floating_point()) if t.is_leaf else t
                           for t, need in zip(leaves, needs)]
                 _new_bytes(inputs, seen)
                 with _Counting(seen) as counting:
                     result = program(n, *inputs)
-            if which == 0:
+            if name == "query":
                 region.heads, region.d_qk = int(result.shape[1]), int(result.shape[3])
-            counts[which] = max(counts[which], -(-counting.made // n))
-    region.query_row_bytes, region.out_row_bytes = counts
+            if name == "kv":
+                k, v = result
+                region.kv_shape = (int(k.shape[1]), int(k.shape[3]), int(v.shape[3]), k.dtype)
+            counts[name] = max(counts.get(name, 0), -(-counting.made // n))
+    region.query_row_bytes, region.out_row_bytes = counts["query"], counts["out"]
+    region.kv_row_bytes = counts.get("kv", 0)
     region.input_row_bytes = sum(t.dtype.itemsize * (t.numel() // t.shape[d])
                                  for t, d in zip(rows, region.row_dims) if d is not None)
 
@@ -155,13 +177,31 @@ def _cut(region: Region, rows: list, s: int, e: int) -> list:
     return [t.narrow(d, s, e - s) if d is not None else t for t, d in zip(rows, region.row_dims)]
 
 
-def blocks_forward(rows: list, params: list, k: Tensor, v: Tensor, region: Region, causal: bool,
+def _whole_kv(region: Region, rows: list, kvp: list, length: int, chunk: int) -> tuple[Tensor, Tensor]:
+    """k and v of the whole sequence, made key tile by key tile (no grad): the kv program's intermediates are never
+    whole, only its results."""
+    k = v = None
+    with torch.no_grad():
+        for s, e in _blocks(length, chunk):
+            kj, vj = region.kv(e - s, *_cut(region, rows, s, e), *kvp)
+            if k is None:
+                k = kj.new_empty((*kj.shape[:2], length, kj.shape[3]))
+                v = vj.new_empty((*vj.shape[:2], length, vj.shape[3]))
+            k[:, :, s:e].copy_(kj)
+            v[:, :, s:e].copy_(vj)
+            del kj, vj
+    return k, v
+
+
+def blocks_forward(rows: list, params: list, k: Tensor | None, v: Tensor | None, region: Region, causal: bool,
                    scale: float | None, chunk: int) -> Tensor:
     length = _length(region, rows)
     shape = list(region.y_shape)
     shape[region.y_dim] = length
+    qp, kvp, op = region.split(params)
+    if region.kv is not None:
+        k, v = _whole_kv(region, rows, kvp, length, chunk)
     y = k.new_empty(shape, dtype=region.y_dtype)
-    qp, op = params[:region.query_params], params[region.query_params:]
     with torch.no_grad():
         for s, e in _blocks(length, chunk):
             q = region.query(e - s, *_cut(region, rows, s, e), *qp)
@@ -181,72 +221,113 @@ def _autograd_in_kernel():
         yield
 
 
-def blocks_backward(grad_y: Tensor, rows: list, params: list, k: Tensor, v: Tensor, region: Region, causal: bool,
-                    scale: float | None, chunk: int) -> list[Tensor]:
-    """The gradients of the inputs ``region.needs`` names, in input order (row inputs, params, k, v)."""
+def _leaves(tensors: list, needs: list) -> list:
+    return [t.detach().requires_grad_(need) for t, need in zip(tensors, needs)]
+
+
+def _vjp(outputs, leaves: list, grads) -> list:
+    """The gradients of the leaves that require one (None for the others and for the unused ones)."""
+    wanted = [t for t in leaves if t.requires_grad]
+    if not wanted:
+        return [None] * len(leaves)
+    with _autograd_in_kernel():
+        got = iter(torch.autograd.grad(outputs, wanted, grads, allow_unused=True))
+    return [next(got) if t.requires_grad else None for t in leaves]
+
+
+def _add_rows(d_rows: list, region: Region, grads: list, s: int, e: int) -> None:
+    for dst, g, d in zip(d_rows, grads, region.row_dims):
+        if g is None:
+            continue
+        (dst if d is None else dst.narrow(d, s, e - s)).add_(g)
+
+
+def _add(dst: list, grads: list) -> None:
+    for acc, g in zip(dst, grads):
+        if g is not None:
+            acc.add_(g)
+
+
+def blocks_backward(grad_y: Tensor, rows: list, params: list, k: Tensor | None, v: Tensor | None, region: Region,
+                    causal: bool, scale: float | None, chunk: int) -> list[Tensor]:
+    """The gradients of the inputs ``region.needs`` names, in input order (rows, params, k, v)."""
     length = _length(region, rows)
     n_rows, n_params = len(rows), len(params)
-    need_rows, need_params = region.needs[:n_rows], region.needs[n_rows:n_rows + n_params]
-    acc = ca._acc_dtype(k.dtype)
+    need_rows, need_params = list(region.needs[:n_rows]), list(region.needs[n_rows:n_rows + n_params])
+    qp, kvp, op = region.split(params)
+    nq, nkv = len(qp), len(kvp)
     d_rows = [torch.zeros_like(t) if need else None for t, need in zip(rows, need_rows)]
     d_params = [torch.zeros_like(p) if need else None for p, need in zip(params, need_params)]
-    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    nq = region.query_params
+    d_qp, d_kvp, d_op = d_params[:nq], d_params[nq:nq + nkv], d_params[nq + nkv:]
+    walk_kv = region.kv is not None
+    if walk_kv:
+        k, v = _whole_kv(region, rows, kvp, length, chunk)
+    acc = ca._acc_dtype(k.dtype)
+    if walk_kv:   # what the key-outer pass reads of every row
+        stash_q = None
+        stash_go = None
+        stash_lse = torch.empty((k.shape[0], region.heads, length), dtype=acc, device=k.device)
+        stash_delta = torch.empty_like(stash_lse)
+    else:
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     for s, e in _blocks(length, chunk):
         with _autograd_in_kernel():
-            cut = [t.detach().requires_grad_(need) for t, need in zip(_cut(region, rows, s, e), need_rows)]
-            qp = [p.detach().requires_grad_(need) for p, need in zip(params[:nq], need_params[:nq])]
-            q = region.query(e - s, *cut, *qp)
+            cut = _leaves(_cut(region, rows, s, e), need_rows)
+            qw = _leaves(qp, need_params[:nq])
+            q = region.query(e - s, *cut, *qw)
         with torch.no_grad():
             o, lse = ca.chunked_attention_forward(q.detach(), k, v, causal, scale, chunk, q_offset=s)
         with _autograd_in_kernel():
             o.requires_grad_()
-            op = [p.detach().requires_grad_(need) for p, need in zip(params[nq:], need_params[nq:])]
-            y = region.out(e - s, o, *op)
-            wanted = [o, *[p for p in op if p.requires_grad]]
-            grads = torch.autograd.grad(y, wanted, grad_y.narrow(region.y_dim, s, e - s), allow_unused=True)
+            ow = _leaves(op, need_params[nq + nkv:])
+            y = region.out(e - s, o, *ow)
+        grad_o, *from_out = _vjp(y, [o, *ow], grad_y.narrow(region.y_dim, s, e - s))
         del y
-        grad_o = grads[0]
-        _add(d_params[nq:], [p.requires_grad for p in op], grads[1:])
-        del grads, op   # the output projection's weight gradient is added: not held through the kernels
+        _add(d_op, from_out)
+        del from_out, ow   # the output projection's weight gradient is added: not held through the kernels
         dq, _, _ = ca.chunked_attention_backward(grad_o, q.detach(), k, v, o.detach(), lse, causal, scale, chunk,
-                                                 q_offset=s, into=(dk, dv))
+                                                 q_offset=s, into=None if walk_kv else (dk, dv), dkv=not walk_kv)
+        if walk_kv:
+            if stash_q is None:
+                stash_q = q.new_empty((*q.shape[:2], length, q.shape[3]))
+                stash_go = grad_o.new_empty((*grad_o.shape[:2], length, grad_o.shape[3]))
+            stash_q[:, :, s:e].copy_(q.detach())
+            stash_go[:, :, s:e].copy_(grad_o)
+            stash_lse[:, :, s:e].copy_(lse)
+            stash_delta[:, :, s:e].copy_((grad_o.to(acc) * o.detach().to(acc)).sum(-1))
         del grad_o, o, lse
-        leaves = [t for t in (*cut, *qp) if t.requires_grad]
-        if leaves and q.requires_grad:
+        grads = _vjp(q, [*cut, *qw], dq)
+        del q, dq
+        _add_rows(d_rows, region, grads[:n_rows], s, e)
+        _add(d_qp, grads[n_rows:])
+        del grads, cut, qw
+    out_kv = []
+    if walk_kv:
+        del k, v
+        for s, e in _blocks(length, chunk):   # key-outer: each key tile's gradients finished, then kv's vjp
             with _autograd_in_kernel():
-                got = iter(torch.autograd.grad(q, leaves, dq, allow_unused=True))
-            for i, t in enumerate(cut):
-                if t.requires_grad:
-                    g = next(got)
-                    if g is not None:
-                        d_rows[i].narrow(region.row_dims[i], s, e - s).copy_(g) if region.row_dims[i] is not None \
-                            else d_rows[i].add_(g)
-            _add(d_params[:nq], [p.requires_grad for p in qp], list(got))
-        del q, dq, cut, qp
-    out = [g for g in (*d_rows, *d_params) if g is not None]
-    need_k, need_v = region.needs[-2:]
-    if need_k:
-        out.append(dk.to(k.dtype) if dk.dtype != k.dtype else dk)
-    if need_v:
-        out.append(dv.to(v.dtype) if dv.dtype != v.dtype else dv)
-    return out
-
-
-def _add(dst: list, took: list, grads) -> None:
-    grads = iter(grads)
-    for i, t in enumerate(took):
-        if t:
-            g = next(grads)
-            if g is not None:
-                dst[i].add_(g)
+                cut = _leaves(_cut(region, rows, s, e), need_rows)
+                kw = _leaves(kvp, need_params[nq:nq + nkv])
+                kj, vj = region.kv(e - s, *cut, *kw)
+            dkj, dvj = ca.key_tile_backward(stash_q, stash_go, stash_lse, stash_delta, kj.detach(), vj.detach(), s,
+                                            causal, scale, chunk)
+            grads = _vjp((kj, vj), [*cut, *kw], (dkj.to(kj.dtype), dvj.to(vj.dtype)))
+            del kj, vj, dkj, dvj
+            _add_rows(d_rows, region, grads[:n_rows], s, e)
+            _add(d_kvp, grads[n_rows:])
+            del grads, cut, kw
+    else:
+        need_k, need_v = region.needs[-2:]
+        out_kv = ([dk.to(k.dtype) if dk.dtype != k.dtype else dk] if need_k else []) + \
+                 ([dv.to(v.dtype) if dv.dtype != v.dtype else dv] if need_v else [])
+    return [g for g in (*d_rows, *d_params) if g is not None] + out_kv
 
 
 # ---------------------------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("boundpass::attention_blocks_fwd", mutates_args=())
-def attention_blocks_fwd(rows: list[Tensor], params: list[Tensor], k: Tensor, v: Tensor, region: str, causal: bool,
-                         scale: float, chunk: int) -> Tensor:
+def attention_blocks_fwd(rows: list[Tensor], params: list[Tensor], k: Tensor | None, v: Tensor | None, region: str,
+                         causal: bool, scale: float, chunk: int) -> Tensor:
     return blocks_forward(rows, params, k, v, region_of(region), causal, scale if scale > 0 else None, chunk)
 
 
@@ -255,12 +336,12 @@ def _(rows, params, k, v, region, causal, scale, chunk):
     r = region_of(region)
     shape = list(r.y_shape)
     shape[r.y_dim] = _length(r, rows)
-    return k.new_empty(shape, dtype=r.y_dtype)
+    return rows[0].new_empty(shape, dtype=r.y_dtype)
 
 
 @torch.library.custom_op("boundpass::attention_blocks_bwd", mutates_args=())
-def attention_blocks_bwd(grad_y: Tensor, rows: list[Tensor], params: list[Tensor], k: Tensor, v: Tensor, region: str,
-                         causal: bool, scale: float, chunk: int) -> list[Tensor]:
+def attention_blocks_bwd(grad_y: Tensor, rows: list[Tensor], params: list[Tensor], k: Tensor | None,
+                         v: Tensor | None, region: str, causal: bool, scale: float, chunk: int) -> list[Tensor]:
     return blocks_backward(grad_y, rows, params, k, v, region_of(region), causal, scale if scale > 0 else None, chunk)
 
 
@@ -290,38 +371,49 @@ def _backward(ctx, grad_y):
 attention_blocks_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def sublayer(query, out, rows: list[Tensor], params: list[Tensor], k: Tensor, v: Tensor, *, row_dims: tuple,
-             query_params: int, causal: bool = True, scale: float | None = None, chunk: int = 256) -> Tensor:
-    """``out(L, attention(query(L, *rows, *params[:query_params]), k, v), *params[query_params:])`` walked in query
-    blocks of ``chunk`` rows (differentiable), without the compiler: ``query`` and ``out`` are position-wise
-    callables that fx.symbolic_trace can trace (their first argument the rows in the block), ``row_dims`` each row
-    input's sequence dim. Registers one region per call (the pass registers one per graph)."""
+def sublayer(query, out, rows: list[Tensor], params: list[Tensor], k: Tensor | None = None, v: Tensor | None = None,
+             *, row_dims: tuple, query_params: int, kv=None, kv_params: int = 0, causal: bool = True,
+             scale: float | None = None, chunk: int = 256) -> Tensor:
+    """``out(L, attention(query(L, *rows, *q weights), k, v), *out weights)`` walked in query blocks of ``chunk``
+    rows (differentiable), without the compiler. ``query``, ``kv`` and ``out`` are position-wise callables that
+    fx.symbolic_trace can trace (their first argument the rows in the block); ``params`` = [query's | kv's | out's]
+    weights (``query_params``, ``kv_params`` of them); ``kv(n, *rows, *kv weights) -> (k, v)`` makes k and v from
+    the rows (then k and v are not given); ``row_dims`` each row input's sequence dim. Registers one region per
+    call (the pass registers one per graph)."""
     if chunk < 1:
         raise BoundpassInputError(f"attention blocks: chunk must be >= 1, got {chunk}")
-    key = make_region(query, out, rows, params, k, v, row_dims=row_dims, query_params=query_params)
+    if (kv is None) == (k is None or v is None):
+        raise BoundpassInputError("attention blocks: give either k and v or a kv program, not both or neither")
+    key = make_region(query, out, rows, params, k, v, row_dims=row_dims, query_params=query_params, kv=kv,
+                      kv_params=kv_params)
     return torch.ops.boundpass.attention_blocks_fwd(list(rows), list(params), k, v, key, causal, float(scale or 0.0),
                                                     int(chunk))
 
 
-def make_region(query, out, rows: list[Tensor], params: list[Tensor], k: Tensor, v: Tensor, *, row_dims: tuple,
-                query_params: int) -> str:
+def make_region(query, out, rows: list[Tensor], params: list[Tensor], k: Tensor | None = None,
+                v: Tensor | None = None, *, row_dims: tuple, query_params: int, kv=None, kv_params: int = 0) -> str:
     """Register the region of ``sublayer``'s arguments; return its key."""
     if len(row_dims) != len(rows) or all(d is None for d in row_dims):
         raise BoundpassInputError(f"attention blocks: row_dims {row_dims} must give each of the {len(rows)} row "
                                   "inputs its sequence dim (at least one)")
-    programs = [torch.fx.symbolic_trace(f) if not isinstance(f, torch.fx.GraphModule) else f for f in (query, out)]
+    trace = lambda f: f if f is None or isinstance(f, torch.fx.GraphModule) else torch.fx.symbolic_trace(f)  # noqa
+    query, kv, out = trace(query), trace(kv), trace(out)
     length = next(int(t.shape[d]) for t, d in zip(rows, row_dims) if d is not None)
+    weights = [params[:query_params], params[query_params:query_params + kv_params], params[query_params + kv_params:]]
     with torch.device("meta"):
         meta = lambda t: torch.empty(t.shape, dtype=t.dtype)  # noqa: E731
-        q = programs[0](length, *[meta(t) for t in rows], *[meta(p) for p in params[:query_params]])
+        q = query(length, *[meta(t) for t in rows], *[meta(p) for p in weights[0]])
+        if kv is not None:
+            k, v = kv(length, *[meta(t) for t in rows], *[meta(p) for p in weights[1]])
         o = torch.empty((*q.shape[:3], v.shape[3]), dtype=q.dtype)
-        y = programs[1](length, o, *[meta(p) for p in params[query_params:]])
+        y = out(length, o, *[meta(p) for p in weights[2]])
     y_dim = [i for i, s in enumerate(y.shape) if s == length]
     if len(y_dim) != 1:
         raise BoundpassInputError(f"attention blocks: the output {tuple(y.shape)} has no one sequence dim of {length}")
-    needs = tuple(t.requires_grad for t in (*rows, *params, k, v))
-    region = Region(query=programs[0], out=programs[1], row_dims=tuple(row_dims), query_params=query_params,
-                    y_shape=tuple(y.shape), y_dim=y_dim[0], y_dtype=y.dtype, needs=needs)
+    needs = tuple(t.requires_grad for t in (*rows, *params)) + ((False, False) if kv is not None else
+                                                                   (k.requires_grad, v.requires_grad))
+    region = Region(query=query, out=out, kv=kv, row_dims=tuple(row_dims), query_params=query_params,
+                    kv_params=kv_params, y_shape=tuple(y.shape), y_dim=y_dim[0], y_dtype=y.dtype, needs=needs)
     return register_region(region, list(rows), list(params), o)
 
 

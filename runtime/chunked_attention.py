@@ -115,18 +115,22 @@ def chunked_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sca
 
 def chunked_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                causal: bool, scale: float | None, chunk: int, q_offset: int | None = None,
-                               into: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                               into: tuple[Tensor, Tensor] | None = None,
+                               dkv: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """(dq, dk, dv) in the inputs' dtypes; each tile's probabilities recomputed from the saved log-sum-exp.
 
     q_offset: as ``chunked_attention_forward``. into: (dk, dv) accumulators in the accumulation dtype, shaped as k
     and v, that this block's key / value gradients are added to in place (a schedule walking query blocks keeps one
-    pair for the whole sequence); they are returned as they are, not cast."""
+    pair for the whole sequence); they are returned as they are, not cast. dkv=False: dq only (dk, dv None; a
+    schedule that takes them key tile by key tile, ``key_tile_backward``)."""
     base = q_offset or 0
     length, kv_heads = q.shape[2], k.shape[1]
     acc = _acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if into is None:
+    if not dkv:
+        dk = dv = None
+    elif into is None:
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     else:
@@ -140,17 +144,47 @@ def chunked_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor
             kj, vj = k[:, :, k0:k1].to(acc), v[:, :, k0:k1].to(acc)
             s = _masked(torch.matmul(qi, kj.transpose(-1, -2)).mul_(scale), base + q0, base + q1, k0, causal)
             p = torch.exp(s.sub_(li))                                      # the tile's probabilities
-            dv[:, :, k0:k1].add_(torch.matmul(p.transpose(-1, -2), goi))   # the G query heads summed by the matmul
+            if dkv:
+                dv[:, :, k0:k1].add_(torch.matmul(p.transpose(-1, -2), goi))   # the G query heads summed
             ds = torch.matmul(goi, vj.transpose(-1, -2)).sub_(delta[..., None]).mul_(p).mul_(scale)
             del s, p
             dqi.add_(torch.matmul(ds, kj))
-            dk[:, :, k0:k1].add_(torch.matmul(ds.transpose(-1, -2), qi))
+            if dkv:
+                dk[:, :, k0:k1].add_(torch.matmul(ds.transpose(-1, -2), qi))
             del ds, kj, vj
         _put_rows(dq, dqi, q0, q1)
         del qi, goi, delta, li, dqi
-    if into is not None:
+    if into is not None or not dkv:
         return dq, dk, dv
     return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def key_tile_backward(q: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, kj: Tensor, vj: Tensor, k0: int,
+                      causal: bool, scale: float | None, chunk: int) -> tuple[Tensor, Tensor]:
+    """The key / value gradients of keys [k0, k0 + m) alone, in the accumulation dtype: every query tile that sees
+    them walked against this one key tile (FlashAttention-2's key-outer order), from the whole sequence's q,
+    output gradient, log-sum-exp and delta = rowsum(dO O) [B, A_q, L] (what a query-outer pass leaves). A schedule
+    that makes k and v per key tile (recomputed from the block's inputs) finishes each tile's gradients here and
+    never holds them whole."""
+    length, kv_heads, m = q.shape[2], kj.shape[1], kj.shape[2]
+    acc = _acc_dtype(q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    kt, vt = kj.to(acc), vj.to(acc)
+    dk, dv = torch.zeros(kj.shape, dtype=acc, device=kj.device), torch.zeros(vj.shape, dtype=acc, device=vj.device)
+    for q0, q1 in _tiles(length, chunk):
+        if causal and q1 - 1 < k0:   # rows before the tile's first key see none of it
+            continue
+        qi, goi = _tile_rows(q, kv_heads, q0, q1, acc), _tile_rows(grad_out, kv_heads, q0, q1, acc)
+        li = _tile_rows(lse[..., None], kv_heads, q0, q1, acc)
+        di = _tile_rows(delta[..., None], kv_heads, q0, q1, acc)
+        s = _masked(torch.matmul(qi, kt.transpose(-1, -2)).mul_(scale), q0, q1, k0, causal)
+        p = torch.exp(s.sub_(li))
+        dv.add_(torch.matmul(p.transpose(-1, -2), goi))
+        ds = torch.matmul(goi, vt.transpose(-1, -2)).sub_(di).mul_(p).mul_(scale)
+        del s, p
+        dk.add_(torch.matmul(ds.transpose(-1, -2), qi))
+        del ds, qi, goi, li, di
+    return dk, dv
 
 
 # ---------------------------------------------------------------------------------------------- custom ops

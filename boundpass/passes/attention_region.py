@@ -18,6 +18,7 @@ other int stays, and a program that still makes a sequence-long dim at a block's
 """
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 
@@ -25,6 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from boundpass.passes.graph_edit import ancestors
 from boundpass.passes.graph_edit import example_value as _val
 
 
@@ -224,8 +226,8 @@ class _Follow:
 
 def query_path(sdpa: fx.Node, query: fx.Node, key: fx.Node, value: fx.Node) -> list[fx.Node]:
     """The nodes computing ``query`` that key and value do not need, in graph order; each used only inside."""
-    shared = _ancestors(key) | _ancestors(value) | {key, value}
-    path = [n for n in _ancestors(query) | {query} if n not in shared and n.op != "placeholder"
+    shared = ancestors(key) | ancestors(value) | {key, value}
+    path = [n for n in ancestors(query) | {query} if n not in shared and n.op != "placeholder"
             and n.op != "get_attr"]
     # an item of a tuple made outside (a fused q/k/v projection's split) is where the path starts: an input
     path = [n for n in path if not (n.op == "call_function" and n.target is operator.getitem
@@ -259,16 +261,6 @@ def output_path(sdpa: fx.Node) -> list[fx.Node]:
     return []
 
 
-def _ancestors(node: fx.Node) -> set:
-    out, stack = set(), list(node.all_input_nodes)
-    while stack:
-        n = stack.pop()
-        if n not in out:
-            out.add(n)
-            stack.extend(n.all_input_nodes)
-    return out
-
-
 def inputs_of(path: list[fx.Node], *also: fx.Node) -> list[fx.Node]:
     """The nodes outside ``path`` that it reads, in first-use order (``also``: nodes to treat as inside)."""
     inside, out = set(path) | set(also), []
@@ -291,7 +283,6 @@ def follow_inputs(path: list[fx.Node], inputs: list[fx.Node], length: int, resul
                   fixed: dict | None = None) -> tuple[dict, _Follow]:
     """``follow`` under the one assignment of the inputs' sequence dims (``input_dims``) under which every node is
     position-wise and ``result`` carries the sequence at ``result_dim``; refused when none or several do."""
-    import itertools
     choices = [input_dims(i, length) for i in inputs]
     found, why = [], ""
     for combo in itertools.islice(itertools.product(*choices), 64):

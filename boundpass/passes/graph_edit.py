@@ -45,12 +45,21 @@ def sweep_dead_nodes(graph: fx.Graph, keep) -> None:
 
 def descendants(*nodes: fx.Node) -> set:
     """Every node computed from ``nodes`` (their users, transitively), ``nodes`` themselves excluded unless reached."""
-    out, stack = set(), [u for n in nodes for u in n.users]
+    return _closure([u for n in nodes for u in n.users], lambda node: node.users)
+
+
+def ancestors(*nodes: fx.Node) -> set:
+    """Every node ``nodes`` are computed from (their inputs, transitively), ``nodes`` themselves excluded."""
+    return _closure([a for n in nodes for a in n.all_input_nodes], lambda node: node.all_input_nodes)
+
+
+def _closure(start: list, step) -> set:
+    out, stack = set(), list(start)
     while stack:
         node = stack.pop()
         if node not in out:
             out.add(node)
-            stack.extend(node.users)
+            stack.extend(step(node))
     return out
 
 

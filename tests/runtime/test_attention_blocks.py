@@ -24,6 +24,19 @@ class Query(torch.nn.Module):
         return (q * cos.unsqueeze(1)).transpose(1, 2)
 
 
+class KV(torch.nn.Module):
+    """k = RoPE-like rotation of a projection, v = a projection: from the same rows as the query."""
+
+    def __init__(self, batch, kv_heads, d, dv):
+        super().__init__()
+        self.batch, self.kv_heads, self.d, self.dv = batch, kv_heads, d, dv
+
+    def forward(self, n, x, cos, wk, wv):
+        k = F.linear(x, wk).view(self.batch, n, self.kv_heads, self.d) * cos.unsqueeze(1)
+        v = F.linear(x, wv).view(self.batch, n, self.kv_heads, self.dv)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+
 class Out(torch.nn.Module):
     def __init__(self, batch):
         super().__init__()
@@ -57,6 +70,57 @@ def _whole(c, causal):
 
 def _grads(y, c):
     return (y, *torch.autograd.grad(y, [c["x"], c["wq"], c["wo"], c["k"], c["v"]], c["grad"]))
+
+
+def _kv_case(dtype, *, batch=2, heads=4, kv_heads=2, length=37, d=8, dv=12, hidden=16, seed=0):
+    c = _case(dtype, batch=batch, heads=heads, kv_heads=kv_heads, length=length, d=d, dv=dv, hidden=hidden, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    c["wk"] = (torch.randn(kv_heads * d, hidden, generator=g) / hidden ** 0.5).to(dtype).requires_grad_()
+    c["wv"] = (torch.randn(kv_heads * dv, hidden, generator=g) / hidden ** 0.5).to(dtype).requires_grad_()
+    c.update(kv_heads=kv_heads, dv=dv)
+    return c
+
+
+def _walked_kv(c, causal, chunk):
+    return ab.sublayer(Query(c["batch"], c["heads"], c["d"]), Out(c["batch"]), [c["x"], c["cos"]],
+                       [c["wq"], c["wk"], c["wv"], c["wo"]], row_dims=(1, 0), query_params=1,
+                       kv=KV(c["batch"], c["kv_heads"], c["d"], c["dv"]), kv_params=2, causal=causal, chunk=chunk)
+
+
+def _whole_kv(c, causal):
+    length = c["x"].shape[1]
+    q = Query(c["batch"], c["heads"], c["d"])(length, c["x"], c["cos"], c["wq"])
+    k, v = KV(c["batch"], c["kv_heads"], c["d"], c["dv"])(length, c["x"], c["cos"], c["wk"], c["wv"])
+    return Out(c["batch"])(length, ca.reference(q, k, v, causal=causal), c["wo"])
+
+
+def _grads_kv(y, c):
+    return (y, *torch.autograd.grad(y, [c["x"], c["wq"], c["wk"], c["wv"], c["wo"]], c["grad"]))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads,kv_heads,d,dv,length,chunk", [
+    (4, 2, 8, 12, 37, 8),     # GQA, MLA's value head dim, a ragged last block
+    (2, 1, 16, 8, 5, 16),     # one block wider than the sequence
+    (4, 4, 8, 8, 19, 1),      # one row per block
+])
+def test_keys_and_values_made_per_tile_are_exact_in_fp64(causal, heads, kv_heads, d, dv, length, chunk):
+    """k and v made by the region's kv program per key tile, their gradients finished key tile by key tile (the
+    key-outer pass): the same values and gradients as the sublayer as one piece."""
+    c = _kv_case(torch.float64, heads=heads, kv_heads=kv_heads, d=d, dv=dv, length=length)
+    got, want = _grads_kv(_walked_kv(c, causal, chunk), c), _grads_kv(_whole_kv(c, causal), c)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_keys_and_values_made_per_tile_in_bf16():
+    c64 = _kv_case(torch.float64, length=96, d=16, dv=24)
+    c16 = {n: (t.detach().to(torch.bfloat16).requires_grad_(t.requires_grad) if torch.is_tensor(t) else t)
+           for n, t in c64.items()}
+    truth = _grads_kv(_whole_kv(c64, True), c64)
+    walked, math = _grads_kv(_walked_kv(c16, True, 32), c16), _grads_kv(_whole_kv(c16, True), c16)
+    for t, a, b in zip(truth, walked, math):
+        assert (a.double() - t).abs().max() <= 2 * (b.double() - t).abs().max() + 1e-3
 
 
 @pytest.mark.parametrize("causal", [True, False])
