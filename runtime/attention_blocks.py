@@ -420,57 +420,77 @@ def make_region(query, out, rows: list[Tensor], params: list[Tensor], k: Tensor 
 # ------------------------------------------------------------------------------------------------ bound
 def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
     """Device bytes of one call, C_s symbolic (``ca.C_s_sym``; the call's chunk when the pass fixed one). With n =
-    min(C_s, L) rows per block, q_n / o_n one block's q and o (b), lse_n its log-sum-exp (b_acc), Q_n / O_n every
-    tensor the query / output program makes on a block (measured per row on fake tensors at registration; all counted
-    alive, an upper bound of each program's own peak), X_n one block's rows of the row inputs:
+    min(C_s, L) rows per block, q_n / o_n one block's q and o (b), lse_n its log-sum-exp (b_acc), Q_n / KV_n / O_n
+    every tensor the query / kv / output program makes on a block (measured per row on fake tensors at registration;
+    all counted alive, an upper bound of each program's own peak), X_n one block's rows of the row inputs, KV the
+    whole k and v a kv program makes (0 when they are inputs), S what the key-outer pass reads of every row (q and
+    the output gradient in b, the log-sum-exp and rowsum(dO O) in b_acc):
 
-    forward : the inputs (row inputs, parameters, k, v) + y
-              + max(Q_n                                  the query program
-                    q_n + o_n + lse_n + the kernels' forward tile,
-                    o_n + O_n)                           the output program
-    backward: grad_y and the inputs + the gradients it returns (the row inputs', the parameters', dk / dv in b_acc
-              and their casts when narrower)
-              + Q_n (kept for the query program's backward) + o_n + lse_n
-              + max(the kernels' forward tile             (o recomputed)
-                    2 O_n + o's gradient + the output projection's weight gradients (autograd returns them whole),
-                    o's gradient + dq + the kernels' backward tile,
-                    dq + Q_n (the query program's gradients) + X_n + the query path's weight gradients)"""
+    forward : the inputs (rows, weights, k, v) + y + KV
+              + max(KV_n, Q_n, q_n + o_n + lse_n + the kernels' forward tile, o_n + O_n)
+    backward: grad_y and the inputs + the gradients it returns (the rows', the weights', and without a kv program
+              dk / dv in b_acc and their casts when narrower)
+              + max(KV + KV_n + S                                      (k, v made)
+                    KV + S + Q_n (kept for the query program's vjp) + o_n + lse_n
+                    + max(the kernels' forward tile                    (o recomputed)
+                          2 O_n + o's gradient + the output projection's weight gradients (whole, from autograd),
+                          o's gradient + dq + the kernels' backward tile,
+                          o's gradient + 3 o_n in b_acc                (rowsum(dO O), with a kv program)
+                          dq + Q_n (the query program's gradients) + X_n + the query path's weight gradients),
+                    S + 2 KV_n + X_n + the kv weights' gradients       (key-outer: one key tile under autograd)
+                    + its gradients in b_acc and b + the backward tile)"""
     r = region_of(a["region"])
     k, v, rows, params = a["k"], a["v"], a["rows"], a["params"]
     length = next(contracts.as_expr(t.shape[d]) for t, d in zip(rows, r.row_dims) if d is not None)
     n = sympy.Min(ca.C_s_sym, length) if a["chunk"] <= 0 else sympy.Min(int(a["chunk"]), length)
     tile_chunk = ca.C_s_sym if a["chunk"] <= 0 else sympy.Integer(int(a["chunk"]))
+    zero = sympy.Integer(0)
 
     def nbytes(t) -> sympy.Expr:
+        if t is None:
+            return zero
         count = sympy.Integer(1)
         for s in t.shape:
             count *= contracts.as_expr(s)
         return count * t.dtype.itemsize
 
-    b = k.dtype.itemsize
-    acc = ca._acc_dtype(k.dtype).itemsize
+    walk_kv = r.kv is not None
+    kv_heads, d_v, kv_dtype = (r.kv_shape[0], r.kv_shape[2], r.kv_shape[3]) if walk_kv else \
+        (int(k.shape[1]), int(v.shape[3]), k.dtype)
+    b = kv_dtype.itemsize
+    acc = ca._acc_dtype(kv_dtype).itemsize
     mixed = acc != b
-    batch = int(k.shape[0])
+    batch = int(r.y_shape[0]) if r.y_dim != 0 else int(r.y_shape[1])
+    heads, d_qk = r.heads, r.d_qk
     y_row = sympy.Integer(r.y_dtype.itemsize) * (sympy.prod([int(s) for s in r.y_shape]) // int(r.y_shape[r.y_dim]))
-    inputs = sum((nbytes(t) for t in (*rows, *params, k, v)), sympy.Integer(0))
-    heads, d_qk, d_v = r.heads, r.d_qk, int(v.shape[3])
-    values = {ca.sym.A_q: heads, ca.sym.A_kv: int(k.shape[1]), ca.sym.D_h: d_qk, ca.D_v_sym: d_v,
+    inputs = sum((nbytes(t) for t in (*rows, *params, k, v)), zero)
+    values = {ca.sym.A_q: heads, ca.sym.A_kv: kv_heads, ca.sym.D_h: d_qk, ca.D_v_sym: d_v,
               ca.sym.b_acc: acc, ca.C_s_sym: tile_chunk}
     tile_f = ca.tile_workspace("forward", mixed_precision=mixed, batch=batch).xreplace(values)
     q_n, o_n, lse_n = n * batch * heads * d_qk * b, n * batch * heads * d_v * b, n * batch * heads * acc
-    Q_n, O_n = n * r.query_row_bytes, n * r.out_row_bytes
+    Q_n, O_n, KV_n = n * r.query_row_bytes, n * r.out_row_bytes, n * r.kv_row_bytes
+    whole_kv = length * batch * kv_heads * (d_qk + d_v) * b if walk_kv else zero
     if "grad_y" not in a:
-        return inputs + length * y_row + sympy.Max(Q_n, q_n + o_n + lse_n + tile_f, o_n + O_n)
+        return inputs + length * y_row + whole_kv + sympy.Max(KV_n, Q_n, q_n + o_n + lse_n + tile_f, o_n + O_n)
     tile_b = ca.tile_workspace("backward", mixed_precision=mixed, batch=batch).xreplace(values)
-    n_rows, nq, needs = len(rows), r.query_params, r.needs
-    outputs = sum((nbytes(t) for t, need in zip((*rows, *params), needs) if need), sympy.Integer(0))
-    outputs += (nbytes(k) + nbytes(v)) * acc / b + ((nbytes(k) + nbytes(v)) if mixed else 0)
+    n_rows, needs = len(rows), r.needs
+    outputs = sum((nbytes(t) for t, need in zip((*rows, *params), needs) if need), zero)
+    if not walk_kv:
+        outputs += (nbytes(k) + nbytes(v)) * acc / b + ((nbytes(k) + nbytes(v)) if mixed else 0)
     param_needs = needs[n_rows:n_rows + len(params)]
-    q_weights = sum((nbytes(p) for p, need in zip(params[:nq], param_needs[:nq]) if need), sympy.Integer(0))
-    o_weights = sum((nbytes(p) for p, need in zip(params[nq:], param_needs[nq:]) if need), sympy.Integer(0))
-    block = Q_n + o_n + lse_n + sympy.Max(tile_f, 2 * O_n + o_n + o_weights, o_n + q_n + tile_b,
-                                          q_n + Q_n + n * r.input_row_bytes + q_weights)
-    return length * y_row + inputs + outputs + block
+    nq, nkv = r.query_params, r.kv_params
+    weights = [sum((nbytes(p) for p, need in zip(params[lo:hi], param_needs[lo:hi]) if need), zero)
+               for lo, hi in ((0, nq), (nq, nq + nkv), (nq + nkv, len(params)))]
+    stash = length * batch * heads * ((d_qk + d_v) * b + 2 * acc) if walk_kv else zero
+    delta = 2 * o_n + 3 * n * batch * heads * d_v * acc if walk_kv else zero
+    query_outer = whole_kv + stash + Q_n + o_n + lse_n + sympy.Max(
+        tile_f, 2 * O_n + o_n + weights[2], o_n + q_n + tile_b, delta, q_n + Q_n + n * r.input_row_bytes + weights[0])
+    phases = [query_outer]
+    if walk_kv:
+        phases.append(whole_kv + KV_n + stash)
+        phases.append(stash + 2 * KV_n + n * r.input_row_bytes + weights[1]
+                      + n * batch * kv_heads * (d_qk + d_v) * (acc + b) + tile_b)
+    return length * y_row + inputs + outputs + sympy.Max(*phases)
 
 
 contracts.register_bound(torch.ops.boundpass.attention_blocks_fwd.default, attention_blocks_bound)

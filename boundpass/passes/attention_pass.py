@@ -51,6 +51,8 @@ class AttentionRegion:
     chunk: int = 0                 # C_s chosen by the budget
     blocks: bool = False           # the whole sublayer in query blocks (boundpass::attention_blocks)
     blocks_reason: str = ""        # why not, when query blocks were asked for
+    kv_blocks: bool = False        # k and v made per key tile too (never whole, nor their gradients)
+    kv_reason: str = ""            # why k and v are the op's inputs instead
     op_node: fx.Node | None = field(default=None, repr=False)
 
     def describe(self) -> str:
@@ -59,8 +61,10 @@ class AttentionRegion:
         shape = (f"(B={self.batch}, L={self.length}, A_q={self.heads}, A_kv={self.kv_heads}, D={self.head_dim}, "
                  f"D_v={self.v_head_dim}, {'causal' if self.causal else 'full'}, {self.dtype}, C_s={self.chunk})")
         if self.blocks:
-            return (f"REWRITTEN attention {self.module_path}: query path + scaled_dot_product_attention + output "
-                    f"projection => boundpass::attention_blocks, C_s query rows at a time {shape}")
+            kv = ("k / v path + " if self.kv_blocks else "")
+            tail = "" if self.kv_blocks else f"; k and v whole: {self.kv_reason}"
+            return (f"REWRITTEN attention {self.module_path}: query path + {kv}scaled_dot_product_attention + output "
+                    f"projection => boundpass::attention_blocks, C_s query rows / key rows at a time {shape}{tail}")
         tail = f"; not in query blocks: {self.blocks_reason}" if self.blocks_reason else ""
         return (f"REWRITTEN attention {self.module_path}: scaled_dot_product_attention => boundpass::chunked_attention "
                 f"{shape}{tail}")
@@ -97,16 +101,50 @@ def _why_not(a: dict) -> str:
     return ""
 
 
+@dataclass
+class _KVSide:
+    """The key / value path as a program: its nodes (the dropped padding's links after them), its inputs and the
+    nodes the rewrite erases with it."""
+    path: list
+    inputs: list
+    dims: dict
+    walker: object
+    value: fx.Node           # what the program returns as v (the padding's last link, or the value itself)
+    alias: dict
+    dead: list
+
+
+def _kv_side(node: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, unpadded, length: int, qdims: dict) -> _KVSide:
+    """The key / value path made per key tile, or NotPositionwise: every node key and value are computed from that
+    the query is not, position-wise from the same row inputs (those the query path shares keep their dims)."""
+    source, links = unpadded if unpadded is not None else (v, [])
+    pad_chain = []   # the padded value's nodes: pad, then its reshapes up to the call's value argument
+    at = v
+    while unpadded is not None and at is not source:
+        pad_chain.append(at)
+        at = at.args[0]
+    path = ar.kv_path(node, q, k, source, also_using=set(pad_chain))
+    inputs = ar.inputs_of(path) if path else [k, source]
+    shared = {i: qdims[i] for i in inputs if i in qdims}
+    alias = {pad_chain[-1]: source} if links else {}
+    value = links[-1] if links else source
+    dims, walker = ar.follow_inputs(path + links, [i for i in inputs if i not in shared], length,
+                                    [(k, 2), (value, 2)], fixed=shared, alias=alias)
+    return _KVSide(path=path + links, inputs=inputs, dims=dims, walker=walker, value=value, alias=alias,
+                   dead=path + pad_chain)
+
+
 def _query_blocks(sub: fx.GraphModule, node: fx.Node, a: dict, chunk: int):
-    """The sublayer around the call rewritten to boundpass::attention_blocks: (its op node, "") or (None, why not)."""
+    """The sublayer around the call rewritten to boundpass::attention_blocks: (its op node, "", why k and v are op
+    inputs or "") or (None, why not, "")."""
     q, k, v = a["query"], a["key"], a["value"]
     length = _val(q).shape[2]
     if not isinstance(length, int):
-        return None, "the sequence length is symbolic in this graph"
+        return None, "the sequence length is symbolic in this graph", ""
     try:
         qpath = ar.query_path(node, q, k, v)
         q_inputs = ar.inputs_of(qpath) if qpath else [q]
-        dims, qwalk = ar.follow_inputs(qpath, q_inputs, length, q, 2)
+        dims, qwalk = ar.follow_inputs(qpath, q_inputs, length, [(q, 2)])
         opath = ar.output_path(node)
         o_inputs = ar.inputs_of(opath, node)
         result = opath[-1] if opath else node
@@ -115,39 +153,60 @@ def _query_blocks(sub: fx.GraphModule, node: fx.Node, a: dict, chunk: int):
         if odims[result] is None:
             raise ar.NotPositionwise("the output projection's result does not carry the sequence")
     except ar.NotPositionwise as why:
-        return None, str(why)
+        return None, str(why), ""
     unpadded = ar.padded_value(v, opath)   # (the value before the padding for torch's fused kernel, reshapes)
+    try:
+        side, kv_why = _kv_side(node, q, k, v, unpadded, length, {i: dims[i] for i in q_inputs}), ""
+    except ar.NotPositionwise as why:
+        side, kv_why = None, str(why)
     width = _val(unpadded[0]).shape[-1] if unpadded is not None else _val(v).shape[3]
     o_example = _val(node).new_empty((*_val(node).shape[:3], width))
     rows = [i for i in q_inputs if dims[i] is not None]
-    params = [i for i in q_inputs if dims[i] is None] + o_inputs
-    region = ab.Region(query=ar.program(qpath, rows + params[:len(params) - len(o_inputs)], q, qwalk),
+    q_weights = [i for i in q_inputs if dims[i] is None]
+    kv_weights = []
+    if side is not None:
+        rows += [i for i in side.inputs if side.dims[i] is not None and i not in rows]
+        kv_weights = [i for i in side.inputs if side.dims[i] is None]
+    params = q_weights + kv_weights + o_inputs
+    row_dims = tuple(dims[i] if i in dims else side.dims[i] for i in rows)
+    kv_in = [] if side is not None else [k, v]
+    region = ab.Region(query=ar.program(qpath, rows + q_weights, q, qwalk),
+                       kv=ar.program(side.path, rows + kv_weights, (k, side.value), side.walker, side.alias)
+                       if side is not None else None,
                        out=ar.program(opath, [node, *o_inputs], result, owalk),
-                       row_dims=tuple(dims[i] for i in rows), query_params=len(params) - len(o_inputs),
+                       row_dims=row_dims, query_params=len(q_weights), kv_params=len(kv_weights),
                        y_shape=tuple(_val(result).shape), y_dim=odims[result], y_dtype=_val(result).dtype,
-                       needs=tuple(bool(getattr(_val(i), "requires_grad", False)) for i in (*rows, *params, k, v)))
+                       needs=tuple(bool(getattr(_val(i), "requires_grad", False)) for i in (*rows, *params))
+                       + ((False, False) if side is not None else tuple(
+                           bool(getattr(_val(i), "requires_grad", False)) for i in (k, v))))
     try:
         key = ab.register_region(region, [_val(i) for i in rows], [_val(i) for i in params], o_example)
     except Exception as why:  # a program that still makes a sequence-long dim at a block's rows
-        return None, f"the query path does not run on a block of rows ({type(why).__name__}: {why})"
+        return None, f"the query path does not run on a block of rows ({type(why).__name__}: {why})", ""
     add = node_adder(sub.graph, _val(q).fake_mode, module_stack_of=node, trace_of=node)
-    if unpadded is not None:
-        v, links = unpadded
-        with sub.graph.inserting_before(node):
-            for link in links:
-                v = add(link.target, v, *link.args[1:], kind="call_method")
+    k_arg = v_arg = None
+    if side is None:
+        k_arg, v_arg = k, v
+        if unpadded is not None:
+            v_arg, links = unpadded
+            with sub.graph.inserting_before(node):
+                for link in links:
+                    v_arg = add(link.target, v_arg, *link.args[1:], kind="call_method")
     with sub.graph.inserting_before(result):
-        op = add(torch.ops.boundpass.attention_blocks_fwd.default, rows, params, k, v, key, bool(a["is_causal"]),
-                 float(a["scale"] or 0.0), int(chunk))
+        op = add(torch.ops.boundpass.attention_blocks_fwd.default, rows, params, k_arg, v_arg, key,
+                 bool(a["is_causal"]), float(a["scale"] or 0.0), int(chunk))
+    op.meta["attention_value_dim"] = width
     result.replace_all_uses_with(op)
     padded = node.args[2] if len(node.args) > 2 else node.kwargs["value"]
-    for dead in reversed([*qpath, node, *opath]):
-        sub.graph.erase_node(dead)
-    while unpadded is not None and isinstance(padded, fx.Node) and not padded.users:   # the padded value's chain
-        below = padded.args[0]
+    order = {n: i for i, n in enumerate(sub.graph.nodes)}
+    dead = {*qpath, node, *opath, *(side.dead if side is not None else [])}
+    for n in sorted(dead, key=order.__getitem__, reverse=True):
+        sub.graph.erase_node(n)
+    while side is None and unpadded is not None and isinstance(padded, fx.Node) and not padded.users:
+        below = padded.args[0]   # the padded value's chain
         sub.graph.erase_node(padded)
         padded = below
-    return op, ""
+    return op, "", kv_why
 
 
 def rewrite_attention_regions(gm: fx.GraphModule, chunk: int = 0, *,
@@ -166,9 +225,10 @@ def rewrite_attention_regions(gm: fx.GraphModule, chunk: int = 0, *,
             continue
         q, k, v = a["query"], a["key"], a["value"]
         qv, kv, vv = _val(q), _val(k), _val(v)
-        op, why_not_blocks = _query_blocks(sub, node, a, chunk) if query_blocks else (None, "")
+        op, why_not_blocks, why_kv_whole = _query_blocks(sub, node, a, chunk) if query_blocks else (None, "", "")
+        v_head_dim = int(vv.shape[3])
         if op is not None:
-            vv = _val(op.args[3])   # the value the op reads (unpadded where the model padded it)
+            v_head_dim = op.meta["attention_value_dim"]   # the value the op reads (unpadded where the model padded it)
         else:
             add = node_adder(sub.graph, qv.fake_mode, module_stack_of=node, trace_of=node)
             with sub.graph.inserting_before(node):
@@ -181,9 +241,10 @@ def rewrite_attention_regions(gm: fx.GraphModule, chunk: int = 0, *,
         regions.append(AttentionRegion(module_path=path, rewritten=True, tokens=qv.shape[0] * qv.shape[2],
                                        batch=int(qv.shape[0]), length=qv.shape[2], heads=int(qv.shape[1]),
                                        kv_heads=int(kv.shape[1]), head_dim=int(qv.shape[3]),
-                                       v_head_dim=int(vv.shape[3]), causal=bool(a["is_causal"]), dtype=qv.dtype,
+                                       v_head_dim=v_head_dim, causal=bool(a["is_causal"]), dtype=qv.dtype,
                                        chunk=int(chunk), blocks=query_blocks and not why_not_blocks,
-                                       blocks_reason=why_not_blocks, op_node=op))
+                                       blocks_reason=why_not_blocks, kv_blocks=query_blocks and not why_not_blocks
+                                       and not why_kv_whole, kv_reason=why_kv_whole, op_node=op))
     for sub in {id(s): s for s in touched}.values():
         sub.recompile()
     return regions

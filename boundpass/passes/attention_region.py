@@ -72,12 +72,12 @@ def input_dims(node: fx.Node, length: int) -> list:
 class _Follow:
     """Follows the sequence dim through the nodes of a path; notes which int args are the sequence length."""
 
-    def __init__(self, length: int, dims: dict):
-        self.length, self.dims = length, dims
+    def __init__(self, length: int, dims: dict, alias: dict | None = None):
+        self.length, self.dims, self.alias = length, dims, alias or {}
         self.literals: dict = {}        # node -> positions in its flattened shape args that are the length
 
     def dim(self, arg):
-        return self.dims.get(arg) if isinstance(arg, fx.Node) else None
+        return self.dims.get(self.alias.get(arg, arg)) if isinstance(arg, fx.Node) else None
 
     def __call__(self, node: fx.Node):
         if node.op not in ("call_function", "call_method"):
@@ -226,17 +226,26 @@ class _Follow:
 
 def query_path(sdpa: fx.Node, query: fx.Node, key: fx.Node, value: fx.Node) -> list[fx.Node]:
     """The nodes computing ``query`` that key and value do not need, in graph order; each used only inside."""
-    shared = ancestors(key) | ancestors(value) | {key, value}
-    path = [n for n in ancestors(query) | {query} if n not in shared and n.op != "placeholder"
-            and n.op != "get_attr"]
+    return _path(sdpa, [query], ancestors(key) | ancestors(value) | {key, value}, "query")
+
+
+def kv_path(sdpa: fx.Node, query: fx.Node, key: fx.Node, value: fx.Node, also_using: set = frozenset()) -> list:
+    """The nodes computing ``key`` and ``value`` that the query does not need, in graph order; each used only inside
+    (or by ``also_using``: the padding of a value the rewrite drops)."""
+    return _path(sdpa, [key, value], ancestors(query) | {query}, "key / value", also_using)
+
+
+def _path(sdpa: fx.Node, results: list, shared: set, what: str, also_using: set = frozenset()) -> list[fx.Node]:
+    path = {n for r in results for n in ancestors(r) | {r}}
+    path = [n for n in path if n not in shared and n.op not in ("placeholder", "get_attr")]
     # an item of a tuple made outside (a fused q/k/v projection's split) is where the path starts: an input
     path = [n for n in path if not (n.op == "call_function" and n.target is operator.getitem
                                     and n.args[0] not in path and isinstance(_val(n.args[0]), (tuple, list)))]
-    inside = set(path) | {sdpa}
+    inside = set(path) | {sdpa} | set(also_using)
     for n in path:
         outside = [u for u in n.users if u not in inside]
         if outside:
-            raise NotPositionwise(f"{n.name} is used outside the query path (by {outside[0].name})")
+            raise NotPositionwise(f"{n.name} is used outside the {what} path (by {outside[0].name})")
     order = {n: i for i, n in enumerate(sdpa.graph.nodes)}
     return sorted(path, key=order.__getitem__)
 
@@ -271,31 +280,35 @@ def inputs_of(path: list[fx.Node], *also: fx.Node) -> list[fx.Node]:
     return out
 
 
-def follow(path: list[fx.Node], length: int, dims: dict) -> _Follow:
-    """Check every node of ``path`` position-wise; ``dims`` (input -> its sequence dim) gains every node's."""
-    walker = _Follow(length, dims)
+def follow(path: list[fx.Node], length: int, dims: dict, alias: dict | None = None) -> _Follow:
+    """Check every node of ``path`` position-wise; ``dims`` (input -> its sequence dim) gains every node's;
+    ``alias``: a node read as another (``program``'s)."""
+    walker = _Follow(length, dims, alias)
     for n in path:
         dims[n] = walker(n)
     return walker
 
 
-def follow_inputs(path: list[fx.Node], inputs: list[fx.Node], length: int, result: fx.Node, result_dim: int,
-                  fixed: dict | None = None) -> tuple[dict, _Follow]:
+def follow_inputs(path: list[fx.Node], inputs: list[fx.Node], length: int, results: list,
+                  fixed: dict | None = None, alias: dict | None = None) -> tuple[dict, _Follow]:
     """``follow`` under the one assignment of the inputs' sequence dims (``input_dims``) under which every node is
-    position-wise and ``result`` carries the sequence at ``result_dim``; refused when none or several do."""
+    position-wise and each of ``results`` ((node, dim) pairs) carries the sequence at its dim; refused when none or
+    several do."""
     choices = [input_dims(i, length) for i in inputs]
     found, why = [], ""
-    for combo in itertools.islice(itertools.product(*choices), 64):
+    for combo in itertools.islice(itertools.product(*choices), 256):
         dims = {**(fixed or {}), **dict(zip(inputs, combo))}
         try:
-            walker = follow(path, length, dims)
+            walker = follow(path, length, dims, alias)
         except NotPositionwise as e:
             why = why or str(e)
             continue
-        if dims[result] == result_dim:
+        wrong = [(r, d) for r, d in results if dims.get(r) != d]
+        if not wrong:
             found.append((dims, walker))
         else:
-            why = why or f"{result.name} carries the sequence at dim {dims[result]}, not {result_dim}"
+            r, d = wrong[0]
+            why = why or f"{r.name} carries the sequence at dim {dims.get(r)}, not {d}"
     if not found:
         raise NotPositionwise(why)
     if len(found) > 1:
@@ -303,17 +316,20 @@ def follow_inputs(path: list[fx.Node], inputs: list[fx.Node], length: int, resul
     return found[0]
 
 
-def program(path: list[fx.Node], inputs: list[fx.Node], result: fx.Node, walker: _Follow) -> fx.GraphModule:
-    """``path`` as a GraphModule (n, *inputs) -> result, the sequence length in its reshapes replaced by n."""
+def program(path: list[fx.Node], inputs: list[fx.Node], results, walker: _Follow,
+            alias: dict | None = None) -> fx.GraphModule:
+    """``path`` as a GraphModule (n, *inputs) -> results (a node or a tuple of them), the sequence length in its
+    reshapes replaced by n; ``alias``: a node read as another (a dropped padding read as the value it padded)."""
     graph = fx.Graph()
     n = graph.placeholder("n")
     env = {a: graph.placeholder(f"in{i}") for i, a in enumerate(inputs)}
+    alias = alias or {}
     for node in path:
-        new = graph.node_copy(node, lambda a: env[a])
+        new = graph.node_copy(node, lambda a: env[alias.get(a, a)])
         if node in walker.literals:
             new.args = _with_length(new.args, walker.literals[node], n)
         env[node] = new
-    graph.output(env[result])
+    graph.output(tuple(env[r] for r in results) if isinstance(results, (tuple, list)) else env[results])
     return fx.GraphModule(torch.nn.Module(), graph)
 
 

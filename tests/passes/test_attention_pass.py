@@ -44,7 +44,8 @@ def test_rewritten_exact_certified_both_ways_and_refused_just_below():
     regions = report.rewritten_of("attention")
     assert len(regions) == 2 and all(r.causal and r.heads == 4 and r.kv_heads == 2 and r.v_head_dim == 24
                                      for r in regions)
-    assert all(r.blocks for r in regions), [r.describe() for r in regions]   # the whole sublayer in query blocks
+    # the whole sublayer in query blocks, k and v made per key tile
+    assert all(r.blocks and r.kv_blocks for r in regions), [r.describe() for r in regions]
     knob = next(k for k in step.certificates[-1].planner.knobs if k.name == "attention_chunk")
     assert knob.why == "knee" and knob.lo <= knob.value == knob.knee <= 512
     assert "attention_chunk = " in report.text(graph="none")
@@ -163,7 +164,8 @@ def test_torchtitans_attention_is_rewritten(family):
     _close_step(step, model, plain, batch, rtol=1e-4, atol=1e-4)
     report = boundpass.explain(step)
     assert len(report.rewritten_of("attention")) == len(model.layers)
-    assert all(r.blocks for r in report.rewritten_of("attention"))   # MLA / GQA with RoPE: position-wise
+    # MLA / GQA with RoPE (qwen3's fused q/k/v projection too): position-wise, k and v made per key tile
+    assert all(r.blocks and r.kv_blocks for r in report.rewritten_of("attention"))
     assert report.rewritten_of("vocab") and report.rewritten_of("dispatch")
 
 

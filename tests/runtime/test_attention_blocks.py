@@ -147,15 +147,20 @@ def test_bf16_no_further_from_fp64_than_the_math_path():
         assert (a.double() - t).abs().max() <= 2 * (b.double() - t).abs().max() + 1e-3
 
 
-def _measured(part, c, causal, chunk):
+def _measured(part, c, causal, chunk, *, kv=False):
     """The op's forward or backward kernel on real tensors at the live-storage tracker (inputs counted from the
-    start), and its registered bound at the same call."""
-    rows, params = [c["x"].detach(), c["cos"]], [c["wq"].detach(), c["wo"].detach()]
-    k, v, grad = c["k"].detach(), c["v"].detach(), c["grad"]
-    key = ab.make_region(Query(c["batch"], c["heads"], c["d"]), Out(c["batch"]), [c["x"], c["cos"]],
-                         [c["wq"], c["wo"]], c["k"], c["v"], row_dims=(1, 0), query_params=1)
+    start), and its registered bound at the same call. kv: k and v made by the region's kv program."""
+    x = c["x"]
+    weights = [c["wq"], c["wk"], c["wv"], c["wo"]] if kv else [c["wq"], c["wo"]]
+    extra = dict(kv=KV(c["batch"], c["kv_heads"], c["d"], c["dv"]), kv_params=2) if kv else {}
+    key = ab.make_region(Query(c["batch"], c["heads"], c["d"]), Out(c["batch"]), [x, c["cos"]], weights,
+                         None if kv else c["k"], None if kv else c["v"], row_dims=(1, 0), query_params=1, **extra)
     region = ab.region_of(key)
-    tracker = LiveStorageTracker().track_existing(*rows, *params, k, v, *([grad] if part == "backward" else []))
+    rows, params = [x.detach(), c["cos"]], [w.detach() for w in weights]
+    k, v = (None, None) if kv else (c["k"].detach(), c["v"].detach())
+    grad = c["grad"]
+    tracker = LiveStorageTracker().track_existing(*rows, *params, *([] if kv else [k, v]),
+                                                  *([grad] if part == "backward" else []))
     with tracker:
         if part == "forward":
             out = ab.blocks_forward(rows, params, k, v, region, causal, None, chunk)
@@ -168,16 +173,28 @@ def _measured(part, c, causal, chunk):
     return tracker.peak_bytes(), int(ab.attention_blocks_bound(args, {}))
 
 
-@pytest.mark.parametrize("part", ["forward", "backward"])
-@pytest.mark.parametrize("dtype,heads,kv_heads,d,dv,hidden,batch,length,chunk,causal", [
+CASES = [
     (torch.float32, 4, 2, 32, 32, 64, 2, 1024, 64, True),
     (torch.float32, 8, 8, 48, 32, 128, 1, 2048, 128, True),
     (torch.bfloat16, 4, 1, 32, 48, 64, 2, 1024, 128, True),
     (torch.float32, 4, 4, 32, 32, 64, 1, 600, 64, False),
-])
+]
+
+
+@pytest.mark.parametrize("part", ["forward", "backward"])
+@pytest.mark.parametrize("dtype,heads,kv_heads,d,dv,hidden,batch,length,chunk,causal", CASES)
 def test_bound_sound_and_tight(part, dtype, heads, kv_heads, d, dv, hidden, batch, length, chunk, causal):
     c = _case(dtype, batch=batch, heads=heads, kv_heads=kv_heads, d=d, dv=dv, hidden=hidden, length=length)
     measured, bound = _measured(part, c, causal, chunk)
+    assert measured <= bound <= 1.25 * measured, (measured, bound, bound / measured)
+
+
+@pytest.mark.parametrize("part", ["forward", "backward"])
+@pytest.mark.parametrize("dtype,heads,kv_heads,d,dv,hidden,batch,length,chunk,causal", CASES)
+def test_bound_with_a_kv_program_sound_and_tight(part, dtype, heads, kv_heads, d, dv, hidden, batch, length, chunk,
+                                                 causal):
+    c = _kv_case(dtype, batch=batch, heads=heads, kv_heads=kv_heads, d=d, dv=dv, hidden=hidden, length=length)
+    measured, bound = _measured(part, c, causal, chunk, kv=True)
     assert measured <= bound <= 1.25 * measured, (measured, bound, bound / measured)
 
 
