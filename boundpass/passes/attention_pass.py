@@ -134,6 +134,30 @@ def _kv_side(node: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, unpadded, length
                    dead=path + pad_chain)
 
 
+def _region(q, k, v, node, result, qpath, q_inputs, dims, qwalk, opath, o_inputs, odims, owalk, side):
+    """(the op's row inputs, its weights [query's | kv's | output's], the runtime region of their programs)."""
+    rows = [i for i in q_inputs if dims[i] is not None]
+    q_weights = [i for i in q_inputs if dims[i] is None]
+    kv_weights = []
+    if side is not None:
+        rows += [i for i in side.inputs if side.dims[i] is not None and i not in rows]
+        kv_weights = [i for i in side.inputs if side.dims[i] is None]
+    params = q_weights + kv_weights + o_inputs
+
+    def grad(i):
+        return bool(getattr(_val(i), "requires_grad", False))
+    region = ab.Region(query=ar.program(qpath, rows + q_weights, q, qwalk),
+                       kv=ar.program(side.path, rows + kv_weights, (k, side.value), side.walker, side.alias)
+                       if side is not None else None,
+                       out=ar.program(opath, [node, *o_inputs], result, owalk),
+                       row_dims=tuple(dims[i] if i in dims else side.dims[i] for i in rows),
+                       query_params=len(q_weights), kv_params=len(kv_weights),
+                       y_shape=tuple(_val(result).shape), y_dim=odims[result], y_dtype=_val(result).dtype,
+                       needs=tuple(grad(i) for i in (*rows, *params))
+                       + ((False, False) if side is not None else (grad(k), grad(v))))
+    return rows, params, region
+
+
 def _query_blocks(sub: fx.GraphModule, node: fx.Node, a: dict, chunk: int):
     """The sublayer around the call rewritten to boundpass::attention_blocks: (its op node, "", why k and v are op
     inputs or "") or (None, why not, "")."""
@@ -161,24 +185,8 @@ def _query_blocks(sub: fx.GraphModule, node: fx.Node, a: dict, chunk: int):
         side, kv_why = None, str(why)
     width = _val(unpadded[0]).shape[-1] if unpadded is not None else _val(v).shape[3]
     o_example = _val(node).new_empty((*_val(node).shape[:3], width))
-    rows = [i for i in q_inputs if dims[i] is not None]
-    q_weights = [i for i in q_inputs if dims[i] is None]
-    kv_weights = []
-    if side is not None:
-        rows += [i for i in side.inputs if side.dims[i] is not None and i not in rows]
-        kv_weights = [i for i in side.inputs if side.dims[i] is None]
-    params = q_weights + kv_weights + o_inputs
-    row_dims = tuple(dims[i] if i in dims else side.dims[i] for i in rows)
-    kv_in = [] if side is not None else [k, v]
-    region = ab.Region(query=ar.program(qpath, rows + q_weights, q, qwalk),
-                       kv=ar.program(side.path, rows + kv_weights, (k, side.value), side.walker, side.alias)
-                       if side is not None else None,
-                       out=ar.program(opath, [node, *o_inputs], result, owalk),
-                       row_dims=row_dims, query_params=len(q_weights), kv_params=len(kv_weights),
-                       y_shape=tuple(_val(result).shape), y_dim=odims[result], y_dtype=_val(result).dtype,
-                       needs=tuple(bool(getattr(_val(i), "requires_grad", False)) for i in (*rows, *params))
-                       + ((False, False) if side is not None else tuple(
-                           bool(getattr(_val(i), "requires_grad", False)) for i in (k, v))))
+    rows, params, region = _region(q, k, v, node, result, qpath, q_inputs, dims, qwalk, opath, o_inputs, odims,
+                                   owalk, side)
     try:
         key = ab.register_region(region, [_val(i) for i in rows], [_val(i) for i in params], o_example)
     except Exception as why:  # a program that still makes a sequence-long dim at a block's rows
