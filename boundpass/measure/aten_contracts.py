@@ -3,13 +3,18 @@ the bounded ops use (``boundpass.runtime.contracts``), so the step analysis coun
 
 torch's CPU flash attention (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward: SDPA's fused
 path on a CPU) splits the query rows into blocks of qs (32 below 192 rows, 64 below 768, else 256) and the key rows
-into blocks of ks = min(512, L_kv), and allocates, per thread, in the accumulation dtype:
+into blocks of ks = min(512, L_kv), and allocates, per thread, in fp32:
   forward : qs ks scores + 2 qs running max / sum + qs D_v output accumulator
-  backward: 2 qs ks (probabilities, their gradient) + qs, and one [B, A_q, L, D] accumulator of the query gradient
-Measured at torch's allocator (torch 2.13, fp32, one thread, L = 512-2,048, D = 16 / 64, GQA and not: the figures
-above to the byte); found because a step with a small attention-only model measured 0.2-1.5 MiB above its
-certificate. Other dtypes stage reduced-precision copies as well: their terms are doubled (an upper bound, not
-measured).
+  backward: 2 qs ks (probabilities, their gradient) + qs
+and once a contiguous copy of the query's size (backward, in the inputs' dtype). Inputs narrower than fp32 (bf16,
+fp16) add, forward, an fp32 accumulator of the whole output [B, A_q, L, D_v] and per thread a narrow copy of the
+scores tile and of a [ks, D_v] value block; backward, per thread, narrow copies of both tiles and what the kernel
+allocates outside any aten op (17-202 KB per thread measured at L = 100-2,048, no formula found: bounded by
+(qs ks + qs D) fp32 + 8 KiB, above every measured case). Measured at torch's allocator (torch
+2.13, one and two threads, L = 600-2,048, D = 16-192, GQA and not; fp32 and bf16): the figures above to the byte but
+for the unattributed backward bytes (bf16 backward: contract 1.00-1.03x measured). Found twice: a small fp32 attention-only
+step measured 0.2-1.5 MiB above its certificate; then bf16's forward measured 1.46x the fp32 formula (the output
+accumulator) while a blanket doubling overcounted its backward by 1.33x (tests/measure/test_aten_contracts.py).
 """
 from __future__ import annotations
 
@@ -41,16 +46,22 @@ def _flash_cpu_bound(a: dict, ctx: dict) -> sympy.Expr:
     rows, kv_rows = q.shape[2], k.shape[2]
     qs = _q_split(rows if isinstance(rows, int) else None)
     ks = sympy.Min(512, as_expr(kv_rows))
-    acc = torch.promote_types(q.dtype, torch.float32).itemsize * (1 if q.dtype in (torch.float32, torch.float64) else 2)
+    narrow = q.element_size() < 4       # bf16 / fp16: fp32 accumulation beside narrow copies
+    b = q.element_size()
     threads = torch.get_num_threads()
+    dv = as_expr(v.shape[3])
     if backward:
         io = sum((_nbytes(a[n]) for n in ("grad_out", "query", "key", "value", "out", "logsumexp")), sympy.Integer(0))
         io = io + _nbytes(q) + _nbytes(k) + _nbytes(v)                       # grad_query, grad_key, grad_value
-        work = threads * (2 * qs * ks + qs) * acc + _nbytes(q) // q.element_size() * acc
+        unattributed = (qs * ks + qs * as_expr(q.shape[3])) * 4 + 8192
+        tile = (2 * qs * ks + qs) * 4 + ((2 * qs * ks * b + unattributed) if narrow else 0)
+        work = threads * tile + _nbytes(q)                                   # the contiguous copy
     else:
-        b, heads, _, dv = (as_expr(d) for d in (q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
-        io = _nbytes(q) + _nbytes(k) + _nbytes(v) + b * heads * as_expr(rows) * (dv * q.element_size() + 4)
-        work = threads * (qs * ks + 2 * qs + qs * as_expr(v.shape[3])) * acc
+        batch, heads = (as_expr(d) for d in (q.shape[0], q.shape[1]))
+        out_elems = batch * heads * as_expr(rows) * dv
+        io = _nbytes(q) + _nbytes(k) + _nbytes(v) + out_elems * b + batch * heads * as_expr(rows) * 4
+        tile = (qs * ks + 2 * qs + qs * dv) * 4 + ((qs * ks * b + ks * dv * b) if narrow else 0)
+        work = threads * tile + (out_elems * 4 if narrow else 0)
     return io + work
 
 
