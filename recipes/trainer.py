@@ -619,6 +619,8 @@ def check_mop_launch(config: Trainer.Config, world: int) -> None:
             (par.spmd_backend != "partial_dtensor", "--parallelism.spmd_backend partial_dtensor"),
         "validation (the validator feeds whole sequences per data-parallel rank)":
             (config.validator.enable, "--validator.no-enable"),
+        "the attention pass yet (the layout's attention is the sequence-to-head exchange around torch's kernel; "
+        "its budget counts that)": (config.boundpass.attention.enable, "--boundpass.attention.no-enable"),
     }
     for what, (refused, fix) in why.items():
         if refused:

@@ -53,6 +53,7 @@ REFUSED = {  # launch -> what the error must say
     "ep": (["--parallelism.expert_parallel_degree", "4"], "E_p = 4 must divide the W = 2 ranks"),
     "budget without FullAC": (["--boundpass.budget", "4GiB", "activation-checkpoint:selective"],
                               "Add activation-checkpoint:full"),
+    "attention pass": (["--boundpass.attention.enable"], "--boundpass.attention.no-enable"),
 }
 
 
