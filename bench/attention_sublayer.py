@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -51,6 +52,8 @@ def main(argv=None) -> int:
     p.add_argument("--timed-steps", type=int, default=0)
     p.add_argument("--reuse", default="", help="a runs file (this bench's --runs) whose points are not rerun")
     p.add_argument("--runs", default=str(Path(tempfile.gettempdir()) / "attention_sublayer_runs.json"))
+    p.add_argument("--provenance", default="", help="how the reused runs were made (rendered instead of the command)")
+    p.add_argument("--reach-budget", default="1GiB", help="the budget the table says which lengths fit")
     args = p.parse_args(argv)
     started = time.perf_counter()
     from boundpass.recipes.assets import ensure_assets
@@ -66,14 +69,23 @@ def main(argv=None) -> int:
             print(variant, seq, r.get("peak"), r.get("certified"), r.get("reason"), flush=True)
             Path(args.runs).write_text(json.dumps(runs, indent=1, default=str))
     data = dict(runs=[{k: v for k, v in r.items() if k not in ("summary", "args")} for r in runs],
-                budget=args.budget, meta=run_metadata(),
+                budget=args.budget, meta=run_metadata(), provenance=args.provenance, reach_budget=args.reach_budget,
                 command="python bench/attention_sublayer.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    data["slopes"] = {}
+    for r in data["runs"]:   # the tile the planner chose (the knee), from boundpass's summary
+        tiles = sorted({int(t) for t in re.findall(r"C_s=(\d+)", next((x.get("summary", "") for x in runs
+                                                                        if x is r or (x["variant"], x["seq"])
+                                                                        == (r["variant"], r["seq"])), ""))})
+        r["tiles"] = tiles
+    # growth per token over the range every variant ran, and over each variant's two longest lengths
+    data["slopes"] = []
+    common = sorted(set.intersection(*[{r["seq"] for r in runs if r["variant"] == v and r.get("peak")}
+                                       for v in VARIANTS if any(r["variant"] == v for r in runs)]))
     for variant in VARIANTS:
-        points = sorted((r["seq"], r["peak"]) for r in runs if r["variant"] == variant and r.get("peak"))
-        if len(points) > 1:
-            (a, pa), (b, pb) = points[-2:]
-            data["slopes"][variant] = dict(between=[a, b], bytes_per_token=(pb - pa) / (b - a))
+        points = dict((r["seq"], r["peak"]) for r in runs if r["variant"] == variant and r.get("peak"))
+        spans = {tuple(common[-2:]), tuple(sorted(points)[-2:])} if len(common) > 1 else {tuple(sorted(points)[-2:])}
+        for a, b in sorted(s for s in spans if len(s) == 2):
+            data["slopes"].append(dict(variant=variant, between=[a, b],
+                                       bytes_per_token=(points[b] - points[a]) / (b - a)))
     summaries = [r.get("summary", "") for r in runs if r["variant"] == "blocks"]
     data["blocks_regions"] = [line.strip() for line in (summaries[-1] if summaries else "").splitlines()
                               if "REWRITTEN attention" in line][:1]
@@ -83,23 +95,30 @@ def main(argv=None) -> int:
 
 def render(data: dict) -> str:
     meta = data["meta"]
+    from boundpass.core.units import parse_bytes
+    budget = parse_bytes(data["reach_budget"])
+    made = data.get("provenance") or f"`{data['command']}`"
     lines = ["# The attention sublayer in query blocks, whole step on torchtitan's trainer (issue 36)", "",
-             f"`{data['command']}`; {meta['date_utc']}, torch {meta['torch']}, {meta['nproc']} cores. torchtitan's "
-             "deepseek_v3 debug recipe (V = 32,768; MLA: 16 heads, qk 192, v 128), 1 rank, batch 1, FullAC, per-block "
-             "compile (aot_eager), bf16 mixed precision; step 2's peak at torch's allocator (bench/attention_sublayer.py "
-             f"says what each variant runs). boundpass's budget {data['budget']} (every length runs).", ""]
+             f"{made}; rendered {meta['date_utc']}, torch {meta['torch']}, {meta['nproc']} cores, one thread per run. "
+             "torchtitan's deepseek_v3 debug recipe (V = 32,768; MLA: 16 heads, qk 192, v 128), 1 rank, batch 1, "
+             "FullAC, per-block compile (aot_eager), bf16 mixed precision; step 2's peak at torch's allocator "
+             "(bench/attention_sublayer.py says what each variant runs); step 2 runs under the profiler's memory "
+             f"events (its time is comparable between variants, not a training speed). boundpass's budget "
+             f"{data['budget']} (every length runs; the tile C_s is the planner's knee).", ""]
     table = []
     for r in sorted(data["runs"], key=lambda r: (list(VARIANTS).index(r["variant"]), r["seq"])):
         cert = r.get("certified")
+        fits = r.get("peak") and r["peak"] <= budget and (cert is None or cert <= budget)
         table.append([r["variant"], f"{r['seq']:,}", fmt_bytes(r["peak"]) if r.get("peak") else "—",
                       fmt_bytes(cert) if cert else "—",
                       f"{cert / r['peak']:.3f}" if cert and r.get("peak") else "—",
-                      f"{r.get('step1_seconds', 0):.0f} s", r.get("reason") or ""])
+                      "yes" if fits else "no", ", ".join(map(str, r.get("tiles") or [])) or "—",
+                      f"{r.get('measured_step_seconds', 0):.0f} s"])
     lines += [markdown_table(["variant", "L", "measured peak (step 2)", "certified", "certified / measured",
-                              "step 1 (compile + run)", "note"], table), ""]
-    for variant, sl in data["slopes"].items():
+                              f"fits {data['reach_budget']}", "C_s", "step 2 (profiled)"], table), ""]
+    for sl in data["slopes"]:
         a, b = sl["between"]
-        lines.append(f"- {variant}: the peak grows {sl['bytes_per_token'] / 1024:.1f} KiB per token between "
+        lines.append(f"- {sl['variant']}: the peak grows {sl['bytes_per_token'] / 1024:.1f} KiB per token between "
                      f"L = {a:,} and {b:,}.")
     if data.get("blocks_regions"):
         lines += ["", "The attention pass's region (+blocks), from boundpass's summary:", "", "```",
