@@ -1,20 +1,22 @@
 """The attention sublayer around one scaled_dot_product_attention call, found by structure and proved
-position-wise, as the two programs runtime/attention_blocks.py walks in query blocks.
+position-wise, as the programs runtime/attention_blocks.py walks in query blocks and key tiles.
 
 The query path is every node the call's query is computed from that the key and value are not (torchtitan's MLA:
 the low-rank q projection, its norm, the split, RoPE; GQA: the q projection, q_norm, RoPE; a fused q/k/v projection
-leaves only what follows its split). Its inputs are the parameters it reads and the tensors it shares with the rest
-of the block (the normed hidden states, the RoPE table's rows): the *row inputs*, each with one sequence dim. The
-output path is the chain from the call's output through reshapes to the first linear (the output projection),
-every link used once.
+leaves only what follows its split); the key / value path likewise every node key and value are computed from that
+the query is not. Their inputs are the weights they read and the tensors they share with the rest of the block (the
+normed hidden states, the RoPE table's rows): the *row inputs*, each with one sequence dim. The output path is the
+chain from the call's output through reshapes and slices to the first linear (the output projection), every link
+used once.
 
-Both paths must be position-wise along the sequence, or walking them in blocks would change what they compute.
-Each node is checked by a rule that follows the sequence dim through it (``_follow``): linear maps and elementwise
-ops keep it (broadcast operands aligned on it), reshapes keep it when the dims before it are unchanged, splits,
-concatenations, slices, norms and reductions act on other dims only. A node no rule covers, or one that would mix
-positions, leaves the sublayer as it is (the region's reason names it). Shapes in a Dynamo graph are literal ints: the
-sequence length in a reshape's target is rewritten to the block's row count ``n``, the programs' first input; every
-other int stays, and a program that still makes a sequence-long dim at a block's rows is refused (``_check_rows``).
+Every path must be position-wise along the sequence, or walking it in blocks would change what it computes. Each node
+is checked by a rule that follows the sequence dim through it (``_Follow``): linear maps and elementwise ops keep it
+(broadcast operands aligned on it), reshapes keep it when the dims before it are unchanged, splits, concatenations,
+slices and norms act on other dims only, transposes / permutes / flattens move it. A node no rule covers, or one that
+would mix positions, leaves the sublayer to the call alone (the region's reason names it). Shapes in a Dynamo graph
+are literal ints: the sequence length in a reshape's target is rewritten to the block's row count ``n``, the
+programs' first input; every other int stays, and a program that still makes a sequence-long dim at a block's rows
+fails when the region is registered (its programs run on a few fake rows there), which refuses the rewrite too.
 """
 from __future__ import annotations
 
