@@ -98,31 +98,11 @@ def _grads_kv(y, c):
     return (y, *torch.autograd.grad(y, [c["x"], c["wq"], c["wk"], c["wv"], c["wo"]], c["grad"]))
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("heads,kv_heads,d,dv,length,chunk", [
-    (4, 2, 8, 12, 37, 8),     # GQA, MLA's value head dim, a ragged last block
-    (2, 1, 16, 8, 5, 16),     # one block wider than the sequence
-    (4, 4, 8, 8, 19, 1),      # one row per block
-])
-def test_keys_and_values_made_per_tile_are_exact_in_fp64(causal, heads, kv_heads, d, dv, length, chunk):
-    """k and v made by the region's kv program per key tile, their gradients finished key tile by key tile (the
-    key-outer pass): the same values and gradients as the sublayer as one piece."""
-    c = _kv_case(torch.float64, heads=heads, kv_heads=kv_heads, d=d, dv=dv, length=length)
-    got, want = _grads_kv(_walked_kv(c, causal, chunk), c), _grads_kv(_whole_kv(c, causal), c)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+SIDES = {False: (_case, _walked, _whole, _grads),              # k and v the op's inputs
+         True: (_kv_case, _walked_kv, _whole_kv, _grads_kv)}     # k and v made by the kv program per key tile
 
 
-def test_keys_and_values_made_per_tile_in_bf16():
-    c64 = _kv_case(torch.float64, length=96, d=16, dv=24)
-    c16 = {n: (t.detach().to(torch.bfloat16).requires_grad_(t.requires_grad) if torch.is_tensor(t) else t)
-           for n, t in c64.items()}
-    truth = _grads_kv(_whole_kv(c64, True), c64)
-    walked, math = _grads_kv(_walked_kv(c16, True, 32), c16), _grads_kv(_whole_kv(c16, True), c16)
-    for t, a, b in zip(truth, walked, math):
-        assert (a.double() - t).abs().max() <= 2 * (b.double() - t).abs().max() + 1e-3
-
-
+@pytest.mark.parametrize("kv", [False, True], ids=["kv-inputs", "kv-program"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads,kv_heads,d,dv,length,chunk", [
     (4, 4, 8, 8, 32, 8),      # MHA, the length a multiple of the block
@@ -130,20 +110,25 @@ def test_keys_and_values_made_per_tile_in_bf16():
     (2, 1, 16, 8, 5, 16),     # one block wider than the sequence
     (4, 2, 8, 8, 19, 1),      # one row per block
 ])
-def test_exact_in_fp64(causal, heads, kv_heads, d, dv, length, chunk):
-    c = _case(torch.float64, heads=heads, kv_heads=kv_heads, d=d, dv=dv, length=length)
-    got, want = _grads(_walked(c, causal, chunk), c), _grads(_whole(c, causal), c)
+def test_exact_in_fp64(kv, causal, heads, kv_heads, d, dv, length, chunk):
+    """The same values and gradients as the sublayer as one piece; with a kv program, k and v made per key tile and
+    their gradients finished key tile by key tile (the key-outer pass)."""
+    case, walked, whole, grads = SIDES[kv]
+    c = case(torch.float64, heads=heads, kv_heads=kv_heads, d=d, dv=dv, length=length)
+    got, want = grads(walked(c, causal, chunk), c), grads(whole(c, causal), c)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_bf16_no_further_from_fp64_than_the_math_path():
-    c64 = _case(torch.float64, length=96, d=16, dv=24)
+@pytest.mark.parametrize("kv", [False, True], ids=["kv-inputs", "kv-program"])
+def test_bf16_no_further_from_fp64_than_the_math_path(kv):
+    case, walked, whole, grads = SIDES[kv]
+    c64 = case(torch.float64, length=96, d=16, dv=24)
     c16 = {n: (t.detach().to(torch.bfloat16).requires_grad_(t.requires_grad) if torch.is_tensor(t) else t)
            for n, t in c64.items()}
-    truth = _grads(_whole(c64, True), c64)
-    walked, math = _grads(_walked(c16, True, 32), c16), _grads(_whole(c16, True), c16)
-    for t, a, b in zip(truth, walked, math):
+    truth = grads(whole(c64, True), c64)
+    walked16, math = grads(walked(c16, True, 32), c16), grads(whole(c16, True), c16)
+    for t, a, b in zip(truth, walked16, math):
         assert (a.double() - t).abs().max() <= 2 * (b.double() - t).abs().max() + 1e-3
 
 
@@ -181,20 +166,12 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("kv", [False, True], ids=["kv-inputs", "kv-program"])
 @pytest.mark.parametrize("part", ["forward", "backward"])
 @pytest.mark.parametrize("dtype,heads,kv_heads,d,dv,hidden,batch,length,chunk,causal", CASES)
-def test_bound_sound_and_tight(part, dtype, heads, kv_heads, d, dv, hidden, batch, length, chunk, causal):
-    c = _case(dtype, batch=batch, heads=heads, kv_heads=kv_heads, d=d, dv=dv, hidden=hidden, length=length)
-    measured, bound = _measured(part, c, causal, chunk)
-    assert measured <= bound <= 1.25 * measured, (measured, bound, bound / measured)
-
-
-@pytest.mark.parametrize("part", ["forward", "backward"])
-@pytest.mark.parametrize("dtype,heads,kv_heads,d,dv,hidden,batch,length,chunk,causal", CASES)
-def test_bound_with_a_kv_program_sound_and_tight(part, dtype, heads, kv_heads, d, dv, hidden, batch, length, chunk,
-                                                 causal):
-    c = _kv_case(dtype, batch=batch, heads=heads, kv_heads=kv_heads, d=d, dv=dv, hidden=hidden, length=length)
-    measured, bound = _measured(part, c, causal, chunk, kv=True)
+def test_bound_sound_and_tight(kv, part, dtype, heads, kv_heads, d, dv, hidden, batch, length, chunk, causal):
+    c = SIDES[kv][0](dtype, batch=batch, heads=heads, kv_heads=kv_heads, d=d, dv=dv, hidden=hidden, length=length)
+    measured, bound = _measured(part, c, causal, chunk, kv=kv)
     assert measured <= bound <= 1.25 * measured, (measured, bound, bound / measured)
 
 
