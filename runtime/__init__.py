@@ -1,7 +1,6 @@
 """The bounded operators, usable without the compiler (import boundpass.runtime)."""
 from boundpass.runtime.agreement import global_max_tokens  # noqa: F401
 from boundpass.runtime.attention_blocks import sublayer as attention_sublayer  # noqa: F401
-from boundpass.runtime.chunked_attention import chunked_attention  # noqa: F401
 from boundpass.runtime.ring_dtp import (  # noqa: F401
     choose_branch,
     reference_loss,
