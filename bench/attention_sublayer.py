@@ -36,9 +36,9 @@ VARIANTS = {"stock": ("stock", ()), "boundpass": ("boundpass", ()),
 
 
 def run_point(assets: str, variant: str, seq: int, budget: str, timed_steps: int) -> dict:
-    from bench.e2e import _reach_job
+    from bench.e2e import reach_job
     kind, extra = VARIANTS[variant]
-    out = run_on_ranks(_reach_job, 1, assets, kind, seq, None if kind == "stock" else budget, "aot_eager", 128,
+    out = run_on_ranks(reach_job, 1, assets, kind, seq, None if kind == "stock" else budget, "aot_eager", 128,
                        "64GiB", timed_steps, extra, timeout_s=7200)[0]
     out["variant"] = variant
     return out

@@ -284,7 +284,7 @@ def trainer_rank_setup(assets: str) -> None:
     counting_allocator.install()
 
 
-def _reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens, host_budget, timed_steps,
+def reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens, host_budget, timed_steps,
                extra: tuple = ()):
     """One trainer at one sequence length: step 1 (compile, lazy optimizer state), step 2 measured at torch's
     allocator, then `timed_steps` steps timed (nothing measured)."""
@@ -416,7 +416,7 @@ def run_reach(budgets: list[str], start: int, max_seq: int, assets: str, *, back
             return res
         began = time.perf_counter()
         try:
-            res = run_on_ranks(_reach_job, 1, assets, variant, seq, budget, backend, chunk_tokens, host_budget,
+            res = run_on_ranks(reach_job, 1, assets, variant, seq, budget, backend, chunk_tokens, host_budget,
                                timed, timeout_s=7200)[0]
         except Exception as exc:  # a crash is reported as such (and ends that ladder), never taken for a fit
             res = dict(variant=variant, seq=seq, budget=budget, accepted=None, peak=None,

@@ -139,7 +139,7 @@ def _run_job(rank, world, assets, args, vocab, timed_steps):
         trainer.step = 1
         start = time.perf_counter()
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True):  # see bench/e2e.py _reach_job
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True):  # see bench/e2e.py reach_job
             trainer.train_step(data)
         out["step1_seconds"] = time.perf_counter() - start
         if config.boundpass.enable and config.boundpass.budget is not None:

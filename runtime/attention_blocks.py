@@ -59,7 +59,8 @@ class Region:
     kv_row_bytes: int = 0
     out_row_bytes: int = 0
     input_row_bytes: int = 0        # one row of every row input
-    heads: int = 0                  # q's heads and head dim
+    batch: int = 0                  # q's batch, heads and head dim
+    heads: int = 0
     d_qk: int = 0
     kv_shape: tuple = ()            # (A_kv, D, D_v, dtype) of the kv program's k and v
 
@@ -137,7 +138,7 @@ def _per_row(region: Region, rows: list, params: list, o: Tensor, n: int = 4) ->
                 with _Counting(seen) as counting:
                     result = program(n, *inputs)
             if name == "query":
-                region.heads, region.d_qk = int(result.shape[1]), int(result.shape[3])
+                region.batch, region.heads, region.d_qk = (int(result.shape[i]) for i in (0, 1, 3))
             if name == "kv":
                 k, v = result
                 region.kv_shape = (int(k.shape[1]), int(k.shape[3]), int(v.shape[3]), k.dtype)
@@ -262,7 +263,7 @@ def blocks_backward(grad_y: Tensor, rows: list, params: list, k: Tensor | None, 
     walk_kv = region.kv is not None
     if walk_kv:
         k, v = _whole_kv(region, rows, kvp, length, chunk)
-    acc = ca._acc_dtype(k.dtype)
+    acc = ca.acc_dtype(k.dtype)
     if walk_kv:   # what the key-outer pass reads of every row
         stash_q = None
         stash_go = None
@@ -458,9 +459,9 @@ def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
     kv_heads, d_v, kv_dtype = (r.kv_shape[0], r.kv_shape[2], r.kv_shape[3]) if walk_kv else \
         (int(k.shape[1]), int(v.shape[3]), k.dtype)
     b = kv_dtype.itemsize
-    acc = ca._acc_dtype(kv_dtype).itemsize
+    acc = ca.acc_dtype(kv_dtype).itemsize
     mixed = acc != b
-    batch = int(r.y_shape[0]) if r.y_dim != 0 else int(r.y_shape[1])
+    batch = r.batch
     heads, d_qk = r.heads, r.d_qk
     y_row = sympy.Integer(r.y_dtype.itemsize) * (sympy.prod([int(s) for s in r.y_shape]) // int(r.y_shape[r.y_dim]))
     inputs = sum((nbytes(t) for t in (*rows, *params, k, v)), zero)

@@ -27,7 +27,8 @@ from boundpass.core.errors import BoundpassInputError
 from boundpass.runtime import contracts
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels accumulate in (fp32 for bf16 / fp16 / fp32, fp64 for fp64)."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -88,7 +89,7 @@ def chunked_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sca
     base = q_offset or 0
     bsz, heads, length, _ = q.shape
     kv_heads, dv = k.shape[1], v.shape[3]
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     out = q.new_empty((bsz, heads, length, dv))
     lse = q.new_empty((bsz, heads, length), dtype=acc)
@@ -125,7 +126,7 @@ def chunked_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor
     schedule that takes them key tile by key tile, ``key_tile_backward``)."""
     base = q_offset or 0
     length, kv_heads = q.shape[2], k.shape[1]
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     if not dkv:
@@ -167,7 +168,7 @@ def key_tile_backward(q: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, k
     that makes k and v per key tile (recomputed from the block's inputs) finishes each tile's gradients here and
     never holds them whole."""
     length, kv_heads, m = q.shape[2], kj.shape[1], kj.shape[2]
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     kt, vt = kj.to(acc), vj.to(acc)
     dk, dv = torch.zeros(kj.shape, dtype=acc, device=kj.device), torch.zeros(vj.shape, dtype=acc, device=vj.device)
@@ -198,7 +199,7 @@ def chunked_attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: 
 
 @chunked_attention_fwd.register_fake
 def _(q, k, v, causal, scale, chunk):
-    return (q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype)))
+    return (q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype)))
 
 
 @torch.library.custom_op("boundpass::chunked_attention_bwd", mutates_args=())
@@ -297,7 +298,7 @@ L_seq_sym = sympy.Symbol("L_seq", integer=True, positive=True)  # sequence lengt
 def bound_values(dtype: torch.dtype, *, batch: int, length: int, heads: int, kv_heads: int, head_dim: int,
                  v_head_dim: int, chunk: int | None = None) -> dict:
     values = {sym.N: batch * length, L_seq_sym: length, sym.A_q: heads, sym.A_kv: kv_heads, sym.D_h: head_dim,
-              D_v_sym: v_head_dim, sym.b: dtype.itemsize, sym.b_acc: _acc_dtype(dtype).itemsize}
+              D_v_sym: v_head_dim, sym.b: dtype.itemsize, sym.b_acc: acc_dtype(dtype).itemsize}
     if chunk is not None:
         values[C_s_sym] = chunk
     return values
@@ -306,7 +307,7 @@ def bound_values(dtype: torch.dtype, *, batch: int, length: int, heads: int, kv_
 # ------------------------------------------------------------------------------------------ memory contract
 def _device_bound(a: dict, ctx: dict) -> sympy.Expr:
     q, k, v = a["q"], a["k"], a["v"]
-    mixed = _acc_dtype(q.dtype) != q.dtype
+    mixed = acc_dtype(q.dtype) != q.dtype
     part = "backward" if "grad_out" in a else "forward"
     values = bound_values(q.dtype, batch=1, length=1, heads=int(q.shape[1]), kv_heads=int(k.shape[1]),
                           head_dim=int(q.shape[3]), v_head_dim=int(v.shape[3]))

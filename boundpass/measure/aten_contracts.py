@@ -40,7 +40,7 @@ def _nbytes(t) -> sympy.Expr:
     return out
 
 
-def _flash_cpu_bound(a: dict, ctx: dict) -> sympy.Expr:
+def flash_cpu_bound(a: dict, ctx: dict) -> sympy.Expr:
     q, k, v = a["query"], a["key"], a["value"]
     backward = "grad_out" in a
     rows, kv_rows = q.shape[2], k.shape[2]
@@ -67,6 +67,6 @@ def _flash_cpu_bound(a: dict, ctx: dict) -> sympy.Expr:
 
 def register() -> None:
     """Register the contracts above (idempotent)."""
-    contracts.register_bound(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, _flash_cpu_bound)
+    contracts.register_bound(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, flash_cpu_bound)
     contracts.register_bound(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-                             _flash_cpu_bound)
+                             flash_cpu_bound)

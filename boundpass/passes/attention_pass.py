@@ -104,7 +104,7 @@ def _why_not(a: dict) -> str:
 @dataclass
 class _KVSide:
     """The key / value path as a program: its nodes (the dropped padding's links after them), its inputs and the
-    nodes the rewrite erases with it."""
+    nodes the rewrite erases with it (the padding's own chain is erased with the call, ``Padded.chain``)."""
     path: list
     inputs: list
     dims: dict
@@ -117,21 +117,17 @@ class _KVSide:
 def _kv_side(node: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, unpadded, length: int, qdims: dict) -> _KVSide:
     """The key / value path made per key tile, or NotPositionwise: every node key and value are computed from that
     the query is not, position-wise from the same row inputs (those the query path shares keep their dims)."""
-    source, links = unpadded if unpadded is not None else (v, [])
-    pad_chain = []   # the padded value's nodes: pad, then its reshapes up to the call's value argument
-    at = v
-    while unpadded is not None and at is not source:
-        pad_chain.append(at)
-        at = at.args[0]
+    source, links = (unpadded.source, unpadded.links) if unpadded is not None else (v, [])
+    pad_chain = unpadded.chain if unpadded is not None else []
     path = ar.kv_path(node, q, k, source, also_using=set(pad_chain))
     inputs = ar.inputs_of(path) if path else [k, source]
     shared = {i: qdims[i] for i in inputs if i in qdims}
-    alias = {pad_chain[-1]: source} if links else {}
+    alias = {unpadded.pad: source} if links else {}
     value = links[-1] if links else source
     dims, walker = ar.follow_inputs(path + links, [i for i in inputs if i not in shared], length,
                                     [(k, 2), (value, 2)], fixed=shared, alias=alias)
     return _KVSide(path=path + links, inputs=inputs, dims=dims, walker=walker, value=value, alias=alias,
-                   dead=path + pad_chain)
+                   dead=path)
 
 
 def _region(q, k, v, node, result, qpath, q_inputs, dims, qwalk, opath, o_inputs, odims, owalk, side):
@@ -183,7 +179,7 @@ def _query_blocks(sub: fx.GraphModule, node: fx.Node, a: dict, chunk: int):
         side, kv_why = _kv_side(node, q, k, v, unpadded, length, {i: dims[i] for i in q_inputs}), ""
     except ar.NotPositionwise as why:
         side, kv_why = None, str(why)
-    width = _val(unpadded[0]).shape[-1] if unpadded is not None else _val(v).shape[3]
+    width = _val(unpadded.source).shape[-1] if unpadded is not None else _val(v).shape[3]
     o_example = _val(node).new_empty((*_val(node).shape[:3], width))
     rows, params, region = _region(q, k, v, node, result, qpath, q_inputs, dims, qwalk, opath, o_inputs, odims,
                                    owalk, side)
@@ -196,24 +192,20 @@ def _query_blocks(sub: fx.GraphModule, node: fx.Node, a: dict, chunk: int):
     if side is None:
         k_arg, v_arg = k, v
         if unpadded is not None:
-            v_arg, links = unpadded
+            v_arg = unpadded.source
             with sub.graph.inserting_before(node):
-                for link in links:
+                for link in unpadded.links:
                     v_arg = add(link.target, v_arg, *link.args[1:], kind="call_method")
     with sub.graph.inserting_before(result):
         op = add(torch.ops.boundpass.attention_blocks_fwd.default, rows, params, k_arg, v_arg, key,
                  bool(a["is_causal"]), float(a["scale"] or 0.0), int(chunk))
     op.meta["attention_value_dim"] = width
     result.replace_all_uses_with(op)
-    padded = node.args[2] if len(node.args) > 2 else node.kwargs["value"]
     order = {n: i for i, n in enumerate(sub.graph.nodes)}
-    dead = {*qpath, node, *opath, *(side.dead if side is not None else [])}
+    dead = {*qpath, node, *opath, *(side.dead if side is not None else []),
+            *(unpadded.chain if unpadded is not None else [])}
     for n in sorted(dead, key=order.__getitem__, reverse=True):
         sub.graph.erase_node(n)
-    while side is None and unpadded is not None and isinstance(padded, fx.Node) and not padded.users:
-        below = padded.args[0]   # the padded value's chain
-        sub.graph.erase_node(padded)
-        padded = below
     return op, "", kv_why
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -348,11 +349,23 @@ def _with_length(args: tuple, position: int, n: fx.Node) -> tuple:
 _PADS = {torch._C._nn.pad, F.pad}
 
 
-def padded_value(value: fx.Node, opath: list[fx.Node]):
-    """(the value before its zero padding, the reshapes between the two) when ``value`` is a value zero-padded along
-    its head dim to the query's for torch's fused kernel (torchtitan on CPU, the MoP layout) and the output path
-    slices the padded columns off again; else None. The chunked kernels take a value head dim of its own, so the op
-    reads the narrower value and the slice is a no-op on its output."""
+@dataclass
+class Padded:
+    """A value zero-padded along its head dim for torch's fused kernel, as the call reads it."""
+    source: fx.Node     # the value before the padding
+    links: list         # the reshapes between the padding and the call, in graph order (the op replays them)
+    chain: list         # the call's value argument, down to the padding: what the rewrite erases
+
+    @property
+    def pad(self) -> fx.Node:
+        return self.chain[-1]
+
+
+def padded_value(value: fx.Node, opath: list[fx.Node]) -> Padded | None:
+    """``value`` as a ``Padded`` when it is a value zero-padded along its head dim to the query's for torch's fused
+    kernel (torchtitan on CPU, the MoP layout) and the output path slices the padded columns off again; else None.
+    The chunked kernels take a value head dim of its own, so the op reads the narrower value and the slice is a no-op
+    on its output."""
     chain, node = [], value
     while node.op == "call_method" and _name(node) in ("transpose", "contiguous") and len(node.users) == 1:
         chain.append(node)
@@ -374,7 +387,7 @@ def padded_value(value: fx.Node, opath: list[fx.Node]):
                                                                            or len(index) == len(_shape(link.args[0])))
             if keeps_last and isinstance(last, slice) and last.start in (None, 0) and last.stop == width \
                     and last.step in (None, 1):
-                return node.args[0], list(reversed(chain))
+                return Padded(source=node.args[0], links=list(reversed(chain)), chain=[*chain, node])
             return None
         if _shape(link)[-1] != _shape(value)[-1]:
             return None

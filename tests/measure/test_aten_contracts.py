@@ -28,8 +28,8 @@ def test_flash_attention_contracts_sound_and_tight(threads, dtype, length, d, he
             lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0,
                                                                                         True),
             [q, k, v, out, lse, grad])
-        bound_f = int(aten_contracts._flash_cpu_bound(dict(query=q, key=k, value=v), {}))
-        bound_b = int(aten_contracts._flash_cpu_bound(dict(grad_out=grad, query=q, key=k, value=v, out=out,
+        bound_f = int(aten_contracts.flash_cpu_bound(dict(query=q, key=k, value=v), {}))
+        bound_b = int(aten_contracts.flash_cpu_bound(dict(grad_out=grad, query=q, key=k, value=v, out=out,
                                                            logsumexp=lse), {}))
     finally:
         torch.set_num_threads(before)
