@@ -103,7 +103,7 @@ def render(data: dict) -> str:
              "torchtitan's deepseek_v3 debug recipe (V = 32,768; MLA: 16 heads, qk 192, v 128), 1 rank, batch 1, "
              "FullAC, per-block compile (aot_eager), bf16 mixed precision; step 2's peak at torch's allocator "
              "(bench/attention_sublayer.py says what each variant runs); step 2 runs under the profiler's memory "
-             "events (its time is comparable between variants, not a training speed). boundpass's budget per run in "
+             "events (its time, one run per point, not a median, is comparable between variants, not a training speed). boundpass's budget per run in "
              "the table (large enough that every length runs, but for the reach point at the budget it is about; the "
              "tile C_s is the planner's: the knee where it fits).", ""]
     table = []
