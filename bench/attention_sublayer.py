@@ -8,7 +8,10 @@ left out by design), step 1 compiles. Variants:
   stock      torchtitan as it ships, its ChunkedLossWrapper at <= 128 tokens per chunk
   boundpass  the per-block path (Ring-DTP head, PipelinedLLEP, SCO auto, OffloadStreamAdamW), attention as it runs
              (torch's fused kernel on value-padded v)
-  +blocks    the same with --boundpass.attention.enable: every block's attention sublayer walked in query blocks
+  +blocks    the same with --boundpass.attention.enable --boundpass.attention.no-offload: every block's attention
+             sublayer walked in query blocks, k, v made per key tile, kept whole on the device
+  +offload   --boundpass.attention.enable (offload on by default): k, v and the backward's q, dO on the host, read
+             back a tile at a time, the next prefetched (host bytes reported beside the device peak)
 The peak's growth per token between the two longest lengths, each variant. Writes docs/results/attention_sublayer.json
 and .md.
 
@@ -32,7 +35,8 @@ from bench.common import fmt_bytes, markdown_table, publish, run_metadata
 from boundpass.testing.distributed import run_on_ranks
 
 VARIANTS = {"stock": ("stock", ()), "boundpass": ("boundpass", ()),
-            "blocks": ("boundpass", ("--boundpass.attention.enable",))}
+            "blocks": ("boundpass", ("--boundpass.attention.enable", "--boundpass.attention.no-offload")),
+            "offload": ("boundpass", ("--boundpass.attention.enable",))}
 
 
 def run_point(assets: str, variant: str, seq: int, budget: str, timed_steps: int) -> dict:
@@ -47,7 +51,7 @@ def run_point(assets: str, variant: str, seq: int, budget: str, timed_steps: int
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="2048,4096,8192")
-    p.add_argument("--variants", default="stock,boundpass,blocks")
+    p.add_argument("--variants", default="stock,boundpass,blocks,offload")
     p.add_argument("--budget", default="4GiB", help="boundpass's budget (large: every length runs)")
     p.add_argument("--timed-steps", type=int, default=0)
     p.add_argument("--reuse", default="", help="a runs file (this bench's --runs) whose points are not rerun")
@@ -72,6 +76,8 @@ def main(argv=None) -> int:
                 budget=args.budget, meta=run_metadata(), provenance=args.provenance, reach_budget=args.reach_budget,
                 command="python bench/attention_sublayer.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     for r in data["runs"]:   # the tile the planner chose (the knee), from boundpass's summary
+        if r.get("tiles"):
+            continue
         tiles = sorted({int(t) for t in re.findall(r"C_s=(\d+)", next((x.get("summary", "") for x in runs
                                                                         if x is r or (x["variant"], x["seq"])
                                                                         == (r["variant"], r["seq"])), ""))})

@@ -188,7 +188,7 @@ def render_blocks(data: dict) -> str:
 # ------------------------------------------------------------------------------------------------ reach
 def host_storages_tensors(trainer) -> list:
     """Every host buffer boundpass holds by design (not device memory): OffloadStreamAdamW's flat fp32 state
-    (masters, moments) and the SCO host pool of the block graphs. On a CPU they live in the same allocator as
+    (masters, moments), the SCO host pool of the block graphs and the attention op's host pool. On a CPU they live in the same allocator as
     everything else, so the device peak is measured without them."""
     from boundpass.runtime.offload_adamw import OffloadStreamAdamW
     out = []
@@ -197,6 +197,8 @@ def host_storages_tensors(trainer) -> list:
             out.extend(opt._host.values())
     runtime = getattr(getattr(trainer, "blocks", None), "sco_runtime", None)
     out.extend((getattr(runtime, "_pool", None) or {}).values())
+    from boundpass.runtime import host_tiles
+    out.extend(host_tiles.pool_tensors())   # the attention op's k, v, q, dO (--boundpass.attention.offload)
     return out
 
 

@@ -22,9 +22,16 @@ under autograd, finishes its gradients against every query tile that sees it (``
 ``kv``'s vjp into the rows' and the weights' gradients. Exact up to reordered sums: every row of y is the same
 function of the same rows of the inputs and of all keys and values.
 
+Host (``Region.host``, ``attention.offload``; FPDT's schedule): with a kv program, the whole k and v the forward
+and the query-outer pass make, and the q and output gradient the key-outer pass reads, are written to host buffers
+(runtime/host_tiles.py) as they are made and read back one tile at a time, the next tile's copy started before the
+current one is used: the device holds two tiles of each instead of the sequence. The kernels' tiles go through
+torch's fused CPU kernel where it applies (``ca.fused_tiles``).
+
 The programs are registered here by the pass under a key the op's schema carries (``region``); the op is opaque to
 Inductor and AOTAutograd takes its backward from ``register_autograd``. The bound (``attention_blocks_bound``) counts
-the inputs, the output, what the schedule keeps whole, and one block's phases.
+the inputs, the output, what the schedule keeps whole, and one block's phases; the host bound
+(``attention_blocks_host_bound``) the pool.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ from torch import Tensor
 from boundpass.core.errors import BoundpassInputError
 from boundpass.runtime import chunked_attention as ca
 from boundpass.runtime import contracts
+from boundpass.runtime import host_tiles
 
 
 @dataclass
@@ -54,6 +62,7 @@ class Region:
     needs: tuple                    # which inputs (rows, params, k, v) take a gradient
     kv: torch.nn.Module | None = None   # (n, *rows, *kv weights) -> (k, v) rows; None: k and v are op inputs
     kv_params: int = 0
+    host: bool = False              # (with a kv program) k, v and the key-outer pass's q, dO on the host, tile by tile
     # measured at registration (``_per_row``): bytes per row of every tensor a program makes, and shapes
     query_row_bytes: int = 0
     kv_row_bytes: int = 0
@@ -178,20 +187,31 @@ def _cut(region: Region, rows: list, s: int, e: int) -> list:
     return [t.narrow(d, s, e - s) if d is not None else t for t, d in zip(rows, region.row_dims)]
 
 
-def _whole_kv(region: Region, rows: list, kvp: list, length: int, chunk: int) -> tuple[Tensor, Tensor]:
+def _whole_kv(region: Region, rows: list, kvp: list, length: int, chunk: int):
     """k and v of the whole sequence, made key tile by key tile (no grad): the kv program's intermediates are never
-    whole, only its results."""
+    whole, only its results; on the host (``host_tiles.HostRows``) when the region says so."""
     k = v = None
     with torch.no_grad():
         for s, e in _blocks(length, chunk):
             kj, vj = region.kv(e - s, *_cut(region, rows, s, e), *kvp)
             if k is None:
-                k = kj.new_empty((*kj.shape[:2], length, kj.shape[3]))
-                v = vj.new_empty((*vj.shape[:2], length, vj.shape[3]))
-            k[:, :, s:e].copy_(kj)
-            v[:, :, s:e].copy_(vj)
+                shapes = [(*t.shape[:2], length, t.shape[3]) for t in (kj, vj)]
+                if region.host:
+                    k, v = (host_tiles.HostRows(role, shape, t.dtype, t.device)
+                            for role, shape, t in zip(("k", "v"), shapes, (kj, vj)))
+                else:
+                    k, v = kj.new_empty(shapes[0]), vj.new_empty(shapes[1])
+            _write(k, s, e, kj)
+            _write(v, s, e, vj)
             del kj, vj
     return k, v
+
+
+def _write(dst, s: int, e: int, rows: Tensor) -> None:
+    if isinstance(dst, host_tiles.HostRows):
+        dst.write(s, e, rows)
+    else:
+        dst[:, :, s:e].copy_(rows)
 
 
 def blocks_forward(rows: list, params: list, k: Tensor | None, v: Tensor | None, region: Region, causal: bool,
@@ -202,7 +222,7 @@ def blocks_forward(rows: list, params: list, k: Tensor | None, v: Tensor | None,
     qp, kvp, op = region.split(params)
     if region.kv is not None:
         k, v = _whole_kv(region, rows, kvp, length, chunk)
-    y = k.new_empty(shape, dtype=region.y_dtype)
+    y = rows[0].new_empty(shape, dtype=region.y_dtype)
     with torch.no_grad():
         for s, e in _blocks(length, chunk):
             q = region.query(e - s, *_cut(region, rows, s, e), *qp)
@@ -264,10 +284,11 @@ def blocks_backward(grad_y: Tensor, rows: list, params: list, k: Tensor | None, 
     if walk_kv:
         k, v = _whole_kv(region, rows, kvp, length, chunk)
     acc = ca.acc_dtype(k.dtype)
+    device = rows[0].device
     if walk_kv:   # what the key-outer pass reads of every row
         stash_q = None
         stash_go = None
-        stash_lse = torch.empty((k.shape[0], region.heads, length), dtype=acc, device=k.device)
+        stash_lse = torch.empty((k.shape[0], region.heads, length), dtype=acc, device=device)
         stash_delta = torch.empty_like(stash_lse)
     else:
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
@@ -291,10 +312,14 @@ def blocks_backward(grad_y: Tensor, rows: list, params: list, k: Tensor | None, 
                                                  q_offset=s, into=None if walk_kv else (dk, dv), dkv=not walk_kv)
         if walk_kv:
             if stash_q is None:
-                stash_q = q.new_empty((*q.shape[:2], length, q.shape[3]))
-                stash_go = grad_o.new_empty((*grad_o.shape[:2], length, grad_o.shape[3]))
-            stash_q[:, :, s:e].copy_(q.detach())
-            stash_go[:, :, s:e].copy_(grad_o)
+                shapes = [(*t.shape[:2], length, t.shape[3]) for t in (q, grad_o)]
+                if region.host:
+                    stash_q, stash_go = (host_tiles.HostRows(role, shape, t.dtype, t.device)
+                                         for role, shape, t in zip(("q", "dO"), shapes, (q, grad_o)))
+                else:
+                    stash_q, stash_go = q.new_empty(shapes[0]), grad_o.new_empty(shapes[1])
+            _write(stash_q, s, e, q.detach())
+            _write(stash_go, s, e, grad_o)
             stash_lse[:, :, s:e].copy_(lse)
             stash_delta[:, :, s:e].copy_((grad_o.to(acc) * o.detach().to(acc)).sum(-1))
         del grad_o, o, lse
@@ -374,25 +399,27 @@ attention_blocks_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def sublayer(query, out, rows: list[Tensor], params: list[Tensor], k: Tensor | None = None, v: Tensor | None = None,
              *, row_dims: tuple, query_params: int, kv=None, kv_params: int = 0, causal: bool = True,
-             scale: float | None = None, chunk: int = 256) -> Tensor:
+             scale: float | None = None, chunk: int = 256, offload: bool = False) -> Tensor:
     """``out(L, attention(query(L, *rows, *q weights), k, v), *out weights)`` walked in query blocks of ``chunk``
     rows (differentiable), without the compiler. ``query``, ``kv`` and ``out`` are position-wise callables that
     fx.symbolic_trace can trace (their first argument the rows in the block); ``params`` = [query's | kv's | out's]
     weights (``query_params``, ``kv_params`` of them); ``kv(n, *rows, *kv weights) -> (k, v)`` makes k and v from
     the rows (then k and v are not given); ``row_dims`` each row input's sequence dim. Registers one region per
-    call (the pass registers one per graph)."""
+    call (the pass registers one per graph). ``offload`` (with ``kv``): k, v and the backward's q, dO on the host,
+    read back a tile at a time (runtime/host_tiles.py)."""
     if chunk < 1:
         raise BoundpassInputError(f"attention blocks: chunk must be >= 1, got {chunk}")
     if (kv is None) == (k is None or v is None):
         raise BoundpassInputError("attention blocks: give either k and v or a kv program, not both or neither")
     key = make_region(query, out, rows, params, k, v, row_dims=row_dims, query_params=query_params, kv=kv,
-                      kv_params=kv_params)
+                      kv_params=kv_params, offload=offload)
     return torch.ops.boundpass.attention_blocks_fwd(list(rows), list(params), k, v, key, causal, float(scale or 0.0),
                                                     int(chunk))
 
 
 def make_region(query, out, rows: list[Tensor], params: list[Tensor], k: Tensor | None = None,
-                v: Tensor | None = None, *, row_dims: tuple, query_params: int, kv=None, kv_params: int = 0) -> str:
+                v: Tensor | None = None, *, row_dims: tuple, query_params: int, kv=None, kv_params: int = 0,
+                offload: bool = False) -> str:
     """Register the region of ``sublayer``'s arguments; return its key."""
     if len(row_dims) != len(rows) or all(d is None for d in row_dims):
         raise BoundpassInputError(f"attention blocks: row_dims {row_dims} must give each of the {len(rows)} row "
@@ -414,7 +441,8 @@ def make_region(query, out, rows: list[Tensor], params: list[Tensor], k: Tensor 
     needs = tuple(t.requires_grad for t in (*rows, *params)) + ((False, False) if kv is not None else
                                                                    (k.requires_grad, v.requires_grad))
     region = Region(query=query, out=out, kv=kv, row_dims=tuple(row_dims), query_params=query_params,
-                    kv_params=kv_params, y_shape=tuple(y.shape), y_dim=y_dim[0], y_dtype=y.dtype, needs=needs)
+                    kv_params=kv_params, y_shape=tuple(y.shape), y_dim=y_dim[0], y_dtype=y.dtype, needs=needs,
+                    host=offload and kv is not None)
     return register_region(region, list(rows), list(params), o)
 
 
@@ -424,8 +452,10 @@ def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
     min(C_s, L) rows per block, q_n / o_n one block's q and o (b), lse_n its log-sum-exp (b_acc), Q_n / KV_n / O_n
     every tensor the query / kv / output program makes on a block (measured per row on fake tensors at registration;
     all counted alive, an upper bound of each program's own peak), X_n one block's rows of the row inputs, KV the
-    whole k and v a kv program makes (0 when they are inputs), S what the key-outer pass reads of every row (q and
-    the output gradient in b, the log-sum-exp and rowsum(dO O) in b_acc):
+    whole k and v a kv program makes (0 when they are inputs; on the host: two key tiles of them, the one read and
+    the next), S what the key-outer pass reads of every row (q and the output gradient in b, the log-sum-exp and
+    rowsum(dO O) in b_acc; on the host: two query tiles of q and dO, the log-sum-exp and delta whole). The kernels'
+    tile workspace is the fused kernel's where the tiles go through it (``ca.tile_workspace(fused=...)``):
 
     forward : the inputs (rows, weights, k, v) + y + KV
               + max(KV_n, Q_n, q_n + o_n + lse_n + the kernels' forward tile, o_n + O_n)
@@ -466,14 +496,25 @@ def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
     y_row = sympy.Integer(r.y_dtype.itemsize) * (sympy.prod([int(s) for s in r.y_shape]) // int(r.y_shape[r.y_dim]))
     inputs = sum((nbytes(t) for t in (*rows, *params, k, v)), zero)
     values = {ca.sym.A_q: heads, ca.sym.A_kv: kv_heads, ca.sym.D_h: d_qk, ca.D_v_sym: d_v,
-              ca.sym.b_acc: acc, ca.C_s_sym: tile_chunk}
-    tile_f = ca.tile_workspace("forward", mixed_precision=mixed, batch=batch).xreplace(values)
+              ca.sym.b: b, ca.sym.b_acc: acc, ca.C_s_sym: tile_chunk}
+    # the kernels' tiles through torch's fused kernel on a CPU (the blocks are on the key tiles' grid), the key-outer
+    # pass's where two padding columns are left for delta (ca.fused_tiles, ca.key_tile_backward)
+    fused = rows[0].device.type == "cpu" and d_v <= d_qk
+    fused_key = fused and d_v + 2 <= d_qk
+    shape = dict(gqa=heads != kv_heads, padded=d_v < d_qk)
+    tile_f = ca.tile_workspace("forward", mixed_precision=mixed, batch=batch, fused=fused, **shape).xreplace(values)
     q_n, o_n, lse_n = n * batch * heads * d_qk * b, n * batch * heads * d_v * b, n * batch * heads * acc
     Q_n, O_n, KV_n = n * r.query_row_bytes, n * r.out_row_bytes, n * r.kv_row_bytes
-    whole_kv = length * batch * kv_heads * (d_qk + d_v) * b if walk_kv else zero
+    host = walk_kv and r.host
+    # k, v whole on the device, or (host) two key tiles of them: the one the kernels read and the next, prefetched
+    whole_kv = (2 * n if host else length) * batch * kv_heads * (d_qk + d_v) * b if walk_kv else zero
+    held_kv, kernel_kv = (zero, whole_kv) if host else (whole_kv, zero)   # (host: only while the kernels read them)
     if "grad_y" not in a:
-        return inputs + length * y_row + whole_kv + sympy.Max(KV_n, Q_n, q_n + o_n + lse_n + tile_f, o_n + O_n)
-    tile_b = ca.tile_workspace("backward", mixed_precision=mixed, batch=batch).xreplace(values)
+        return inputs + length * y_row + held_kv + sympy.Max(KV_n, Q_n, q_n + o_n + lse_n + tile_f + kernel_kv,
+                                                             o_n + O_n)
+    tile_b = ca.tile_workspace("backward", mixed_precision=mixed, batch=batch, fused=fused, **shape).xreplace(values)
+    tile_k = (ca.tile_workspace("key", mixed_precision=mixed, batch=batch, fused=True, **shape) if fused_key else
+              ca.tile_workspace("key", mixed_precision=mixed, batch=batch)).xreplace(values)
     n_rows, needs = len(rows), r.needs
     outputs = sum((nbytes(t) for t, need in zip((*rows, *params), needs) if need), zero)
     if not walk_kv:
@@ -482,17 +523,39 @@ def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
     nq, nkv = r.query_params, r.kv_params
     weights = [sum((nbytes(p) for p, need in zip(params[lo:hi], param_needs[lo:hi]) if need), zero)
                for lo, hi in ((0, nq), (nq, nq + nkv), (nq + nkv, len(params)))]
-    stash = length * batch * heads * ((d_qk + d_v) * b + 2 * acc) if walk_kv else zero
+    # the key-outer pass's q and dO whole, or (host) two query tiles of them, the one read and the next (the tile
+    # math's rows in the accumulation dtype are the one read); the log-sum-exp and delta stay
+    stash_rows = (2 * n if mixed or fused_key else n) if host else length
+    kept = length * batch * heads * 2 * acc if walk_kv else zero
+    read = stash_rows * batch * heads * (d_qk + d_v) * b if walk_kv else zero
+    # on the host, q and dO are on the device only while the key-outer pass reads them, and k, v only while the
+    # kernels read them; whole on the device, from when they are made
+    stash = kept + (zero if host else read)
     delta = 2 * o_n + 3 * n * batch * heads * d_v * acc if walk_kv else zero
-    query_outer = whole_kv + stash + Q_n + o_n + lse_n + sympy.Max(
-        tile_f, 2 * O_n + o_n + weights[2], o_n + q_n + tile_b, delta, q_n + Q_n + n * r.input_row_bytes + weights[0])
+    query_outer = held_kv + stash + Q_n + o_n + lse_n + sympy.Max(
+        tile_f + kernel_kv, 2 * O_n + o_n + weights[2], o_n + q_n + tile_b + kernel_kv, delta,
+        q_n + Q_n + n * r.input_row_bytes + weights[0])
     phases = [query_outer]
     if walk_kv:
-        phases.append(whole_kv + KV_n + stash)
-        phases.append(stash + 2 * KV_n + n * r.input_row_bytes + weights[1]
-                      + n * batch * kv_heads * (d_qk + d_v) * (acc + b) + tile_b)
+        phases.append(held_kv + KV_n + stash)
+        phases.append(kept + read + 2 * KV_n + n * r.input_row_bytes + weights[1]
+                      + n * batch * kv_heads * (d_qk + d_v) * (acc + b) + tile_k)
     return length * y_row + inputs + outputs + sympy.Max(*phases)
+
+
+def attention_blocks_host_bound(a: dict, ctx: dict) -> sympy.Expr:
+    """Host bytes of one call (``host_tiles``' pool): with the region on the host, k and v of the whole sequence
+    ([B, A_kv, L, D + D_v] in b), and in the backward the key-outer pass's q and dO ([B, A_q, L, D + D_v]); else 0."""
+    r = region_of(a["region"])
+    if r.kv is None or not r.host:
+        return sympy.Integer(0)
+    length = next(contracts.as_expr(t.shape[d]) for t, d in zip(a["rows"], r.row_dims) if d is not None)
+    kv_heads, d_v, dtype = r.kv_shape[0], r.kv_shape[2], r.kv_shape[3]
+    heads = r.heads if "grad_y" in a else 0
+    return length * r.batch * (kv_heads + heads) * (r.d_qk + d_v) * dtype.itemsize
 
 
 contracts.register_bound(torch.ops.boundpass.attention_blocks_fwd.default, attention_blocks_bound)
 contracts.register_bound(torch.ops.boundpass.attention_blocks_bwd.default, attention_blocks_bound)
+contracts.register_host_bound(torch.ops.boundpass.attention_blocks_fwd.default, attention_blocks_host_bound)
+contracts.register_host_bound(torch.ops.boundpass.attention_blocks_bwd.default, attention_blocks_host_bound)

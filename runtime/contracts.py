@@ -23,11 +23,28 @@ import sympy
 import torch
 
 _BOUNDS: dict = {}
+_HOST: dict = {}
 
 
 def register_bound(op, fn: Callable[[dict, dict], sympy.Expr]) -> None:
     """Declare ``fn(args_by_schema_name, ctx) -> sympy bytes`` as op overload ``op``'s whole device bound."""
     _BOUNDS[op] = fn
+
+
+def register_host_bound(op, fn: Callable[[dict, dict], sympy.Expr]) -> None:
+    """Declare ``fn(args_by_schema_name, ctx) -> sympy bytes`` as the host memory op overload ``op`` holds at one
+    call (a pool it keeps across calls: the step holds the largest call's); the step analysis checks the largest
+    against the host budget."""
+    _HOST[op] = fn
+
+
+def host_bound(op, args: dict, ctx: dict) -> sympy.Expr | None:
+    fn = _HOST.get(op)
+    return None if fn is None else fn(args, ctx)
+
+
+def has_host_bound(op) -> bool:
+    return op in _HOST
 
 
 def has_bound(op) -> bool:

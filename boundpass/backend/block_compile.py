@@ -211,6 +211,7 @@ class CompiledBlocks(BoundedModule):
         if isinstance(first, torch.Tensor) and first.is_floating_point():
             # the block's first argument: the trunk's hidden states, block i-1's output (see _block_rows)
             self.hidden = max(self.hidden, first.numel() * first.element_size())
+            self._batch_row(int(first.numel() // first.shape[-1]))
         plan = SCO.find_block(gm, self.boundpass_config, runtime=self.sco_runtime)
         if plan.eligible:
             self.boundary = max(self.boundary, plan.eligible[0].boundary_bytes)
@@ -350,6 +351,22 @@ class CompiledBlocks(BoundedModule):
         table.terms += [_grads_row(reduced, "every unit's"), _scatter_row(self.input_units, output_counted=True),
                         *self._gloo_row()]
         return table
+
+    def _batch_row(self, tokens: int) -> None:
+        """The batch beside the tail (state + every gradient reduced): this step's token ids and labels (int64), and
+        what the data loader held of the last step's until this step's replaced them (measured on torchtitan's
+        loader at torch's allocator: six int64 per token, allocated before the step and freed in it, which a
+        step's measurement counts from its start), and the step's scalar tensors (the loss, token counts: 36 B
+        measured; 256 B allowed). The block graphs' tables hold a block's activations instead."""
+        nbytes = tokens * 8 * (2 + 6) + 256
+        rows = [t for t in self.tail.terms if t.name.startswith("the batch")]
+        if rows and rows[0].value >= nbytes:
+            return
+        self.tail.terms = [t for t in self.tail.terms if t not in rows] + [BoundTerm(
+            f"the batch ({tokens:,} tokens: token ids and labels, and the data loader's last batch, int64; the "
+            "step's scalars)",
+            sympy.Integer(nbytes), nbytes, kind="transient", knob=KNOB)]
+        self.check_tail()
 
     def _block_rows(self, graph: int, own_saved: int, trial: int | None = None, per_block=None,
                     phases: tuple = ("forward", "backward")) -> list[BoundTerm]:

@@ -134,10 +134,15 @@ class AttentionConfig:
     plain PyTorch, Hugging Face's): rewrite the whole sublayer to boundpass::attention_blocks, walked C_s query rows at
     a time, so q, the attention output, their gradients and dq are never whole (runtime/attention_blocks.py). False:
     the call alone, to boundpass::chunked_attention."""
+    offload: bool = True
+    """Where the sublayer is walked with k and v made per key tile: k and v, and the backward's q and output gradient,
+    kept on the host under host_budget and read back one tile at a time, the next prefetched (FPDT's schedule), so the
+    device holds two tiles of them instead of the whole sequence (runtime/host_tiles.py). False: whole on the device."""
 
     def __post_init__(self):
         _switch("attention.enable", self.enable)
         _switch("attention.query_blocks", self.query_blocks)
+        _switch("attention.offload", self.offload)
         _positive("attention.chunk", self.chunk, what="tile C_s; ")
 
 

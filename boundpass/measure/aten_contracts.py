@@ -21,14 +21,9 @@ from __future__ import annotations
 import sympy
 import torch
 
+from boundpass.runtime import chunked_attention as ca
 from boundpass.runtime import contracts
 from boundpass.runtime.contracts import as_expr
-
-
-def _q_split(rows) -> int:
-    if not isinstance(rows, int):
-        return 256
-    return 32 if rows < 192 else 64 if rows < 768 else 256
 
 
 def _nbytes(t) -> sympy.Expr:
@@ -41,27 +36,22 @@ def _nbytes(t) -> sympy.Expr:
 
 
 def flash_cpu_bound(a: dict, ctx: dict) -> sympy.Expr:
+    """Inputs, outputs and the kernel's own workspace (``chunked_attention.flash_cpu_workspace``, the one formula the
+    attention kernels' fused tiles use too)."""
     q, k, v = a["query"], a["key"], a["value"]
     backward = "grad_out" in a
     rows, kv_rows = q.shape[2], k.shape[2]
-    qs = _q_split(rows if isinstance(rows, int) else None)
-    ks = sympy.Min(512, as_expr(kv_rows))
-    narrow = q.element_size() < 4       # bf16 / fp16: fp32 accumulation beside narrow copies
+    batch_heads = as_expr(q.shape[0]) * as_expr(q.shape[1])
     b = q.element_size()
-    threads = torch.get_num_threads()
     dv = as_expr(v.shape[3])
     if backward:
         io = sum((_nbytes(a[n]) for n in ("grad_out", "query", "key", "value", "out", "logsumexp")), sympy.Integer(0))
         io = io + _nbytes(q) + _nbytes(k) + _nbytes(v)                       # grad_query, grad_key, grad_value
-        unattributed = (qs * ks + qs * as_expr(q.shape[3])) * 4 + 8192
-        tile = (2 * qs * ks + qs) * 4 + ((2 * qs * ks * b + unattributed) if narrow else 0)
-        work = threads * tile + _nbytes(q)                                   # the contiguous copy
     else:
-        batch, heads = (as_expr(d) for d in (q.shape[0], q.shape[1]))
-        out_elems = batch * heads * as_expr(rows) * dv
-        io = _nbytes(q) + _nbytes(k) + _nbytes(v) + out_elems * b + batch * heads * as_expr(rows) * 4
-        tile = (qs * ks + 2 * qs + qs * dv) * 4 + ((qs * ks * b + ks * dv * b) if narrow else 0)
-        work = threads * tile + (out_elems * 4 if narrow else 0)
+        io = _nbytes(q) + _nbytes(k) + _nbytes(v) + batch_heads * as_expr(rows) * (dv * b + 4)   # out, lse
+    work = ca.flash_cpu_workspace("backward" if backward else "forward", batch_heads=batch_heads,
+                                  rows=rows if isinstance(rows, int) else as_expr(rows), kv_rows=as_expr(kv_rows),
+                                  d=as_expr(q.shape[3]), width=dv, b=b, narrow=q.element_size() < 4)
     return io + work
 
 

@@ -92,6 +92,7 @@ class GraphPeak:
     gradient_bytes: sympy.Expr = sympy.Integer(0)   # what backward returns for parameters
     saved_bytes: sympy.Expr = sympy.Integer(0)      # live when forward returns (saved for backward + outputs)
     caller_bytes: sympy.Expr = sympy.Integer(0)     # the batch and the returned outputs: held through the step
+    host_bytes: sympy.Expr = sympy.Integer(0)       # the largest host pool a boundpass op declares (contracts)
 
     def bind(self, values: dict) -> None:
         """Put ``values`` (symbol -> int) into every byte expression, in place: the data-dependent sizes at their
@@ -104,8 +105,9 @@ class GraphPeak:
             p.live, p.workspace = sympy.sympify(p.live).xreplace(values), sympy.sympify(p.workspace).xreplace(values)
         for st in self.storages:
             st.nbytes = sympy.sympify(st.nbytes).xreplace(values)
-        self.gradient_bytes, self.saved_bytes, self.caller_bytes = (
-            sympy.sympify(e).xreplace(values) for e in (self.gradient_bytes, self.saved_bytes, self.caller_bytes))
+        self.gradient_bytes, self.saved_bytes, self.caller_bytes, self.host_bytes = (
+            sympy.sympify(e).xreplace(values)
+            for e in (self.gradient_bytes, self.saved_bytes, self.caller_bytes, self.host_bytes))
 
     def peak_expr(self) -> sympy.Expr:
         """Max over program points of the live bytes (persistent state excluded), pruned of dominated terms."""
@@ -307,6 +309,9 @@ def _walk_graph(walk: _Walk, graph: fx.Graph, phase: str, *, counted: Callable[[
             if counted(key) and key not in walk.live:
                 walk.add(key, Storage(node.name, module_path(node), shape, dtype, _storage_bytes(key), kind(node)))
         walk.point(phase, node, _workspace(node, alias, ctx))
+        host = op_host_bound(node, ctx)
+        if host is not None:
+            walk.result.host_bytes = sympy.Max(walk.result.host_bytes, host)
         for key in alias.get_fresh_allocations(node):  # never read again: FX frees it right away
             if key not in alias.storage_to_uses and key not in keep:
                 walk.free(key)
@@ -332,6 +337,15 @@ def op_bound(node: fx.Node, ctx: dict) -> sympy.Expr | None:
     return contracts.device_bound(node.target, args, ctx)
 
 
+def op_host_bound(node: fx.Node, ctx: dict) -> sympy.Expr | None:
+    """The host pool a boundpass op declares at this node (boundpass.runtime.contracts), or None."""
+    if not contracts.has_host_bound(node.target):
+        return None
+    args = contracts.call_arguments(node.target, node.args, node.kwargs,
+                                    lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
+    return contracts.host_bound(node.target, args, ctx)
+
+
 def _workspace(node: fx.Node, alias: GraphAliasTracker, ctx: dict) -> sympy.Expr:
     """A boundpass custom op's bound minus the storages of its own inputs and outputs (never below 0)."""
     bound = op_bound(node, ctx)
@@ -350,7 +364,8 @@ def analyze_graphs(fw: fx.GraphModule, bw: fx.GraphModule | None, *, static_inpu
 
     static_inputs: forward placeholder indices that are parameters / buffers (counted as persistent state by
     the caller, never here). num_user_outputs: leading forward outputs returned to the caller (kept live by it
-    through backward). Host memory never appears as a graph value here: SCO's host copies live inside its op.
+    through backward). Host memory never appears as a graph value here: SCO's host copies live inside its op, and an
+    op's own host pool is its declared host bound (``GraphPeak.host_bytes``: the largest, checked as a host term).
     ctx: launch facts the workspace bounds need (e.g. max_tokens_per_rank).
     """
     ctx = ctx or {}

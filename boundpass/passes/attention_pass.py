@@ -53,6 +53,7 @@ class AttentionRegion:
     blocks_reason: str = ""        # why not, when query blocks were asked for
     kv_blocks: bool = False        # k and v made per key tile too (never whole, nor their gradients)
     kv_reason: str = ""            # why k and v are the op's inputs instead
+    host: bool = False             # k, v and the backward's q, dO on the host, read back tile by tile (prefetched)
     op_node: fx.Node | None = field(default=None, repr=False)
 
     def describe(self) -> str:
@@ -62,7 +63,8 @@ class AttentionRegion:
                  f"D_v={self.v_head_dim}, {'causal' if self.causal else 'full'}, {self.dtype}, C_s={self.chunk})")
         if self.blocks:
             kv = ("k / v path + " if self.kv_blocks else "")
-            tail = "" if self.kv_blocks else f"; k and v whole: {self.kv_reason}"
+            tail = (("; k, v, q and dO on the host, a tile prefetched" if self.host else "") if self.kv_blocks
+                    else f"; k and v whole: {self.kv_reason}")
             return (f"REWRITTEN attention {self.module_path}: query path + {kv}scaled_dot_product_attention + output "
                     f"projection => boundpass::attention_blocks, C_s query rows / key rows at a time {shape}{tail}")
         tail = f"; not in query blocks: {self.blocks_reason}" if self.blocks_reason else ""
@@ -130,7 +132,7 @@ def _kv_side(node: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, unpadded, length
                    dead=path)
 
 
-def _region(q, k, v, node, result, qpath, q_inputs, dims, qwalk, opath, o_inputs, odims, owalk, side):
+def _region(q, k, v, node, result, qpath, q_inputs, dims, qwalk, opath, o_inputs, odims, owalk, side, host):
     """(the op's row inputs, its weights [query's | kv's | output's], the runtime region of their programs)."""
     rows = [i for i in q_inputs if dims[i] is not None]
     q_weights = [i for i in q_inputs if dims[i] is None]
@@ -147,14 +149,14 @@ def _region(q, k, v, node, result, qpath, q_inputs, dims, qwalk, opath, o_inputs
                        if side is not None else None,
                        out=ar.program(opath, [node, *o_inputs], result, owalk),
                        row_dims=tuple(dims[i] if i in dims else side.dims[i] for i in rows),
-                       query_params=len(q_weights), kv_params=len(kv_weights),
+                       query_params=len(q_weights), kv_params=len(kv_weights), host=host and side is not None,
                        y_shape=tuple(_val(result).shape), y_dim=odims[result], y_dtype=_val(result).dtype,
                        needs=tuple(grad(i) for i in (*rows, *params))
                        + ((False, False) if side is not None else (grad(k), grad(v))))
     return rows, params, region
 
 
-def _query_blocks(sub: fx.GraphModule, node: fx.Node, a: dict, chunk: int):
+def _query_blocks(sub: fx.GraphModule, node: fx.Node, a: dict, chunk: int, offload: bool):
     """The sublayer around the call rewritten to boundpass::attention_blocks: (its op node, "", why k and v are op
     inputs or "") or (None, why not, "")."""
     q, k, v = a["query"], a["key"], a["value"]
@@ -182,7 +184,7 @@ def _query_blocks(sub: fx.GraphModule, node: fx.Node, a: dict, chunk: int):
     width = _val(unpadded.source).shape[-1] if unpadded is not None else _val(v).shape[3]
     o_example = _val(node).new_empty((*_val(node).shape[:3], width))
     rows, params, region = _region(q, k, v, node, result, qpath, q_inputs, dims, qwalk, opath, o_inputs, odims,
-                                   owalk, side)
+                                   owalk, side, offload)
     try:
         key = ab.register_region(region, [_val(i) for i in rows], [_val(i) for i in params], o_example)
     except Exception as why:  # a program that still makes a sequence-long dim at a block's rows
@@ -210,9 +212,10 @@ def _query_blocks(sub: fx.GraphModule, node: fx.Node, a: dict, chunk: int):
 
 
 def rewrite_attention_regions(gm: fx.GraphModule, chunk: int = 0, *,
-                              query_blocks: bool = False) -> list[AttentionRegion]:
+                              query_blocks: bool = False, offload: bool = False) -> list[AttentionRegion]:
     """Rewrite every eligible call in place (tile ``chunk``; 0: left for the planner); return all calls found.
-    ``query_blocks``: the whole sublayer where it is position-wise, the call alone elsewhere (the region says why)."""
+    ``query_blocks``: the whole sublayer where it is position-wise, the call alone elsewhere (the region says why).
+    ``offload``: where k and v are made per key tile, they (and the backward's q, dO) are kept on the host."""
     regions, touched = [], []
     calls = [(sub, node) for sub in list(graph_modules(gm)) for node in sub.graph.nodes
              if node.op == "call_function" and any(node.target is f for f in _SDPA)]
@@ -225,7 +228,7 @@ def rewrite_attention_regions(gm: fx.GraphModule, chunk: int = 0, *,
             continue
         q, k, v = a["query"], a["key"], a["value"]
         qv, kv, vv = _val(q), _val(k), _val(v)
-        op, why_not_blocks, why_kv_whole = _query_blocks(sub, node, a, chunk) if query_blocks else (None, "", "")
+        op, why_not_blocks, why_kv_whole = _query_blocks(sub, node, a, chunk, offload) if query_blocks else (None, "", "")
         v_head_dim = int(vv.shape[3])
         if op is not None:
             v_head_dim = op.meta["attention_value_dim"]   # the value the op reads (unpadded where the model padded it)
@@ -244,7 +247,9 @@ def rewrite_attention_regions(gm: fx.GraphModule, chunk: int = 0, *,
                                        v_head_dim=v_head_dim, causal=bool(a["is_causal"]), dtype=qv.dtype,
                                        chunk=int(chunk), blocks=query_blocks and not why_not_blocks,
                                        blocks_reason=why_not_blocks, kv_blocks=query_blocks and not why_not_blocks
-                                       and not why_kv_whole, kv_reason=why_kv_whole, op_node=op))
+                                       and not why_kv_whole, kv_reason=why_kv_whole,
+                                       host=offload and query_blocks and not why_not_blocks and not why_kv_whole,
+                                       op_node=op))
     for sub in {id(s): s for s in touched}.values():
         sub.recompile()
     return regions
@@ -259,7 +264,8 @@ class AttentionPass:
 
     def rewrite(self, gm: fx.GraphModule, ctx) -> list[AttentionRegion]:
         return rewrite_attention_regions(gm, ctx.fixed.get("attention_chunk", 0),
-                                         query_blocks=ctx.config.attention.query_blocks)
+                                         query_blocks=ctx.config.attention.query_blocks,
+                                         offload=ctx.config.attention.offload)
 
     def knobs(self, regions: list, ctx) -> list[Knob]:
         from boundpass.bound import cost_model

@@ -31,7 +31,7 @@ from boundpass.bound.bounds import BoundTerm, BudgetTable, Knob, device_peak, la
 from boundpass.passes.graph_edit import set_op_arg
 from boundpass.passes.pipeline import SCO, diagnose
 from boundpass.core.errors import InfeasibleBudgetError
-from boundpass.measure.step_peak import GraphPeak, ProgramPoint, render_point
+from boundpass.measure.step_peak import GraphPeak, ProgramPoint, bytes_at, render_point
 from boundpass.core.units import format_bytes
 
 
@@ -218,6 +218,11 @@ class StepPlanner:
         graph_term = BoundTerm(f"activations + op workspace (graph peak at {where})", formula, graph_bytes,
                                kind="transient", knob="")
         table.terms.append(graph_term)
+        host = bytes_at(peak.host_bytes, values)
+        if host:
+            table.terms.append(BoundTerm("attention k / v and the backward's q / dO on host (attention blocks)",
+                                         sympy.sympify(peak.host_bytes), host, kind="host",
+                                         knob="a larger host budget, or attention.offload=False (k, v on the device)"))
         if self.caller:
             table.terms.append(BoundTerm("batch and outputs the caller holds through the optimizer step",
                                          sympy.Integer(self.caller), self.caller, kind="step", knob=""))

@@ -131,6 +131,41 @@ def test_query_blocks_hold_less_than_the_call_alone_certified_both_ways():
     assert peaks[True] < 0.8 * peaks[False], peaks
 
 
+def test_k_v_q_do_on_the_host_certified_both_ways_and_the_host_budget_checked():
+    """attention.offload (the default): k, v and the backward's q, dO on the host, read back a tile at a time. The
+    step is as exact as with them on the device; its device certificate is below that one's by about those bytes and
+    holds the measured peak both ways (the pool made by the first step is host memory, not counted); the table's host
+    row is exactly the pool the op holds; a host budget below it is refused before anything runs, naming the row and
+    the knob."""
+    from boundpass.runtime import host_tiles
+    plain = LM(layers=1, heads=8, kv_heads=2, d=32, dv=24)
+    batch = _batch(1024, batch=1)
+    certified = {}
+    for offload in (True, False):
+        model = copy.deepcopy(plain)
+        step = boundpass.compile(model, loss_fn=_loss, budget="4GiB", attention_enable=True,
+                                 attention_offload=offload, attention_chunk=128)
+        host_tiles.clear_pool()
+        _close_step(step, model, copy.deepcopy(plain), batch)
+        model.zero_grad(set_to_none=True)
+        measured = allocator_step_peak(step, model, None, [batch, batch])
+        table = step.certificates[-1].table
+        assert measured <= table.total <= 1.10 * measured, (offload, table.total, measured)
+        (region,) = boundpass.explain(step).rewritten_of("attention")
+        assert region.host == offload and ("on the host" in region.describe()) == offload
+        host = [t for t in table.terms if t.kind == "host" and "attention" in t.name]
+        assert [t.value for t in host] == ([host_tiles.pool_bytes()] if offload else []), (host, offload)
+        certified[offload] = table.total
+    # k, v [1, 2, L, 32 + 24] and q, dO [1, 8, L, 32 + 24] in fp32, less at most the two tiles of each on the device
+    whole, tiles = 1024 * (2 + 8) * (32 + 24) * 4, 2 * 128 * (2 + 8) * (32 + 24) * 4
+    assert whole - tiles <= certified[False] - certified[True] <= whole, (certified, whole)
+    tight = boundpass.compile(copy.deepcopy(plain), loss_fn=_loss, budget="4GiB", host_budget="1MiB",
+                              attention_enable=True, attention_chunk=128)
+    with pytest.raises(boundpass.InfeasibleBudgetError, match="attention k / v") as err:
+        tight(*batch)
+    assert "attention.offload=False" in str(err.value)
+
+
 def test_a_query_path_that_mixes_positions_is_not_walked():
     """A query read from the previous position (torch.roll along the sequence) cannot be cut into query blocks:
     the call alone is rewritten, the region says why, and the step stays exact."""

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from boundpass.core.errors import BoundpassInputError
-from boundpass.measure.memtrack import LiveStorageTracker
+from boundpass.testing.whole_step import allocator_peak_of
 from boundpass.runtime import attention_blocks as ab
 from boundpass.runtime import chunked_attention as ca
 
@@ -87,6 +87,13 @@ def _walked_kv(c, causal, chunk):
                        kv=KV(c["batch"], c["kv_heads"], c["d"], c["dv"]), kv_params=2, causal=causal, chunk=chunk)
 
 
+def _walked_host(c, causal, chunk):
+    return ab.sublayer(Query(c["batch"], c["heads"], c["d"]), Out(c["batch"]), [c["x"], c["cos"]],
+                       [c["wq"], c["wk"], c["wv"], c["wo"]], row_dims=(1, 0), query_params=1,
+                       kv=KV(c["batch"], c["kv_heads"], c["d"], c["dv"]), kv_params=2, causal=causal, chunk=chunk,
+                       offload=True)
+
+
 def _whole_kv(c, causal):
     length = c["x"].shape[1]
     q = Query(c["batch"], c["heads"], c["d"])(length, c["x"], c["cos"], c["wq"])
@@ -99,10 +106,12 @@ def _grads_kv(y, c):
 
 
 SIDES = {False: (_case, _walked, _whole, _grads),              # k and v the op's inputs
-         True: (_kv_case, _walked_kv, _whole_kv, _grads_kv)}     # k and v made by the kv program per key tile
+         True: (_kv_case, _walked_kv, _whole_kv, _grads_kv),     # k and v made by the kv program per key tile
+         "host": (_kv_case, _walked_host, _whole_kv, _grads_kv)}  # and k, v, q, dO on the host, tiles prefetched
+KV_IDS = dict(argnames="kv", argvalues=[False, True, "host"], ids=["kv-inputs", "kv-program", "kv-host"])
 
 
-@pytest.mark.parametrize("kv", [False, True], ids=["kv-inputs", "kv-program"])
+@pytest.mark.parametrize(**KV_IDS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads,kv_heads,d,dv,length,chunk", [
     (4, 4, 8, 8, 32, 8),      # MHA, the length a multiple of the block
@@ -120,7 +129,7 @@ def test_exact_in_fp64(kv, causal, heads, kv_heads, d, dv, length, chunk):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("kv", [False, True], ids=["kv-inputs", "kv-program"])
+@pytest.mark.parametrize(**KV_IDS)
 def test_bf16_no_further_from_fp64_than_the_math_path(kv):
     case, walked, whole, grads = SIDES[kv]
     c64 = case(torch.float64, length=96, d=16, dv=24)
@@ -133,29 +142,31 @@ def test_bf16_no_further_from_fp64_than_the_math_path(kv):
 
 
 def _measured(part, c, causal, chunk, *, kv=False):
-    """The op's forward or backward kernel on real tensors at the live-storage tracker (inputs counted from the
-    start), and its registered bound at the same call. kv: k and v made by the region's kv program."""
+    """The op's forward or backward kernel on real tensors at torch's allocator (the profiler's allocation events:
+    the fused kernel's own buffers included; inputs counted from the start), and its registered bound at the same
+    call. kv: k and v made by the region's kv program ("host": kept on the host, the pool made before)."""
     x = c["x"]
     weights = [c["wq"], c["wk"], c["wv"], c["wo"]] if kv else [c["wq"], c["wo"]]
-    extra = dict(kv=KV(c["batch"], c["kv_heads"], c["d"], c["dv"]), kv_params=2) if kv else {}
+    extra = dict(kv=KV(c["batch"], c["kv_heads"], c["d"], c["dv"]), kv_params=2, offload=kv == "host") if kv else {}
     key = ab.make_region(Query(c["batch"], c["heads"], c["d"]), Out(c["batch"]), [x, c["cos"]], weights,
                          None if kv else c["k"], None if kv else c["v"], row_dims=(1, 0), query_params=1, **extra)
     region = ab.region_of(key)
     rows, params = [x.detach(), c["cos"]], [w.detach() for w in weights]
     k, v = (None, None) if kv else (c["k"].detach(), c["v"].detach())
     grad = c["grad"]
-    tracker = LiveStorageTracker().track_existing(*rows, *params, *([] if kv else [k, v]),
-                                                  *([grad] if part == "backward" else []))
-    with tracker:
-        if part == "forward":
-            out = ab.blocks_forward(rows, params, k, v, region, causal, None, chunk)
-        else:
-            out = ab.blocks_backward(grad, rows, params, k, v, region, causal, None, chunk)
-        del out
+    if kv == "host":   # the host pool is made once and kept across calls: host memory, not this call's device bytes
+        ab.blocks_backward(grad, rows, params, k, v, region, causal, None, chunk)
+    state = [*rows, *params, *([] if kv else [k, v]), *([grad] if part == "backward" else [])]
+    if part == "forward":
+        _, peak = allocator_peak_of(lambda: ab.blocks_forward(rows, params, k, v, region, causal, None, chunk), state)
+    else:
+        _, peak = allocator_peak_of(lambda: ab.blocks_backward(grad, rows, params, k, v, region, causal, None, chunk),
+                                    state)
+    del state
     args = dict(rows=rows, params=params, k=k, v=v, region=key, causal=causal, scale=0.0, chunk=chunk)
     if part == "backward":
         args["grad_y"] = grad
-    return tracker.peak_bytes(), int(ab.attention_blocks_bound(args, {}))
+    return peak, int(ab.attention_blocks_bound(args, {}))
 
 
 CASES = [
@@ -163,16 +174,50 @@ CASES = [
     (torch.float32, 8, 8, 48, 32, 128, 1, 2048, 128, True),
     (torch.bfloat16, 4, 1, 32, 48, 64, 2, 1024, 128, True),
     (torch.float32, 4, 4, 32, 32, 64, 1, 600, 64, False),
+    (torch.bfloat16, 4, 4, 48, 32, 64, 1, 1024, 128, True),   # MLA's shape class: every tile fused, delta padded
 ]
 
 
-@pytest.mark.parametrize("kv", [False, True], ids=["kv-inputs", "kv-program"])
+@pytest.mark.parametrize(**KV_IDS)
 @pytest.mark.parametrize("part", ["forward", "backward"])
 @pytest.mark.parametrize("dtype,heads,kv_heads,d,dv,hidden,batch,length,chunk,causal", CASES)
 def test_bound_sound_and_tight(kv, part, dtype, heads, kv_heads, d, dv, hidden, batch, length, chunk, causal):
     c = SIDES[kv][0](dtype, batch=batch, heads=heads, kv_heads=kv_heads, d=d, dv=dv, hidden=hidden, length=length)
     measured, bound = _measured(part, c, causal, chunk, kv=kv)
     assert measured <= bound <= 1.25 * measured, (measured, bound, bound / measured)
+
+
+@pytest.mark.parametrize("part", ["forward", "backward"])
+def test_host_pool_is_its_host_bound(part):
+    """With k, v (and the backward's q, dO) on the host, the pool holds exactly what the op's host bound says, and
+    the device bound no longer holds them: it is below the on-device schedule's by those bytes, less at most the two
+    tiles of each the prefetch keeps on the device while they are read."""
+    from boundpass.runtime import contracts, host_tiles
+    c = _kv_case(torch.bfloat16, batch=2, heads=4, kv_heads=2, d=32, dv=48, hidden=64, length=1000)
+    rows, params = [c["x"].detach(), c["cos"]], [c[w].detach() for w in ("wq", "wk", "wv", "wo")]
+    bounds = {}
+    for host in (False, True):
+        key = ab.make_region(Query(2, 4, 32), Out(2), [c["x"], c["cos"]], [c["wq"], c["wk"], c["wv"], c["wo"]],
+                             row_dims=(1, 0), query_params=1, kv=KV(2, 2, 32, 48), kv_params=2, offload=host)
+        args = dict(rows=rows, params=params, k=None, v=None, region=key, causal=True, scale=0.0, chunk=100)
+        if part == "backward":
+            args["grad_y"] = c["grad"]
+        host_tiles.clear_pool()
+        region = ab.region_of(key)
+        if part == "forward":
+            ab.blocks_forward(rows, params, None, None, region, True, None, 100)
+        else:
+            ab.blocks_backward(c["grad"], rows, params, None, None, region, True, None, 100)
+        bounds[host] = (int(ab.attention_blocks_bound(args, {})), int(ab.attention_blocks_host_bound(args, {})),
+                        host_tiles.pool_bytes())
+    assert contracts.has_host_bound(torch.ops.boundpass.attention_blocks_bwd.default)
+    kv_row, q_row = 2 * 2 * (32 + 48) * 2, 2 * 4 * (32 + 48) * 2      # bytes of one row of k, v / of q, dO
+    whole = 1000 * kv_row + (1000 * q_row if part == "backward" else 0)
+    assert bounds[False][1:] == (0, 0)
+    assert bounds[True][1] == bounds[True][2] == whole
+    tiles = 2 * 100 * kv_row + (2 * 100 * q_row if part == "backward" else 0)   # bf16: both tiles beside fp32 rows
+    moved = bounds[False][0] - bounds[True][0]   # (the tiles are there in some phases only)
+    assert whole - tiles <= moved <= whole, (moved, whole - tiles, whole)
 
 
 def test_what_the_block_holds_does_not_grow_with_the_length():
