@@ -195,16 +195,20 @@ def _whole_kv(region: Region, rows: list, kvp: list, length: int, chunk: int):
         for s, e in _blocks(length, chunk):
             kj, vj = region.kv(e - s, *_cut(region, rows, s, e), *kvp)
             if k is None:
-                shapes = [(*t.shape[:2], length, t.shape[3]) for t in (kj, vj)]
-                if region.host:
-                    k, v = (host_tiles.HostRows(role, shape, t.dtype, t.device)
-                            for role, shape, t in zip(("k", "v"), shapes, (kj, vj)))
-                else:
-                    k, v = kj.new_empty(shapes[0]), vj.new_empty(shapes[1])
+                k, v = _stores(region, ("k", "v"), (kj, vj), length)
             _write(k, s, e, kj)
             _write(v, s, e, vj)
             del kj, vj
     return k, v
+
+
+def _stores(region: Region, roles: tuple, blocks: tuple, length: int) -> list:
+    """Whole-sequence tensors shaped as ``blocks`` (one block's rows each) at ``length`` rows: on the host (the
+    pool's buffers of ``roles``) when the region says so, else on the device."""
+    shapes = [(*t.shape[:2], length, t.shape[3]) for t in blocks]
+    if region.host:
+        return [host_tiles.HostRows(role, shape, t.dtype, t.device) for role, shape, t in zip(roles, shapes, blocks)]
+    return [t.new_empty(shape) for shape, t in zip(shapes, blocks)]
 
 
 def _write(dst, s: int, e: int, rows: Tensor) -> None:
@@ -312,12 +316,7 @@ def blocks_backward(grad_y: Tensor, rows: list, params: list, k: Tensor | None, 
                                                  q_offset=s, into=None if walk_kv else (dk, dv), dkv=not walk_kv)
         if walk_kv:
             if stash_q is None:
-                shapes = [(*t.shape[:2], length, t.shape[3]) for t in (q, grad_o)]
-                if region.host:
-                    stash_q, stash_go = (host_tiles.HostRows(role, shape, t.dtype, t.device)
-                                         for role, shape, t in zip(("q", "dO"), shapes, (q, grad_o)))
-                else:
-                    stash_q, stash_go = q.new_empty(shapes[0]), grad_o.new_empty(shapes[1])
+                stash_q, stash_go = _stores(region, ("q", "dO"), (q, grad_o), length)
             _write(stash_q, s, e, q.detach())
             _write(stash_go, s, e, grad_o)
             stash_lse[:, :, s:e].copy_(lse)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from boundpass.bound.bounds import Knob
 from boundpass.measure.step_peak import module_path
 from boundpass.passes import attention_region as ar
-from boundpass.passes.graph_edit import concrete_size, graph_modules, node_adder
+from boundpass.passes.graph_edit import ancestors, concrete_size, graph_modules, node_adder
 from boundpass.passes.graph_edit import example_value as _val
 from boundpass.passes.protocol import Diagnosis
 from boundpass.runtime import attention_blocks as ab
@@ -79,13 +79,47 @@ def _bound_args(node: fx.Node) -> dict:
     return out
 
 
+_MASK_CHECK_LIMIT = 1 << 26   # mask elements the pass evaluates at compile time to prove it causal (64 MiB of bool)
+
+
+def _causal_mask(mask: fx.Node, length: int) -> str:
+    """"" when ``mask`` is the causal mask of ``length`` positions (position j visible from i iff j <= i), else why
+    not. Proved by evaluating it: a mask computed from no input of the graph (Hugging Face's sdpa path builds it from
+    aranges under torch.compile) is a constant of the traced length, so its value at that length is the proof."""
+    nodes = ancestors(mask) | {mask}
+    if any(n.op in ("placeholder", "get_attr") for n in nodes):
+        return "an attention mask computed from the graph's inputs (the op computes causal or full attention only)"
+    val = _val(mask)
+    if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or tuple(val.shape[-2:]) != (length, length):
+        return "an attention mask that is not a boolean [L, L] one (the op computes causal or full attention only)"
+    if val.numel() > _MASK_CHECK_LIMIT:
+        return (f"an attention mask of {val.numel():,} elements, more than boundpass evaluates at compile time to "
+                "prove it causal")
+    graph, env = fx.Graph(), {}
+    for n in (n for n in mask.graph.nodes if n in nodes):
+        env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(env[mask])
+    with torch.no_grad(), torch._subclasses.fake_tensor.unset_fake_temporarily():
+        value = fx.GraphModule(torch.nn.Module(), graph)()
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        same = bool((value == causal).all())
+    return "" if same else "an attention mask other than the causal one (the op computes causal or full attention only)"
+
+
 def _why_not(a: dict) -> str:
     """Why the op cannot compute this call exactly ("" when it can)."""
     q, k, v = (_val(a[name]) for name in ("query", "key", "value"))
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return "query, key and value are not all [B, heads, L, D] tensors"
     if a["attn_mask"] is not None:
-        return "an attention mask other than the causal one (the op computes causal or full attention only)"
+        if not isinstance(a["attn_mask"], fx.Node):
+            return "an attention mask other than the causal one (the op computes causal or full attention only)"
+        if a["is_causal"] is not False:
+            return "an attention mask beside is_causal"
+        why = _causal_mask(a["attn_mask"], q.shape[2]) if isinstance(q.shape[2], int) else \
+            "an attention mask at a symbolic length"
+        if why:
+            return why
     if isinstance(a["dropout_p"], fx.Node) or float(a["dropout_p"]) != 0.0:
         return "attention dropout (the op draws no dropout mask)"
     if isinstance(a["is_causal"], fx.Node) or isinstance(a["scale"], fx.Node):
@@ -226,6 +260,9 @@ def rewrite_attention_regions(gm: fx.GraphModule, chunk: int = 0, *,
         if reason:
             regions.append(AttentionRegion(module_path=path, rewritten=False, reason=reason))
             continue
+        mask = a["attn_mask"]
+        if mask is not None:   # proved the causal one (_causal_mask): the call is causal attention without it
+            a.update(attn_mask=None, is_causal=True)
         q, k, v = a["query"], a["key"], a["value"]
         qv, kv, vv = _val(q), _val(k), _val(v)
         op, why_not_blocks, why_kv_whole = _query_blocks(sub, node, a, chunk, offload) if query_blocks else (None, "", "")
@@ -240,6 +277,11 @@ def rewrite_attention_regions(gm: fx.GraphModule, chunk: int = 0, *,
                 out = add(operator.getitem, op, 0)
             node.replace_all_uses_with(out)
             sub.graph.erase_node(node)
+        if mask is not None:   # the mask's nodes, read by nothing else now, go with the call
+            order = {n: i for i, n in enumerate(sub.graph.nodes)}
+            for n in sorted(ancestors(mask) | {mask}, key=order.__getitem__, reverse=True):
+                if not n.users and n.op not in ("placeholder", "get_attr"):
+                    sub.graph.erase_node(n)
         touched.append(sub)
         regions.append(AttentionRegion(module_path=path, rewritten=True, tokens=qv.shape[0] * qv.shape[2],
                                        batch=int(qv.shape[0]), length=qv.shape[2], heads=int(qv.shape[1]),

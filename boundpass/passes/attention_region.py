@@ -47,6 +47,7 @@ _LINEAR = {torch._C._nn.linear, F.linear}
 _RESHAPES = {"view", "reshape"}
 _NORMS = {torch.rms_norm, torch.layer_norm, F.rms_norm, F.layer_norm}
 _SPLITS = {torch.split, torch.functional.split, torch.chunk, torch.tensor_split}
+_REDUCTIONS = {torch.mean, torch.sum, torch.amax}      # over dims other than the sequence (a hand-written RMSNorm)
 
 
 def _name(node: fx.Node) -> str:
@@ -135,6 +136,9 @@ class _Follow:
             if d is not None and _norm_dim(dim, len(shape)) == d:
                 raise NotPositionwise(f"{node.name}: a concatenation along the sequence")
             return d
+        if (node.op == "call_function" and node.target in _REDUCTIONS) or (node.op == "call_method"
+                                                                           and name in ("mean", "sum", "amax")):
+            return self._reduced(node)
         if node.op == "call_function" and node.target in (torch.view_as_complex, torch.view_as_real):
             d = self.dim(args[0])
             if d is not None and node.target is torch.view_as_complex and d == len(_shape(args[0])) - 1:
@@ -161,6 +165,20 @@ class _Follow:
                 raise NotPositionwise(f"{node.name}: an operand without the sequence is broadcast along it")
         return len(shape) - out
 
+    def _reduced(self, node):
+        d = self.dim(node.args[0])
+        if d is None:
+            return None
+        ndim = len(_shape(node.args[0]))
+        dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        if dims is None or isinstance(dims, fx.Node):
+            raise NotPositionwise(f"{node.name}: a reduction over every dim, the sequence's too")
+        dims = {_norm_dim(x, ndim) for x in (dims if isinstance(dims, (tuple, list)) else (dims,))}
+        if d in dims:
+            raise NotPositionwise(f"{node.name}: a reduction over the sequence")
+        keep = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
+        return d if keep else d - sum(1 for x in dims if x < d)
+
     def _index(self, node):
         base, index = node.args
         d = self.dim(base)
@@ -168,14 +186,25 @@ class _Follow:
             return None
         ndim = len(_shape(base))
         index = index if isinstance(index, tuple) else (index,)
-        if any(isinstance(i, fx.Node) or i is None or isinstance(i, int) for i in index):
-            raise NotPositionwise(f"{node.name}: indexing other than slices")
+        if any(isinstance(i, fx.Node) or not (i is None or i is Ellipsis or isinstance(i, (int, slice)))
+               for i in index):
+            raise NotPositionwise(f"{node.name}: indexing other than slices, ints and None")
         if Ellipsis in index:
             at = index.index(Ellipsis)
-            index = index[:at] + (slice(None),) * (ndim - len(index) + 1) + index[at + 1:]
-        if d < len(index) and index[d] != slice(None):
-            raise NotPositionwise(f"{node.name}: a slice of the sequence")
-        return d
+            used = sum(1 for i in index if i is not None and i is not Ellipsis)
+            index = index[:at] + (slice(None),) * (ndim - used) + index[at + 1:]
+        out, dim = 0, 0      # the output dim and the input dim each index element is at
+        for i in index:
+            if i is None:    # a new dim of one (repeat_kv's [:, :, None])
+                out += 1
+                continue
+            if dim == d:
+                if i != slice(None):
+                    raise NotPositionwise(f"{node.name}: an index into the sequence")
+                return out
+            dim += 1
+            out += isinstance(i, slice)
+        return out + (d - dim)
 
     def _reshape(self, node, shape):
         base = node.args[0]

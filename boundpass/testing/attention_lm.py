@@ -1,6 +1,7 @@
 """A small LM whose blocks are attention only (no MLP): GQA with an MLA-style value head dim unequal to the
-query/key head dim by default, causal SDPA, an optional mask tensor or dropout (what the attention pass must skip), or a query read from the
-previous position (what it must not walk in query blocks).
+query/key head dim by default, causal SDPA, an optional mask tensor (the causal one built in the graph, which the
+attention pass proves causal; a sliding window or one read from the activations, which it must skip) or dropout (skipped
+too), or a query read from the previous position (what it must not walk in query blocks).
 Unequal head dims keep torch's SDPA on its math path on a CPU ([B, A_q, L, L] scores); ``dv=16`` takes the fused
 kernel. Used by tests/passes/test_attention_pass.py and bench/attention.py."""
 import torch
@@ -27,8 +28,12 @@ class Attention(nn.Module):
         q = self.q(torch.roll(x, 1, dims=1) if self.shifted_query else x).view(b, n, self.heads, self.d).transpose(1, 2)
         k = self.k(x).view(b, n, self.kv_heads, self.d).transpose(1, 2)
         v = self.v(x).view(b, n, self.kv_heads, self.dv).transpose(1, 2)
-        if self.mask == "tensor":
-            keep = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        if self.mask is not None:
+            keep = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()   # "tensor": causal, built in-graph
+            if self.mask == "window":      # a sliding window of 8 positions: not the causal mask
+                keep = keep & ~torch.ones(n, n, dtype=torch.bool, device=x.device).tril(-8)
+            if self.mask == "input":       # read from the activations (as padding masks are): not a constant
+                keep = keep & (x[:, None, :, :1] > -1e9)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
         else:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout, enable_gqa=True)

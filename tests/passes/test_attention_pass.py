@@ -101,7 +101,8 @@ def test_no_square_of_the_length_where_torch_takes_the_math_path():
 
 
 @pytest.mark.parametrize("kw,reason", [
-    (dict(mask="tensor"), "an attention mask other than the causal one"),
+    (dict(mask="window"), "an attention mask other than the causal one"),
+    (dict(mask="input"), "an attention mask computed from the graph's inputs"),
     (dict(dropout=0.1), "attention dropout"),
 ])
 def test_what_the_op_cannot_compute_is_skipped_with_the_reason(kw, reason):
@@ -176,6 +177,19 @@ def test_a_query_path_that_mixes_positions_is_not_walked():
     (region,) = boundpass.explain(step).rewritten_of("attention")
     assert not region.blocks and "roll" in region.blocks_reason, region.describe()
     assert "not in query blocks" in region.describe()
+
+
+def test_a_causal_mask_built_in_the_graph_is_proved_and_dropped():
+    """A boolean mask computed from no input (torch.ones(L, L).tril(), as Hugging Face's sdpa path builds one from
+    aranges under torch.compile) is evaluated at the traced length, found to be the causal one, and the call is
+    rewritten as causal attention without it (its nodes erased with the call); the step stays exact."""
+    model = LM(layers=1, mask="tensor")
+    plain = copy.deepcopy(model)
+    step = boundpass.compile(model, loss_fn=_loss, budget="1GiB", attention_enable=True)
+    _close_step(step, model, plain, _batch(128))
+    (region,) = boundpass.explain(step).rewritten_of("attention")
+    assert region.causal and region.blocks, region.describe()
+    assert "tril" not in boundpass.explain(step).graph_code
 
 
 def test_off_by_default():

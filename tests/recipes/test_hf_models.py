@@ -120,6 +120,31 @@ def test_training_drops_the_logits_rewrites_the_head_and_is_exact(family):
     assert all("grouped_mm" in r.form for r in dispatch) and not report.skipped_of("dispatch")
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_the_sdpa_attention_is_rewritten_and_exact(family):
+    """HF's sdpa attention under torch.compile (torch 2.13) passes the causal mask as a tensor built from aranges:
+    the pass proves it the causal one by evaluating it at the traced length, drops it and rewrites the call. qwen3's
+    (q_norm, k_norm, RoPE, repeat_kv) and mixtral's sublayers are walked in query blocks with k and v per key tile;
+    deepseek_v3's MLA shares its RoPE tables between the query and the key paths, so the call alone is rewritten,
+    with that reason. Loss and gradients within the fused-kernel class of the unrewritten model's."""
+    model = _model(family)
+    plain = copy.deepcopy(model)
+    step = boundpass.compile(model, budget="1GiB", attention_enable=True)
+    tokens, labels = _batch()
+    out, ref = step(input_ids=tokens, labels=labels), plain(input_ids=tokens, labels=labels)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    regions = boundpass.explain(step).rewritten_of("attention")
+    assert len(regions) == 2 and all(r.causal for r in regions), [r.describe() for r in regions]
+    if family == "deepseek_v3":
+        assert all(not r.blocks and "outside the query path" in r.blocks_reason for r in regions)
+    else:
+        assert all(r.blocks and r.kv_blocks and r.host for r in regions), [r.describe() for r in regions]
+
+
 def test_gpt_oss_experts_are_skipped_with_the_reason_and_the_step_exact():
     """gpt-oss's experts (biases, a clamped SwiGLU, its own combine) are not what PipelinedLLEP computes."""
     _, _, report = _exact_against_eager(_model("gpt_oss"))
