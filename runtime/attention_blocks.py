@@ -496,11 +496,11 @@ def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
     inputs = sum((nbytes(t) for t in (*rows, *params, k, v)), zero)
     values = {ca.sym.A_q: heads, ca.sym.A_kv: kv_heads, ca.sym.D_h: d_qk, ca.D_v_sym: d_v,
               ca.sym.b: b, ca.sym.b_acc: acc, ca.C_s_sym: tile_chunk}
-    # the kernels' tiles through torch's fused kernel on a CPU (the blocks are on the key tiles' grid), the key-outer
-    # pass's where two padding columns are left for delta (ca.fused_tiles, ca.key_tile_backward)
+    # the forward tiles through torch's fused kernel on a CPU (the blocks are on the key tiles' grid: ca.fused_tiles)
     fused = rows[0].device.type == "cpu" and d_v <= d_qk
-    fused_key = fused and d_v + 2 <= d_qk
-    shape = dict(gqa=heads != kv_heads, padded=d_v < d_qk)
+    # the tile's rows where the call fixes them (the fused kernel's query split follows them)
+    shape = dict(gqa=heads != kv_heads, padded=d_v < d_qk,
+                 rows=min(int(a["chunk"]), int(length)) if a["chunk"] > 0 and length.is_number else None)
     tile_f = ca.tile_workspace("forward", mixed_precision=mixed, batch=batch, fused=fused, **shape).xreplace(values)
     q_n, o_n, lse_n = n * batch * heads * d_qk * b, n * batch * heads * d_v * b, n * batch * heads * acc
     Q_n, O_n, KV_n = n * r.query_row_bytes, n * r.out_row_bytes, n * r.kv_row_bytes
@@ -511,9 +511,8 @@ def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
     if "grad_y" not in a:
         return inputs + length * y_row + held_kv + sympy.Max(KV_n, Q_n, q_n + o_n + lse_n + tile_f + kernel_kv,
                                                              o_n + O_n)
-    tile_b = ca.tile_workspace("backward", mixed_precision=mixed, batch=batch, fused=fused, **shape).xreplace(values)
-    tile_k = (ca.tile_workspace("key", mixed_precision=mixed, batch=batch, fused=True, **shape) if fused_key else
-              ca.tile_workspace("key", mixed_precision=mixed, batch=batch)).xreplace(values)
+    tile_b = ca.tile_workspace("backward", mixed_precision=mixed, batch=batch).xreplace(values)
+    tile_k = ca.tile_workspace("key", mixed_precision=mixed, batch=batch).xreplace(values)
     n_rows, needs = len(rows), r.needs
     outputs = sum((nbytes(t) for t, need in zip((*rows, *params), needs) if need), zero)
     if not walk_kv:
@@ -524,7 +523,7 @@ def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
                for lo, hi in ((0, nq), (nq, nq + nkv), (nq + nkv, len(params)))]
     # the key-outer pass's q and dO whole, or (host) two query tiles of them, the one read and the next (the tile
     # math's rows in the accumulation dtype are the one read); the log-sum-exp and delta stay
-    stash_rows = (2 * n if mixed or fused_key else n) if host else length
+    stash_rows = (2 * n if mixed else n) if host else length
     kept = length * batch * heads * 2 * acc if walk_kv else zero
     read = stash_rows * batch * heads * (d_qk + d_v) * b if walk_kv else zero
     # on the host, q and dO are on the device only while the key-outer pass reads them, and k, v only while the

@@ -10,11 +10,11 @@ instead of the scores: the backward recomputes each tile's probabilities from it
 Exactness: each row's softmax is the same function of the same scores; the sums over key chunks are reordered
 (online softmax), so results match the math path within the tolerance a fused attention kernel has against it.
 
-Each tile runs through torch's fused CPU kernel where it applies (``fused_tiles``: on a CPU, v's head dim at most
-q's, tiles on one grid): the forward's tiles are merged by their log-sum-exp, the backward's are given the whole
-rows' output and log-sum-exp (so each tile's probabilities are the row's), and the key-outer pass, which has
-rowsum(dO O) instead of O, passes it through two padding columns. Elsewhere the tile math below runs (PyTorch ops).
-On the kernel's narrow (bf16) outputs the tiles' partial results are rounded once each before they are merged in fp32.
+The forward's tiles run through torch's fused CPU kernel where it applies (``fused_tiles``: on a CPU, v's head dim
+at most q's, tiles on one grid), merged by their log-sum-exp; on its narrow (bf16) output each tile's partial result
+is rounded once before it is merged in fp32. The backward's tiles are the tile math below (PyTorch ops): the fused
+backward per tile was measured 1.6-1.9x faster here, but it allocates ~650 small buffers per call outside any aten op
+(bf16, 16 heads, C_s = 128), which torch's profiler, the step's measure, cannot follow over a 4K step (10 GB of events).
 
 The chunk size ``chunk`` (C_s: query rows and key rows per tile) is the op's knob: a tile holds [B, A_q, C_s, C_s]
 scores and probabilities in the accumulation dtype, so the workspace is O(C_s^2 + C_s L / L) and its
@@ -95,12 +95,11 @@ def _masked(scores: Tensor, q0: int, q1: int, k0: int, causal: bool) -> Tensor:
 
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
 def fused_tiles(q, v, causal: bool, base: int, chunk: int) -> bool:
-    """Whether each tile goes through torch's fused CPU kernel (FlashAttention's, one call per (query tile, key
-    tile)): on a CPU, with v's head dim at most q's (v is zero-padded to it), and, causal, with the query tiles on
+    """Whether each forward tile goes through torch's fused CPU kernel (FlashAttention's, one call per (query tile,
+    key tile)): on a CPU, with v's head dim at most q's (v is zero-padded to it), and, causal, with the query tiles on
     the key tiles' grid (the one tile that crosses the diagonal is then the kernel's own causal square)."""
     return q.device.type == "cpu" and v.shape[3] <= q.shape[3] and (not causal or base % chunk == 0)
 
@@ -113,14 +112,6 @@ def _for_kernel(t: Tensor, groups: int, width: int) -> Tensor:
     if t.shape[-1] < width:
         t = torch.nn.functional.pad(t, (0, width - t.shape[-1]))
     return t
-
-
-def _per_kv_head(g: Tensor, kv_heads: int) -> Tensor:
-    """[B, A_q, m, d] -> [B, A_kv, m, d]: the gradients of the query heads that share a key / value head, summed."""
-    if g.shape[1] == kv_heads:
-        return g
-    b, heads, m, d = g.shape
-    return g.view(b, kv_heads, heads // kv_heads, m, d).sum(2)
 
 
 def _fused_forward(q, k, v, causal, scale, chunk, base, out, lse, acc) -> None:
@@ -146,31 +137,6 @@ def _fused_forward(q, k, v, causal, scale, chunk, base, out, lse, acc) -> None:
         out[:, :, q0:q1] = o
         lse[:, :, q0:q1] = run
         del o, run
-
-
-def _fused_backward(grad_out, q, k, v, out, lse, causal, scale, chunk, base, dq, dk, dv_acc, acc) -> None:
-    """dq (and, given accumulators, dk / dv) per (query tile, key tile) through the fused kernel's backward, given
-    the whole rows' output and log-sum-exp: each tile's probabilities are exp(scores - lse), so the tiles' gradients
-    add up to the whole row's."""
-    heads, d, dv = q.shape[1], q.shape[3], v.shape[3]
-    kv_heads = k.shape[1]
-    groups = heads // kv_heads
-    for q0, q1 in _tiles(q.shape[2], chunk):
-        qi = q[:, :, q0:q1]
-        goi, oi = _for_kernel(grad_out[:, :, q0:q1], 1, d), _for_kernel(out[:, :, q0:q1], 1, d)
-        li = lse[:, :, q0:q1].contiguous()
-        dqi = torch.zeros(qi.shape, dtype=acc, device=qi.device)
-        for (k0, k1), (kt, vt) in _row_tiles((k, v), _tiles(base + q1 if causal else k.shape[2], chunk)):
-            dq_j, dk_j, dv_j = _FLASH_BWD(goi, qi, _for_kernel(kt, groups, d), _for_kernel(vt, groups, d), oi, li,
-                                          0.0, causal and k1 > base + q0, scale=scale)
-            del kt, vt
-            dqi.add_(dq_j)
-            if dk is not None:
-                dk[:, :, k0:k1].add_(_per_kv_head(dk_j, kv_heads))
-                dv_acc[:, :, k0:k1].add_(_per_kv_head(dv_j[..., :dv], kv_heads))
-            del dq_j, dk_j, dv_j
-        dq[:, :, q0:q1] = dqi
-        del qi, goi, oi, li, dqi
 
 
 def chunked_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None,
@@ -234,17 +200,6 @@ def chunked_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     else:
         dk, dv = into
-    if fused_tiles(q, v, causal, base, chunk):
-        _fused_backward(grad_out, q, k, v, out, lse, causal, scale, chunk, base, dq, dk, dv, acc)
-    else:
-        _math_backward(grad_out, q, k, v, out, lse, causal, scale, chunk, base, dq, dk, dv, acc, dkv)
-    if into is not None or not dkv:
-        return dq, dk, dv
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _math_backward(grad_out, q, k, v, out, lse, causal, scale, chunk, base, dq, dk, dv, acc, dkv) -> None:
-    length, kv_heads = q.shape[2], k.shape[1]
     for q0, q1 in _tiles(length, chunk):
         qi, goi = _tile_rows(q, kv_heads, q0, q1, acc), _tile_rows(grad_out, kv_heads, q0, q1, acc)
         delta = (goi * _tile_rows(out, kv_heads, q0, q1, acc)).sum(-1)   # rowsum(dO * O)
@@ -265,6 +220,9 @@ def _math_backward(grad_out, q, k, v, out, lse, causal, scale, chunk, base, dq, 
             del ds, kj, vj
         _put_rows(dq, dqi, q0, q1)
         del qi, goi, delta, li, dqi
+    if into is not None or not dkv:
+        return dq, dk, dv
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 def key_tile_backward(q: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, kj: Tensor, vj: Tensor, k0: int,
@@ -277,8 +235,6 @@ def key_tile_backward(q: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, k
     length, kv_heads, m = q.shape[2], kj.shape[1], kj.shape[2]
     acc = acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
-    if fused_tiles(q, vj, causal, k0, chunk) and vj.shape[3] + 2 <= q.shape[3]:
-        return _fused_key_tile(q, grad_out, lse, delta, kj, vj, k0, causal, scale, chunk, acc)
     kt, vt = kj.to(acc), vj.to(acc)
     dk, dv = torch.zeros(kj.shape, dtype=acc, device=kj.device), torch.zeros(vj.shape, dtype=acc, device=vj.device)
     seen = [(q0, q1) for q0, q1 in _tiles(length, chunk) if not (causal and q1 - 1 < k0)]  # rows before the
@@ -295,35 +251,6 @@ def key_tile_backward(q: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, k
         dk.add_(torch.matmul(ds.transpose(-1, -2), qi))
         del ds, qi, goi, li, di
     return dk, dv
-
-
-def _fused_key_tile(q, grad_out, lse, delta, kj, vj, k0, causal, scale, chunk, acc) -> tuple[Tensor, Tensor]:
-    """``key_tile_backward`` through the fused kernel's backward. It reads rowsum(dO O) from the output it is given,
-    and this pass has delta, not O: the kernel is given an output gradient with ones in two padding columns and an
-    output that is zero but for delta there (split in two parts, so a narrow dtype keeps its fp32 digits); the value
-    is zero in those columns, so nothing else changes, and the value gradient's padding is dropped."""
-    heads, d, dv, kv_heads = q.shape[1], q.shape[3], vj.shape[3], kj.shape[1]
-    groups = heads // kv_heads
-    kx, vx = _for_kernel(kj, groups, d), _for_kernel(vj, groups, d)
-    dk = torch.zeros(kj.shape, dtype=acc, device=kj.device)
-    dv_acc = torch.zeros(vj.shape, dtype=acc, device=vj.device)
-    seen = [(q0, q1) for q0, q1 in _tiles(q.shape[2], chunk) if not (causal and q1 - 1 < k0)]
-    for (q0, q1), (qi, goi) in _row_tiles((q, grad_out), seen):
-        go_k = _for_kernel(goi, 1, d)
-        go_k[..., dv:dv + 2] = 1
-        o_k = torch.zeros_like(go_k)
-        di = delta[:, :, q0:q1]
-        high = di.to(o_k.dtype)
-        o_k[..., dv] = high
-        o_k[..., dv + 1] = (di - high.to(acc)).to(o_k.dtype)
-        del goi, high, di
-        _, dk_j, dv_j = _FLASH_BWD(go_k, qi, kx, vx, o_k, lse[:, :, q0:q1].contiguous(), 0.0, causal and q0 == k0,
-                                   scale=scale)
-        del qi, go_k, o_k
-        dk.add_(_per_kv_head(dk_j, kv_heads))
-        dv_acc.add_(_per_kv_head(dv_j[..., :dv], kv_heads))
-        del dk_j, dv_j
-    return dk, dv_acc
 
 
 # ---------------------------------------------------------------------------------------------- custom ops
@@ -385,7 +312,7 @@ def reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, scale: fl
 
 # ------------------------------------------------------------------------------------------------ bound
 def chunked_attention_bound(part: str = "forward", *, mixed_precision: bool, fused: bool = False, gqa: bool = True,
-                            padded: bool = True) -> sympy.Expr:
+                            padded: bool = True, rows: int | None = None) -> sympy.Expr:
     """Device bytes of one call: its inputs, its outputs and its largest tile's workspace; N = B L_seq tokens (rows
     of every head), A_q / A_kv heads, head dims D (``D_h``) and D_v, tile C_s; b the inputs' bytes per element,
     b_acc the accumulation's. ``mixed_precision`` (b < b_acc): each tile's key / value rows are upcast copies.
@@ -403,7 +330,7 @@ def chunked_attention_bound(part: str = "forward", *, mixed_precision: bool, fus
     q_bytes, kv_bytes = N * A_q * D * b, N * A_kv * (D + D_v) * b
     out_bytes, lse_bytes = N * A_q * D_v * b, N * A_q * b_acc
     tile = tile_workspace(part, mixed_precision=mixed_precision, batch=N / L_seq_sym, fused=fused, gqa=gqa,
-                          padded=padded)
+                          padded=padded, rows=rows)
     if part == "forward":
         return q_bytes + kv_bytes + out_bytes + lse_bytes + tile
     inputs = out_bytes + q_bytes + kv_bytes + out_bytes + lse_bytes
@@ -417,18 +344,16 @@ def flash_cpu_workspace(part: str, *, batch_heads, rows, kv_rows, d, width, b, n
     """What torch's fused CPU attention kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` and its
     backward) allocates at one call beyond its inputs and outputs, for ``batch_heads`` = B A_q query rows of
     ``rows`` each against ``kv_rows`` keys, head dims ``d`` (q, k) and ``width`` (v), ``b`` bytes per element
-    (``narrow``: below fp32). It splits the query rows into blocks of qs (32 below 192 rows, 64 below 768, else 256)
-    and the key rows into blocks of ks = min(512, kv_rows) and allocates per thread, in
+    (``narrow``: below fp32). It splits the query rows into blocks of qs (32 below 192 rows, 64 below 768, else 256;
+    256 for a symbolic count) and the key rows into blocks of ks = min(512, kv_rows) and allocates per thread, in
     fp32: forward qs ks scores + 2 qs running max / sum + qs width output accumulator (narrow: a narrow copy of the
     scores tile and of a [ks, width] value block, and once an fp32 accumulator of the whole output); backward
     2 qs ks (probabilities, their gradient) + qs (narrow: narrow copies of both tiles and what the kernel allocates
     outside any aten op, bounded by (qs ks + qs d) fp32 + 8 KiB) and once a contiguous copy of the query. Measured
     at torch's allocator (boundpass/measure/aten_contracts.py registers it for SDPA's own calls;
     tests/measure/test_aten_contracts.py)."""
-    if isinstance(rows, int):
-        qs = 32 if rows < 192 else 64 if rows < 768 else 256
-    else:
-        qs = sympy.Piecewise((32, sympy.Lt(rows, 192)), (64, sympy.Lt(rows, 768)), (256, True))
+    # (no Piecewise for a symbolic count: the planner's maxima over program points do not take one)
+    qs = (32 if rows < 192 else 64 if rows < 768 else 256) if isinstance(rows, int) else 256
     ks = sympy.Min(512, kv_rows)
     threads = torch.get_num_threads() if threads is None else threads
     if part == "forward":
@@ -439,47 +364,34 @@ def flash_cpu_workspace(part: str, *, batch_heads, rows, kv_rows, d, width, b, n
     return threads * tile + batch_heads * rows * d * b
 
 
-def fused_tile_workspace(part: str = "forward", *, mixed_precision: bool, batch=None, gqa: bool = True,
-                         padded: bool = True) -> sympy.Expr:
-    """``tile_workspace`` where the tiles go through torch's fused kernel (``fused_tiles``), with ``part`` "forward",
-    "backward" (the query-outer pass: dq, and dk / dv into accumulators) or "key" (``key_tile_backward``: one key
-    tile against every query tile). B C_s rows of every query head (r), each key / value tile repeated for the query
-    heads (``gqa``) and the value zero-padded to D (``padded``: D_v < D) (copies of r D in b), the kernel's own
-    workspace (``flash_cpu_workspace``) and:
-      forward : its output (r D in b, r in b_acc), the running output (mixed: the value columns cast, r D_v in b_acc,
-                beside the tile's; else the first tile's padded output itself, r D) and four per-row vectors
-                (running and new log-sum-exp, two factors)
-      backward: (padded) the output gradient and output padded (2 r D in b), the rows' log-sum-exp, dq's
-                accumulator (r D in b_acc), the kernel's three gradients (3 r D in b), (gqa) the key / value
-                gradients summed per key / value head (B C_s A_kv (D + D_v) in b)
-      key     : the padded output gradient and output (2 r D in b), delta's two parts and its remainder, the
-                log-sum-exp rows, the kernel's three gradients and (gqa) the per-head sums"""
-    C_s, A_q, A_kv, D, D_v, b, b_acc = C_s_sym, sym.A_q, sym.A_kv, sym.D_h, D_v_sym, sym.b, sym.b_acc
+def fused_tile_workspace(*, mixed_precision: bool, batch=None, gqa: bool = True, padded: bool = True,
+                         rows: int | None = None) -> sympy.Expr:
+    """``tile_workspace`` of the forward where its tiles go through torch's fused kernel (``fused_tiles``): B C_s
+    rows of every query head (r); each key / value tile repeated for the query heads (``gqa``) and the value
+    zero-padded to D (``padded``: D_v < D), copies of r D in b; the kernel's own workspace (``flash_cpu_workspace``);
+    its output (r D in b, r in b_acc); the running output (mixed: the value columns cast, r D_v in b_acc, beside the
+    tile's; else the first tile's padded output itself, r D) and four per-row vectors (running and new log-sum-exp,
+    two factors). ``rows``: the tile's rows where the call fixes them (the kernel's query split follows them; else
+    its widest)."""
+    C_s, A_q, D, D_v, b, b_acc = C_s_sym, sym.A_q, sym.D_h, D_v_sym, sym.b, sym.b_acc
     batch = sym.N / L_seq_sym if batch is None else batch
     r = batch * C_s * A_q
-    kernel = flash_cpu_workspace("forward" if part == "forward" else "backward", batch_heads=batch * A_q,
-                                 rows=C_s, kv_rows=C_s, d=D, width=D, b=b,
-                                 narrow=mixed_precision)
+    kernel = flash_cpu_workspace("forward", batch_heads=batch * A_q, rows=C_s if rows is None else int(rows),
+                                 kv_rows=C_s, d=D, width=D, b=b, narrow=mixed_precision)
     copies = (int(gqa) + int(gqa or padded)) * r * D * b
-    if part == "forward":
-        # the running output is the first tile's output itself when no cast copies it (a view of its padded width)
-        running = r * 2 * D_v * b_acc if mixed_precision else r * D * b_acc
-        return copies + r * (D * b + b_acc) + running + r * 4 * b_acc + kernel
-    per_head = batch * C_s * A_kv * (D + D_v) * b if gqa else 0
-    if part == "backward":
-        return (copies + (2 * r * D * b if padded else 0) + r * (1 + D) * b_acc + 3 * r * D * b + per_head
-                + kernel)
-    return copies + 2 * r * D * b + r * (b + 3 * b_acc) + 3 * r * D * b + per_head + kernel
+    running = r * 2 * D_v * b_acc if mixed_precision else r * D * b_acc
+    return copies + r * (D * b + b_acc) + running + r * 4 * b_acc + kernel
 
 
 def tile_workspace(part: str = "forward", *, mixed_precision: bool, batch=None, fused: bool = False,
-                   gqa: bool = True, padded: bool = True) -> sympy.Expr:
+                   gqa: bool = True, padded: bool = True, rows: int | None = None) -> sympy.Expr:
     """What one tile of the kernels allocates beyond their inputs and outputs (the terms of
     ``chunked_attention_bound`` that do not grow with L): B C_s rows of every head, ``batch`` = B. ``fused``: the
-    tiles go through torch's fused kernel (``fused_tile_workspace``); else the kernels' own tile math below. ``part``:
-    "forward", "backward" (the query-outer kernel) or "key" (``key_tile_backward``)."""
-    if fused:
-        return fused_tile_workspace(part, mixed_precision=mixed_precision, batch=batch, gqa=gqa, padded=padded)
+    forward's tiles go through torch's fused kernel (``fused_tile_workspace``); else, and for the backward, the
+    kernels' own tile math below. ``part``: "forward", "backward" (the query-outer kernel) or "key"
+    (``key_tile_backward``)."""
+    if fused and part == "forward":
+        return fused_tile_workspace(mixed_precision=mixed_precision, batch=batch, gqa=gqa, padded=padded, rows=rows)
     C_s, A_q, A_kv, D, D_v, b_acc = C_s_sym, sym.A_q, sym.A_kv, sym.D_h, D_v_sym, sym.b_acc
     rows = (sym.N / L_seq_sym if batch is None else batch) * C_s     # B C_s: rows of one tile, per head
     upcast_kv = rows * A_kv * (D + D_v) * b_acc if mixed_precision else 0
@@ -523,7 +435,9 @@ def _device_bound(a: dict, ctx: dict) -> sympy.Expr:
     values[C_s_sym] = sympy.Min(a["chunk"], contracts.as_expr(q.shape[2])) if a["chunk"] > 0 else C_s_sym
     fused = q.device.type == "cpu" and int(v.shape[3]) <= int(q.shape[3])
     bound = contracts.cached_bound(chunked_attention_bound, part=part, mixed_precision=mixed, fused=fused,
-                                   gqa=int(q.shape[1]) != int(k.shape[1]), padded=int(v.shape[3]) < int(q.shape[3]))
+                                   gqa=int(q.shape[1]) != int(k.shape[1]), padded=int(v.shape[3]) < int(q.shape[3]),
+                                   rows=min(int(a["chunk"]), q.shape[2]) if a["chunk"] > 0 and isinstance(q.shape[2], int)
+                                   else None)
     return contracts.substitute(bound, values)
 
 
