@@ -207,12 +207,14 @@ def host_storages(trainer) -> dict[int, int]:
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in host_storages_tensors(trainer)}
 
 
-def measured_step(trainer, data):
+def measured_step(trainer, data, profiler: bool = True):
     """One training step under torch's allocator (boundpass.testing.whole_step.allocator_peak_of, the profiler's
     allocation events): (device peak bytes, bytes live at the step's start, host bytes excluded, what the
     allocations live at the peak were made by (op, bytes), host bytes allocated inside the step, the counting
     allocator's peak or None: boundpass.measure.counting_allocator, every CPU block live, whatever thread frees it,
-    host buffers set aside). The state live
+    host buffers set aside). ``profiler=False``: the counting allocator's peak is the peak (no profiler events:
+    their Python event tree grows with every op and allocation, ~2 KB each, which a long-sequence step's millions of
+    tile ops take past this machine's memory). The state live
     at the start is the trainer's own `_device_state()` (parameters, buffers, optimizer state; last step's gradients
     are cleared first) less the host buffers of `host_storages`."""
     import gc
@@ -233,8 +235,15 @@ def measured_step(trainer, data):
         for storage in host_storages_tensors(trainer):
             counting_allocator.exclude(storage)
         counting_allocator.reset_peak()
-    _, peak = allocator_peak_of(lambda: trainer.train_step(data), state, breakdown=detail)
+    if profiler:
+        _, peak = allocator_peak_of(lambda: trainer.train_step(data), state, breakdown=detail)
+    else:   # the counting allocator alone: every block live since install(), state included (the trainer's too)
+        trainer.train_step(data)
+        detail.update(earlier=None, held=[], at_start=sum(getattr(t, "_local_tensor", t).untyped_storage().nbytes()
+                                                             for t in state))
     counted = counting_allocator.peak_bytes() if counting_allocator.installed() else None
+    if not profiler:
+        peak = counted
     del state
     # storages live when the step started that no state names and the step freed (counted in the peak)
     trainer._reach_earlier = detail["earlier"]
@@ -287,9 +296,10 @@ def trainer_rank_setup(assets: str) -> None:
 
 
 def reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens, host_budget, timed_steps,
-               extra: tuple = ()):
+               extra: tuple = (), profiler: bool = True):
     """One trainer at one sequence length: step 1 (compile, lazy optimizer state), step 2 measured at torch's
-    allocator, then `timed_steps` steps timed (nothing measured)."""
+    allocator, then `timed_steps` steps timed (nothing measured). ``profiler=False``: step 2's peak is the counting
+    allocator's alone (``measured_step``)."""
     trainer_rank_setup(assets)
     from boundpass.core.errors import InfeasibleBudgetError
     from boundpass.core.units import format_bytes
@@ -315,7 +325,10 @@ def reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens, 
             # only for a block it saw allocated while memory profiling was on, so without this every tensor step 1
             # made and step 2 frees (last step's gradients: 186 MiB here) would look alive through all of step 2
             from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+            if profiler:
+                with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+                    trainer.train_step(data)
+            else:
                 trainer.train_step(data)
         except Exception as exc:
             return refused(out, exc, InfeasibleBudgetError)
@@ -332,9 +345,10 @@ def reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens, 
             out["summary"] = trainer.summary()
         trainer.step = 2
         t0 = time.perf_counter()
-        peak, at_start, host, holders, grown, counted = measured_step(trainer, data)
+        peak, at_start, host, holders, grown, counted = measured_step(trainer, data, profiler)
         out["counted"] = counted
         out.update(peak=peak, state_bytes=at_start, host_bytes=host, holders=holders, host_grown_in_step=grown,
+                   measure="torch's allocator (profiler events)" if profiler else "the counting allocator alone",
                    earlier_bytes=getattr(trainer, "_reach_earlier", None),
                    measured_step_seconds=time.perf_counter() - t0)
         times = []
