@@ -436,8 +436,8 @@ def _device_bound(a: dict, ctx: dict) -> sympy.Expr:
     fused = q.device.type == "cpu" and int(v.shape[3]) <= int(q.shape[3])
     bound = contracts.cached_bound(chunked_attention_bound, part=part, mixed_precision=mixed, fused=fused,
                                    gqa=int(q.shape[1]) != int(k.shape[1]), padded=int(v.shape[3]) < int(q.shape[3]),
-                                   rows=min(int(a["chunk"]), q.shape[2]) if a["chunk"] > 0 and isinstance(q.shape[2], int)
-                                   else None)
+                                   rows=min(int(a["chunk"]), q.shape[2])
+                                   if a["chunk"] > 0 and isinstance(q.shape[2], int) else None)
     return contracts.substitute(bound, values)
 
 

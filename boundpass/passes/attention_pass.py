@@ -265,7 +265,8 @@ def rewrite_attention_regions(gm: fx.GraphModule, chunk: int = 0, *,
             a.update(attn_mask=None, is_causal=True)
         q, k, v = a["query"], a["key"], a["value"]
         qv, kv, vv = _val(q), _val(k), _val(v)
-        op, why_not_blocks, why_kv_whole = _query_blocks(sub, node, a, chunk, offload) if query_blocks else (None, "", "")
+        op, why_not_blocks, why_kv_whole = (_query_blocks(sub, node, a, chunk, offload) if query_blocks
+                                            else (None, "", ""))
         v_head_dim = int(vv.shape[3])
         if op is not None:
             v_head_dim = op.meta["attention_value_dim"]   # the value the op reads (unpadded where the model padded it)
