@@ -13,7 +13,7 @@ Exactness: each row's softmax is the same function of the same scores; the sums 
 The forward's tiles run through torch's fused CPU kernel where it applies (``fused_tiles``: on a CPU, v's head dim
 at most q's, tiles on one grid), merged by their log-sum-exp; on its narrow (bf16) output each tile's partial result
 is rounded once before it is merged in fp32. The backward's tiles are the tile math below (PyTorch ops): the fused
-backward per tile was measured 1.6-1.9x faster here, but it allocates ~650 small buffers per call outside any aten op
+backward per tile measured no faster on the op here, and it allocates ~650 small buffers per call outside any aten op
 (bf16, 16 heads, C_s = 128), which torch's profiler, the step's measure, cannot follow over a 4K step (10 GB of events).
 
 The chunk size ``chunk`` (C_s: query rows and key rows per tile) is the op's knob: a tile holds [B, A_q, C_s, C_s]
