@@ -446,6 +446,11 @@ def make_region(query, out, rows: list[Tensor], params: list[Tensor], k: Tensor 
 
 
 # ------------------------------------------------------------------------------------------------ bound
+def _length_expr(region: Region, rows: list) -> sympy.Expr:
+    """The sequence length of a call's rows (possibly symbolic), as the bounds read it."""
+    return next(contracts.as_expr(t.shape[d]) for t, d in zip(rows, region.row_dims) if d is not None)
+
+
 def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
     """Device bytes of one call, C_s symbolic (``ca.C_s_sym``; the call's chunk when the pass fixed one). With n =
     min(C_s, L) rows per block, q_n / o_n one block's q and o (b), lse_n its log-sum-exp (b_acc), Q_n / KV_n / O_n
@@ -471,7 +476,7 @@ def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
                     + its gradients in b_acc and b + the backward tile)"""
     r = region_of(a["region"])
     k, v, rows, params = a["k"], a["v"], a["rows"], a["params"]
-    length = next(contracts.as_expr(t.shape[d]) for t, d in zip(rows, r.row_dims) if d is not None)
+    length = _length_expr(r, rows)
     n = sympy.Min(ca.C_s_sym, length) if a["chunk"] <= 0 else sympy.Min(int(a["chunk"]), length)
     tile_chunk = ca.C_s_sym if a["chunk"] <= 0 else sympy.Integer(int(a["chunk"]))
     zero = sympy.Integer(0)
@@ -547,7 +552,7 @@ def attention_blocks_host_bound(a: dict, ctx: dict) -> sympy.Expr:
     r = region_of(a["region"])
     if r.kv is None or not r.host:
         return sympy.Integer(0)
-    length = next(contracts.as_expr(t.shape[d]) for t, d in zip(a["rows"], r.row_dims) if d is not None)
+    length = _length_expr(r, a["rows"])
     kv_heads, d_v, dtype = r.kv_shape[0], r.kv_shape[2], r.kv_shape[3]
     heads = r.heads if "grad_y" in a else 0
     return length * r.batch * (kv_heads + heads) * (r.d_qk + d_v) * dtype.itemsize

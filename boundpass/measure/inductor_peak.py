@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from boundpass.runtime import contracts
 from boundpass.runtime.contracts import as_expr
-from boundpass.measure.step_peak import GraphPeak, Held, Storage, _Walk, module_path, op_bound, op_host_bound
+from boundpass.measure.step_peak import GraphPeak, Held, Storage, _Walk, module_path, op_bound
 
 
 @dataclass
@@ -240,9 +240,7 @@ def _walk(live: _Walk, sched: Schedule, phase: str, *, input_keys: dict, input_b
             io += sum((input_bytes[input_keys[n]] for n in step.reads if n in input_keys), sympy.Integer(0))
             io += sum((b.nbytes for b in by_start.get(i, ())), sympy.Integer(0))
             workspace = sympy.Max(0, op_bound(step.workspace_node, ctx) - io)
-            host = op_host_bound(step.workspace_node, ctx)
-            if host is not None:
-                live.result.host_bytes = sympy.Max(live.result.host_bytes, host)
+            live.note_host(step.workspace_node, ctx)
         live.record(phase, step.name, step.target, step.path, workspace)
         for name in by_end.get(i, ()):
             key = keys.get(name) or input_keys.get(name)

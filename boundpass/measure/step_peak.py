@@ -242,6 +242,12 @@ class _Walk:
         self.result.points.append(p)
         return p
 
+    def note_host(self, node: fx.Node, ctx: dict) -> None:
+        """Keep the largest host pool an op declares (``op_host_bound``): one such op runs at a time."""
+        host = op_host_bound(node, ctx)
+        if host is not None:
+            self.result.host_bytes = sympy.Max(self.result.host_bytes, host)
+
     def add(self, key, storage: Storage) -> None:
         storage.start = len(self.result.points)
         self.live[key] = storage
@@ -309,9 +315,7 @@ def _walk_graph(walk: _Walk, graph: fx.Graph, phase: str, *, counted: Callable[[
             if counted(key) and key not in walk.live:
                 walk.add(key, Storage(node.name, module_path(node), shape, dtype, _storage_bytes(key), kind(node)))
         walk.point(phase, node, _workspace(node, alias, ctx))
-        host = op_host_bound(node, ctx)
-        if host is not None:
-            walk.result.host_bytes = sympy.Max(walk.result.host_bytes, host)
+        walk.note_host(node, ctx)
         for key in alias.get_fresh_allocations(node):  # never read again: FX frees it right away
             if key not in alias.storage_to_uses and key not in keep:
                 walk.free(key)
@@ -332,18 +336,20 @@ def op_bound(node: fx.Node, ctx: dict) -> sympy.Expr | None:
         return None
     if not ctx.get("kernel_workspace", True) and not str(node.target).startswith("boundpass."):
         return None  # a caller that measures tensors only (plan's block traces) leaves torch kernels' workspace out
-    args = contracts.call_arguments(node.target, node.args, node.kwargs,
-                                    lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
-    return contracts.device_bound(node.target, args, ctx)
+    return contracts.device_bound(node.target, _arguments(node), ctx)
 
 
 def op_host_bound(node: fx.Node, ctx: dict) -> sympy.Expr | None:
     """The host pool a boundpass op declares at this node (boundpass.runtime.contracts), or None."""
     if not contracts.has_host_bound(node.target):
         return None
-    args = contracts.call_arguments(node.target, node.args, node.kwargs,
+    return contracts.host_bound(node.target, _arguments(node), ctx)
+
+
+def _arguments(node: fx.Node) -> dict:
+    """The op call's arguments by schema name, graph values as their fake tensors."""
+    return contracts.call_arguments(node.target, node.args, node.kwargs,
                                     lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
-    return contracts.host_bound(node.target, args, ctx)
 
 
 def _workspace(node: fx.Node, alias: GraphAliasTracker, ctx: dict) -> sympy.Expr:
