@@ -410,6 +410,9 @@ def sublayer(query, out, rows: list[Tensor], params: list[Tensor], k: Tensor | N
         raise BoundpassInputError(f"attention blocks: chunk must be >= 1, got {chunk}")
     if (kv is None) == (k is None or v is None):
         raise BoundpassInputError("attention blocks: give either k and v or a kv program, not both or neither")
+    if offload and kv is None:
+        raise BoundpassInputError("attention blocks: offload keeps the k and v a kv program makes on the host; given "
+                                  "k and v are the caller's tensors (pass kv=, or offload=False)")
     key = make_region(query, out, rows, params, k, v, row_dims=row_dims, query_params=query_params, kv=kv,
                       kv_params=kv_params, offload=offload)
     return torch.ops.boundpass.attention_blocks_fwd(list(rows), list(params), k, v, key, causal, float(scale or 0.0),

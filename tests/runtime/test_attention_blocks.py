@@ -259,5 +259,8 @@ def test_bad_input_is_refused():
     with pytest.raises(BoundpassInputError, match="row_dims"):
         ab.sublayer(Query(2, 4, 8), Out(2), [c["x"], c["cos"]], [c["wq"], c["wo"]], c["k"], c["v"],
                     row_dims=(1,), query_params=1)
+    with pytest.raises(BoundpassInputError, match="offload keeps"):
+        ab.sublayer(Query(2, 4, 8), Out(2), [c["x"], c["cos"]], [c["wq"], c["wo"]], c["k"], c["v"],
+                    row_dims=(1, 0), query_params=1, offload=True)
     with pytest.raises(BoundpassInputError, match="no region"):
         ab.region_of("nowhere")
