@@ -35,7 +35,6 @@ the inputs, the output, what the schedule keeps whole, and one block's phases; t
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 from dataclasses import dataclass
 
@@ -47,6 +46,7 @@ from boundpass.core.errors import BoundpassInputError
 from boundpass.runtime import chunked_attention as ca
 from boundpass.runtime import contracts
 from boundpass.runtime import host_tiles
+from boundpass.runtime import row_blocks as rb
 
 
 @dataclass
@@ -98,17 +98,6 @@ def region_of(key: str) -> Region:
     return _REGIONS[key]
 
 
-def _new_bytes(values, seen: set) -> int:
-    total = 0
-    for t in values:
-        if isinstance(t, Tensor):
-            ref = t.untyped_storage()._cdata
-            if ref not in seen:
-                seen.add(ref)
-                total += t.untyped_storage().nbytes()
-    return total
-
-
 def _per_row(region: Region, rows: list, params: list, o: Tensor, n: int = 4) -> None:
     """Set the region's bytes per row of every tensor each program makes (its intermediates' storages, counted once;
     the larger of a run without grad, as the forward runs it, and one with, as the backward does: matmul copies a
@@ -127,7 +116,7 @@ def _per_row(region: Region, rows: list, params: list, o: Tensor, n: int = 4) ->
         for name, program in programs:
             if program is None:
                 continue
-            seen: set = set()
+            seen: dict = {}
             with mode, torch.set_grad_enabled(grad):
                 if name == "out":
                     leaves = [torch.empty((*o.shape[:2], n, *o.shape[3:]), dtype=o.dtype),
@@ -143,8 +132,8 @@ def _per_row(region: Region, rows: list, params: list, o: Tensor, n: int = 4) ->
                     needs = [*need_rows, *wneeds]
                 inputs = [t.requires_grad_(grad and need and t.is_floating_point()) if t.is_leaf else t
                           for t, need in zip(leaves, needs)]
-                _new_bytes(inputs, seen)
-                with _Counting(seen) as counting:
+                rb.new_bytes(inputs, seen)
+                with rb.Counting(seen) as counting:
                     result = program(n, *inputs)
             if name == "query":
                 region.batch, region.heads, region.d_qk = (int(result.shape[i]) for i in (0, 1, 3))
@@ -158,42 +147,13 @@ def _per_row(region: Region, rows: list, params: list, o: Tensor, n: int = 4) ->
                                  for t, d in zip(rows, region.row_dims) if d is not None)
 
 
-class _Counting(torch.utils._python_dispatch.TorchDispatchMode):
-    """Adds up the storages every aten op makes while a program runs (the copies inside composite ops too: a
-    linear's input made contiguous is what autograd saves)."""
-
-    def __init__(self, seen: set):
-        super().__init__()
-        self.seen, self.made = seen, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.made += _new_bytes(torch.utils._pytree.tree_leaves(out), self.seen)
-        return out
-
-
-def _blocks(length: int, rows: int):
-    return [(s, min(s + rows, length)) for s in range(0, length, rows)]
-
-
-def _length(region: Region, rows: list) -> int:
-    for t, d in zip(rows, region.row_dims):
-        if d is not None:
-            return int(t.shape[d])
-    raise BoundpassInputError("attention blocks: no input carries the sequence")
-
-
-def _cut(region: Region, rows: list, s: int, e: int) -> list:
-    return [t.narrow(d, s, e - s) if d is not None else t for t, d in zip(rows, region.row_dims)]
-
-
 def _whole_kv(region: Region, rows: list, kvp: list, length: int, chunk: int):
     """k and v of the whole sequence, made key tile by key tile (no grad): the kv program's intermediates are never
     whole, only its results; on the host (``host_tiles.HostRows``) when the region says so."""
     k = v = None
     with torch.no_grad():
-        for s, e in _blocks(length, chunk):
-            kj, vj = region.kv(e - s, *_cut(region, rows, s, e), *kvp)
+        for s, e in rb.blocks(length, chunk):
+            kj, vj = region.kv(e - s, *rb.cut(region.row_dims, rows, s, e), *kvp)
             if k is None:
                 k, v = _stores(region, ("k", "v"), (kj, vj), length)
             _write(k, s, e, kj)
@@ -220,7 +180,7 @@ def _write(dst, s: int, e: int, rows: Tensor) -> None:
 
 def blocks_forward(rows: list, params: list, k: Tensor | None, v: Tensor | None, region: Region, causal: bool,
                    scale: float | None, chunk: int) -> Tensor:
-    length = _length(region, rows)
+    length = rb.length_of(region.row_dims, rows)
     shape = list(region.y_shape)
     shape[region.y_dim] = length
     qp, kvp, op = region.split(params)
@@ -228,8 +188,8 @@ def blocks_forward(rows: list, params: list, k: Tensor | None, v: Tensor | None,
         k, v = _whole_kv(region, rows, kvp, length, chunk)
     y = rows[0].new_empty(shape, dtype=region.y_dtype)
     with torch.no_grad():
-        for s, e in _blocks(length, chunk):
-            q = region.query(e - s, *_cut(region, rows, s, e), *qp)
+        for s, e in rb.blocks(length, chunk):
+            q = region.query(e - s, *rb.cut(region.row_dims, rows, s, e), *qp)
             o, _ = ca.chunked_attention_forward(q, k, v, causal, scale, chunk, q_offset=s)
             del q
             y.narrow(region.y_dim, s, e - s).copy_(region.out(e - s, o, *op))
@@ -237,46 +197,10 @@ def blocks_forward(rows: list, params: list, k: Tensor | None, v: Tensor | None,
     return y
 
 
-@contextlib.contextmanager
-def _autograd_in_kernel():
-    """Autograd back on inside an op's kernel: a custom op runs below the Autograd dispatch keys (they are in the
-    thread's exclude set there), and the backward takes each block's vjp through the programs with autograd."""
-    excluded = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutogradCPU)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), torch.enable_grad():
-        yield
-
-
-def _leaves(tensors: list, needs: list) -> list:
-    return [t.detach().requires_grad_(need) for t, need in zip(tensors, needs)]
-
-
-def _vjp(outputs, leaves: list, grads) -> list:
-    """The gradients of the leaves that require one (None for the others and for the unused ones)."""
-    wanted = [t for t in leaves if t.requires_grad]
-    if not wanted:
-        return [None] * len(leaves)
-    with _autograd_in_kernel():
-        got = iter(torch.autograd.grad(outputs, wanted, grads, allow_unused=True))
-    return [next(got) if t.requires_grad else None for t in leaves]
-
-
-def _add_rows(d_rows: list, region: Region, grads: list, s: int, e: int) -> None:
-    for dst, g, d in zip(d_rows, grads, region.row_dims):
-        if g is None:
-            continue
-        (dst if d is None else dst.narrow(d, s, e - s)).add_(g)
-
-
-def _add(dst: list, grads: list) -> None:
-    for acc, g in zip(dst, grads):
-        if g is not None:
-            acc.add_(g)
-
-
 def blocks_backward(grad_y: Tensor, rows: list, params: list, k: Tensor | None, v: Tensor | None, region: Region,
                     causal: bool, scale: float | None, chunk: int) -> list[Tensor]:
     """The gradients of the inputs ``region.needs`` names, in input order (rows, params, k, v)."""
-    length = _length(region, rows)
+    length = rb.length_of(region.row_dims, rows)
     n_rows, n_params = len(rows), len(params)
     need_rows, need_params = list(region.needs[:n_rows]), list(region.needs[n_rows:n_rows + n_params])
     qp, kvp, op = region.split(params)
@@ -297,20 +221,20 @@ def blocks_backward(grad_y: Tensor, rows: list, params: list, k: Tensor | None, 
     else:
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    for s, e in _blocks(length, chunk):
-        with _autograd_in_kernel():
-            cut = _leaves(_cut(region, rows, s, e), need_rows)
-            qw = _leaves(qp, need_params[:nq])
+    for s, e in rb.blocks(length, chunk):
+        with rb.autograd_in_kernel():
+            cut = rb.leaves(rb.cut(region.row_dims, rows, s, e), need_rows)
+            qw = rb.leaves(qp, need_params[:nq])
             q = region.query(e - s, *cut, *qw)
         with torch.no_grad():
             o, lse = ca.chunked_attention_forward(q.detach(), k, v, causal, scale, chunk, q_offset=s)
-        with _autograd_in_kernel():
+        with rb.autograd_in_kernel():
             o.requires_grad_()
-            ow = _leaves(op, need_params[nq + nkv:])
+            ow = rb.leaves(op, need_params[nq + nkv:])
             y = region.out(e - s, o, *ow)
-        grad_o, *from_out = _vjp(y, [o, *ow], grad_y.narrow(region.y_dim, s, e - s))
+        grad_o, *from_out = rb.vjp(y, [o, *ow], grad_y.narrow(region.y_dim, s, e - s))
         del y
-        _add(d_op, from_out)
+        rb.add(d_op, from_out)
         del from_out, ow   # the output projection's weight gradient is added: not held through the kernels
         dq, _, _ = ca.chunked_attention_backward(grad_o, q.detach(), k, v, o.detach(), lse, causal, scale, chunk,
                                                  q_offset=s, into=None if walk_kv else (dk, dv), dkv=not walk_kv)
@@ -322,25 +246,25 @@ def blocks_backward(grad_y: Tensor, rows: list, params: list, k: Tensor | None, 
             stash_lse[:, :, s:e].copy_(lse)
             stash_delta[:, :, s:e].copy_((grad_o.to(acc) * o.detach().to(acc)).sum(-1))
         del grad_o, o, lse
-        grads = _vjp(q, [*cut, *qw], dq)
+        grads = rb.vjp(q, [*cut, *qw], dq)
         del q, dq
-        _add_rows(d_rows, region, grads[:n_rows], s, e)
-        _add(d_qp, grads[n_rows:])
+        rb.add_rows(d_rows, region.row_dims, grads[:n_rows], s, e)
+        rb.add(d_qp, grads[n_rows:])
         del grads, cut, qw
     out_kv = []
     if walk_kv:
         del k, v
-        for s, e in _blocks(length, chunk):   # key-outer: each key tile's gradients finished, then kv's vjp
-            with _autograd_in_kernel():
-                cut = _leaves(_cut(region, rows, s, e), need_rows)
-                kw = _leaves(kvp, need_params[nq:nq + nkv])
+        for s, e in rb.blocks(length, chunk):   # key-outer: each key tile's gradients finished, then kv's vjp
+            with rb.autograd_in_kernel():
+                cut = rb.leaves(rb.cut(region.row_dims, rows, s, e), need_rows)
+                kw = rb.leaves(kvp, need_params[nq:nq + nkv])
                 kj, vj = region.kv(e - s, *cut, *kw)
             dkj, dvj = ca.key_tile_backward(stash_q, stash_go, stash_lse, stash_delta, kj.detach(), vj.detach(), s,
                                             causal, scale, chunk)
-            grads = _vjp((kj, vj), [*cut, *kw], (dkj.to(kj.dtype), dvj.to(vj.dtype)))
+            grads = rb.vjp((kj, vj), [*cut, *kw], (dkj.to(kj.dtype), dvj.to(vj.dtype)))
             del kj, vj, dkj, dvj
-            _add_rows(d_rows, region, grads[:n_rows], s, e)
-            _add(d_kvp, grads[n_rows:])
+            rb.add_rows(d_rows, region.row_dims, grads[:n_rows], s, e)
+            rb.add(d_kvp, grads[n_rows:])
             del grads, cut, kw
     else:
         need_k, need_v = region.needs[-2:]
@@ -360,7 +284,7 @@ def attention_blocks_fwd(rows: list[Tensor], params: list[Tensor], k: Tensor | N
 def _(rows, params, k, v, region, causal, scale, chunk):
     r = region_of(region)
     shape = list(r.y_shape)
-    shape[r.y_dim] = _length(r, rows)
+    shape[r.y_dim] = rb.length_of(r.row_dims, rows)
     return rows[0].new_empty(shape, dtype=r.y_dtype)
 
 
@@ -449,11 +373,6 @@ def make_region(query, out, rows: list[Tensor], params: list[Tensor], k: Tensor 
 
 
 # ------------------------------------------------------------------------------------------------ bound
-def _length_expr(region: Region, rows: list) -> sympy.Expr:
-    """The sequence length of a call's rows (possibly symbolic), as the bounds read it."""
-    return next(contracts.as_expr(t.shape[d]) for t, d in zip(rows, region.row_dims) if d is not None)
-
-
 def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
     """Device bytes of one call, C_s symbolic (``ca.C_s_sym``; the call's chunk when the pass fixed one). With n =
     min(C_s, L) rows per block, q_n / o_n one block's q and o (b), lse_n its log-sum-exp (b_acc), Q_n / KV_n / O_n
@@ -479,7 +398,7 @@ def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
                     + its gradients in b_acc and b + the backward tile)"""
     r = region_of(a["region"])
     k, v, rows, params = a["k"], a["v"], a["rows"], a["params"]
-    length = _length_expr(r, rows)
+    length = rb.length_expr(r.row_dims, rows)
     n = sympy.Min(ca.C_s_sym, length) if a["chunk"] <= 0 else sympy.Min(int(a["chunk"]), length)
     tile_chunk = ca.C_s_sym if a["chunk"] <= 0 else sympy.Integer(int(a["chunk"]))
     zero = sympy.Integer(0)
@@ -555,7 +474,7 @@ def attention_blocks_host_bound(a: dict, ctx: dict) -> sympy.Expr:
     r = region_of(a["region"])
     if r.kv is None or not r.host:
         return sympy.Integer(0)
-    length = _length_expr(r, a["rows"])
+    length = rb.length_expr(r.row_dims, a["rows"])
     kv_heads, d_v, dtype = r.kv_shape[0], r.kv_shape[2], r.kv_shape[3]
     heads = r.heads if "grad_y" in a else 0
     return length * r.batch * (kv_heads + heads) * (r.d_qk + d_v) * dtype.itemsize
