@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from dataclasses import dataclass
 
 import sympy
@@ -131,10 +132,10 @@ class Region:
     y_dim: int
     y_dtype: torch.dtype
     needs: tuple                    # which inputs (rows, params) take a gradient
-    # measured at registration (``_measure``): bytes made on a block of n rows = row * n + fixed
-    forward: tuple = (0, 0)         # the program without grad (the op's forward)
-    saved: tuple = (0, 0)           # the program under autograd (every tensor it makes; what autograd saves is among)
-    backward: tuple = (0, 0)        # its vjp (the intermediates' gradients, the block's weight gradients, temporaries)
+    # measured at registration (``_measure``): the bytes alive on a block of n rows = max over (row, fixed) pairs
+    # of row * n + fixed, beyond the block's inputs
+    forward: tuple = ((0, 0),)      # the program without grad (the op's forward)
+    backward: tuple = ((0, 0),)     # the program under autograd and its vjp (the op's backward, per block)
     input_row_bytes: int = 0        # one row of every row input
 
 
@@ -158,42 +159,79 @@ def region_of(key: str) -> Region:
     return _REGIONS[key]
 
 
+class Timeline(torch.utils._python_dispatch.TorchDispatchMode):
+    """The bytes alive after every aten op, of the storages made under the mode (each freed when its last tensor
+    dies); storages that exist before (``given``) are not counted."""
+
+    def __init__(self, given: list):
+        super().__init__()
+        self.keys = {t.untyped_storage()._cdata for t in given if isinstance(t, Tensor)}
+        self.live, self.samples = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, Tensor):
+                storage = t.untyped_storage()
+                if storage._cdata not in self.keys:
+                    self.keys.add(storage._cdata)
+                    self.live += storage.nbytes()
+                    weakref.finalize(storage, self._free, storage._cdata, storage.nbytes()).atexit = False
+        self.samples.append(self.live)
+        return out
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.keys.discard(key)
+        self.live -= nbytes
+
+
+def _envelope(small: list, large: list, n_small: int, n_large: int) -> tuple:
+    """The bytes alive at each op as row * n + fixed (exact: a position-wise program's tensors are affine in its
+    rows, and both runs issue the same ops), reduced to the pairs no other pair dominates: their max is the peak at
+    any n."""
+    pairs = set()
+    for lo, hi in zip(small, large):
+        row = max(0, -(-(hi - lo) // (n_large - n_small)))
+        pairs.add((row, max(0, lo - n_small * row, hi - n_large * row)))
+    return tuple(sorted(p for p in pairs if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in pairs)))
+
+
 def _measure(region: Region, rows: list, params: list) -> None:
-    """Bytes the program makes on n rows, as row * n + fixed, without grad, under autograd, and in its vjp: run on
-    fake blocks of 8 and 16 rows (views of whole inputs, as the op cuts them: a program that needs them contiguous
-    copies them, and that copy is counted). A position-wise program makes bytes linear in the rows, but for the
-    weights' gradients (fixed)."""
+    """The bytes alive while the program runs on n rows without grad (the op's forward) and under autograd through
+    its vjp (the op's backward, per block), as ``_envelope`` pairs: run on fake blocks of 8 and 16 rows, views of
+    whole inputs as the op cuts them (a program that needs them contiguous copies them, and the copy is counted),
+    the output gradient a view of a whole one too."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    n_rows = len(rows)
-    made = {}
-    for n in (8, 16):
-        mode = FakeTensorMode()
-        with mode:
+    timelines = {}
+    sizes = (8, 16)
+    for n in sizes:
+        with FakeTensorMode():
             cut_rows = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).narrow(d, 0, n) if d is not None
                         else torch.empty(t.shape, dtype=t.dtype) for t, d in zip(rows, region.row_dims)]
             weights = [torch.empty(p.shape, dtype=p.dtype) for p in params]
             for grad in (False, True):
                 inputs = [t.detach().requires_grad_(grad and need and t.is_floating_point())
                           for t, need in zip([*cut_rows, *weights], region.needs)]
-                seen: dict = {}
-                new_bytes(inputs, seen)
-                with torch.set_grad_enabled(grad), Counting(seen) as counting:
+                shape = list(region.y_shape)
+                shape[region.y_dim] = max(n, int(shape[region.y_dim]))
+                grad_y = torch.empty(shape, dtype=region.y_dtype).narrow(region.y_dim, 0, n)
+                timeline = Timeline([*inputs, grad_y])
+                with torch.set_grad_enabled(grad), timeline:
                     y = region.program(n, *inputs)
-                made[(n, "saved" if grad else "forward")] = counting.made
-                if grad:
-                    wanted = [t for t in inputs if t.requires_grad]
-                    grad_y = torch.empty(y.shape, dtype=y.dtype)
-                    new_bytes([grad_y], seen)
-                    with Counting(seen) as counting:
-                        if wanted and y.requires_grad:
-                            torch.autograd.grad(y, wanted, grad_y, allow_unused=True)
-                    made[(n, "backward")] = counting.made
-                    del y, grad_y, wanted
-    for what in ("forward", "saved", "backward"):
-        lo, hi = made[(8, what)], made[(16, what)]
-        row = max(0, -(-(hi - lo) // 8))
-        setattr(region, what, (row, max(0, lo - 8 * row, hi - 16 * row)))
+                    if grad:
+                        wanted = [t for t in inputs if t.requires_grad]
+                        got = torch.autograd.grad(y, wanted, grad_y, allow_unused=True) \
+                            if wanted and y.requires_grad else ()
+                        del got
+                    del y
+                timelines[(n, grad)] = timeline.samples
+    for grad, name in ((False, "forward"), (True, "backward")):
+        small, large = timelines[(sizes[0], grad)], timelines[(sizes[1], grad)]
+        if len(small) != len(large):
+            raise BoundpassInputError(f"row blocks: the program issues {len(small)} ops on {sizes[0]} rows and "
+                                      f"{len(large)} on {sizes[1]}: it is not position-wise")
+        setattr(region, name, _envelope(small, large, *sizes) or ((0, 0),))
     region.input_row_bytes = sum(t.dtype.itemsize * (t.numel() // t.shape[d])
                                  for t, d in zip(rows, region.row_dims) if d is not None)
 
@@ -312,14 +350,13 @@ def row_blocks(program, rows: list[Tensor], params: list[Tensor], *, row_dims: t
 # ------------------------------------------------------------------------------------------------ bound
 def row_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
     """Device bytes of one call, C_r symbolic (``C_r_sym``; the call's chunk when the pass fixed one). With n =
-    min(C_r, L) rows per block and F_n, S_n, G_n the bytes the program makes on n rows without grad, under autograd
-    and in its vjp (measured at registration as row * n + fixed; all counted alive, an upper bound of each one's own
-    peak), X_n one block's rows of the row inputs and y_n of the output:
+    min(C_r, L) rows per block and F_n, B_n the most bytes alive while the program runs on n rows without grad, and
+    under autograd through its vjp (the block's saved tensors, the intermediates' gradients, the block's gradients
+    of its rows and weights; measured op by op at registration on fake tensors, ``_measure``):
 
     forward : the inputs (rows, weights) + y + F_n
     backward: grad_y and the inputs + the gradients it returns (the rows', the weights') + the weights' fp32
-              accumulators where they are narrower + S_n + G_n + X_n + y_n (the block's output gradient, made
-              contiguous where it is a strided view)"""
+              accumulators where they are narrower + B_n"""
     r = region_of(a["region"])
     rows, params = a["rows"], a["params"]
     length = length_expr(r.row_dims, rows)
@@ -332,19 +369,18 @@ def row_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
             count *= contracts.as_expr(s)
         return count * (itemsize or t.dtype.itemsize)
 
-    def made(pair: tuple) -> sympy.Expr:
-        return pair[0] * n + pair[1]
+    def alive(pairs: tuple) -> sympy.Expr:
+        return sympy.Max(*(row * n + fixed for row, fixed in pairs))
 
     y_row = sympy.Integer(r.y_dtype.itemsize) * (sympy.prod([int(s) for s in r.y_shape]) // int(r.y_shape[r.y_dim]))
     inputs = sum((nbytes(t) for t in (*rows, *params)), zero)
     if "grad_y" not in a:
-        return inputs + length * y_row + made(r.forward)
+        return inputs + length * y_row + alive(r.forward)
     n_rows = len(rows)
     outputs = sum((nbytes(t) for t, need in zip((*rows, *params), r.needs) if need), zero)
     accumulators = sum((nbytes(p, _acc_dtype(p.dtype).itemsize) for p, need in zip(params, r.needs[n_rows:])
                         if need and _acc_dtype(p.dtype) != p.dtype), zero)
-    block = made(r.saved) + made(r.backward) + n * r.input_row_bytes + n * y_row
-    return length * y_row + inputs + outputs + accumulators + block
+    return length * y_row + inputs + outputs + accumulators + alive(r.backward)
 
 
 contracts.register_bound(torch.ops.boundpass.row_blocks_fwd.default, row_blocks_bound)

@@ -444,3 +444,28 @@ def chunked_attention_knee(*, lo: int, hi: int, B: int, L: int, A_q: int, D: int
     times = {C: chunked_attention_seconds(C, B=B, L=L, A_q=A_q, D=D, D_v=D_v, causal=causal, b_acc=b_acc,
                                           costs=costs) for C in candidates(lo, hi)}
     return knee(times, tolerance)
+
+
+# ------------------------------------------------------------------------------------------- row blocks
+# The rows per block C_r of boundpass::row_blocks (a feed-forward walked along the sequence). One forward + backward
+# runs the program three times on every row (forward, the backward's recompute, its vjp at twice the forward's
+# FLOPs: 4 f FLOPs per row for f the forward's) whatever C_r is, and issues its ops once per block in each pass
+# (ROW_BLOCK_PASSES x the program's nodes: forward, recompute, and about two ops per node in the vjp). Narrow blocks
+# pay launches; beyond the knee a wider block only holds more rows.
+ROW_BLOCK_PASSES = 4
+
+
+def row_blocks_seconds(C: int, *, L: int, flops_per_row: float, ops: int,
+                       costs: DeviceCosts | None = None) -> float:
+    """Modelled seconds of one row-blocks forward + backward at C_r = C rows per block."""
+    costs = costs or DEVICE_COSTS["cpu"]
+    blocks = -(-L // max(1, min(C, L)))
+    return 4 * L * flops_per_row / costs.flops + blocks * ROW_BLOCK_PASSES * ops * costs.launch_s
+
+
+def row_blocks_knee(*, lo: int, hi: int, L: int, flops_per_row: float, ops: int, costs: DeviceCosts | None = None,
+                    tolerance: float = KNEE_TOLERANCE) -> int:
+    """The knee of the modelled row-blocks time over lo..hi rows per block."""
+    times = {C: row_blocks_seconds(C, L=L, flops_per_row=flops_per_row, ops=ops, costs=costs)
+             for C in candidates(lo, hi)}
+    return knee(times, tolerance)

@@ -147,6 +147,24 @@ class AttentionConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class FeedForwardConfig:
+    """Position-wise sublayers along the sequence (runtime/row_blocks.py; docs/feed_forward.md)."""
+
+    enable: bool = False
+    """Rewrite each feed-forward region (its norm where only it reads the norm, the up projections, the activation,
+    the down projection: a block's dense MLP, MoE shared experts; found by structure and proved position-wise) to
+    boundpass::row_blocks, walked C_r rows at a time and recomputed per block in the backward, so its intermediates
+    are never whole. Off by default: the weights' gradients are summed over the blocks (reordered sums)."""
+    chunk: int | None = None
+    """The rows per block C_r. None: the planner's choice, min(the widest the budget allows, the knee of the modelled
+    time) (docs/knobs.md)."""
+
+    def __post_init__(self):
+        _switch("feed_forward.enable", self.enable)
+        _positive("feed_forward.chunk", self.chunk, what="rows per block C_r; ")
+
+
+@dataclass(kw_only=True, slots=True)
 class SCOConfig:
     """Selective checkpoint offload of activation-checkpoint boundaries to host memory (runtime/sco.py; docs/sco.md)."""
 
@@ -185,7 +203,8 @@ class OptimizerConfig:
         _positive("optimizer.slots", self.slots, what="staging slots S; ")
 
 
-_SECTIONS = {"vocab": VocabConfig, "dispatch": DispatchConfig, "attention": AttentionConfig, "sco": SCOConfig,
+_SECTIONS = {"vocab": VocabConfig, "dispatch": DispatchConfig, "attention": AttentionConfig,
+             "feed_forward": FeedForwardConfig, "sco": SCOConfig,
              "optimizer": OptimizerConfig}
 
 
@@ -216,6 +235,8 @@ class Config:
     """PipelinedLLEP: expert dispatch."""
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     """Chunked attention: scaled dot-product attention in tiles along the sequence."""
+    feed_forward: FeedForwardConfig = field(default_factory=FeedForwardConfig)
+    """Row blocks: a block's feed-forward walked C_r rows at a time."""
     sco: SCOConfig = field(default_factory=SCOConfig)
     """SCO: checkpoint boundaries offloaded to the host."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

@@ -2,7 +2,7 @@
 
 A graph pass turns the regions of one unbounded peak into a bounded runtime op (vocab: projection -> cross-entropy
 => Ring-DTP; dispatch: routed experts => PipelinedLLEP; attention: scaled_dot_product_attention => chunked
-attention). Each declares:
+attention; feed_forward: a block's MLP => row blocks). Each declares:
 
 - ``name`` and ``enabled(config)``: whether boundpass.Config asks for it;
 - ``rewrite(gm, ctx)``: find -> match -> rewrite in place; one region record per region found, rewritten or
@@ -24,12 +24,13 @@ import torch.fx as fx
 from boundpass.bound.bounds import Knob
 from boundpass.passes.attention_pass import AttentionPass
 from boundpass.passes.dispatch_pass import DispatchPass
+from boundpass.passes.feed_forward_pass import FeedForwardPass
 from boundpass.passes.protocol import Diagnosis, PassContext, PassRun, SkippedPass
 from boundpass.passes.sco_pass import SCOPass
 from boundpass.passes.vocab_pass import VocabPass
 
 # the graph passes, in the order they run (vocab first: its region ends the graph); adding an operator adds a line
-GRAPH_PASSES = (VocabPass(), DispatchPass(), AttentionPass())
+GRAPH_PASSES = (VocabPass(), DispatchPass(), AttentionPass(), FeedForwardPass())
 # the partition-stage pass: checkpoint boundaries, found before AOTAutograd, rewritten after it partitions
 SCO = SCOPass()
 
