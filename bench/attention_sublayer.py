@@ -12,6 +12,8 @@ left out by design), step 1 compiles. Variants:
              sublayer walked in query blocks, k, v made per key tile, kept whole on the device
   +offload   --boundpass.attention.enable (offload on by default): k, v and the backward's q, dO on the host, read
              back a tile at a time, the next prefetched (host bytes reported beside the device peak)
+  +rows      + --boundpass.feed_forward.enable: every block's feed-forward (block 0's dense MLP with its norm, the
+             MoE blocks' shared experts) walked C_r rows at a time (boundpass::row_blocks)
 The peak's growth per token between the two longest lengths, each variant. Writes docs/results/attention_sublayer.json
 and .md.
 
@@ -37,7 +39,8 @@ from boundpass.testing.distributed import run_on_ranks
 
 VARIANTS = {"stock": ("stock", ()), "boundpass": ("boundpass", ()),
             "blocks": ("boundpass", ("--boundpass.attention.enable", "--boundpass.attention.no-offload")),
-            "offload": ("boundpass", ("--boundpass.attention.enable",))}
+            "offload": ("boundpass", ("--boundpass.attention.enable",)),
+            "rows": ("boundpass", ("--boundpass.attention.enable", "--boundpass.feed_forward.enable"))}
 
 
 def run_point(assets: str, variant: str, seq: int, budget: str, timed_steps: int, profiler: bool = True) -> dict:

@@ -621,6 +621,8 @@ def check_mop_launch(config: Trainer.Config, world: int) -> None:
             (config.validator.enable, "--validator.no-enable"),
         "the attention pass yet (the layout's attention is the sequence-to-head exchange around torch's kernel; "
         "its budget counts that)": (config.boundpass.attention.enable, "--boundpass.attention.no-enable"),
+        "the feed-forward pass yet (the layout's composed budget counts each block's feed-forward whole)":
+            (config.boundpass.feed_forward.enable, "--boundpass.feed_forward.no-enable"),
     }
     for what, (refused, fix) in why.items():
         if refused:

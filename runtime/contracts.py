@@ -72,6 +72,21 @@ def device_bound(op, args: dict, ctx: dict) -> sympy.Expr | None:
     return None if fn is None else fn(args, ctx)
 
 
+# torch's CPU matmul in bf16 / fp16 (oneDNN) allocates workspace through torch's allocator, outside any aten op's
+# outputs: packed / converted copies of its operands, in blocks. Measured over M, K in 64..4,096, N in 64..2,048 and
+# every transpose of either operand (torch 2.13, one thread), it stays under M K / 2 + 2 K N + M N / 4 + 32 KiB
+# when the left operand is row-major, and 4 M K + K N + 128 KiB when it is transposed (its copy), the least such
+# forms above every point (tests/runtime/test_row_blocks.py::test_narrow_cpu_matmul_workspace_is_bounded); fp32
+# allocates none.
+def cpu_matmul_workspace(m, k, n, itemsize: int, batch=1, a_transposed: bool = False):
+    """Upper bound of the workspace bytes one CPU matmul [m, k] x [k, n] (``batch`` of them) allocates beside its
+    inputs and output: 0 in fp32 and wider."""
+    if itemsize >= 4:
+        return 0
+    one = 4 * m * k + k * n + 131072 if a_transposed else m * k // 2 + 2 * k * n + m * n // 4 + 32768
+    return batch * one
+
+
 def as_expr(n) -> sympy.Expr:
     """A size (int or SymInt) as a sympy expression."""
     return n.node.expr if isinstance(n, torch.SymInt) else sympy.Integer(int(n))

@@ -159,9 +159,27 @@ def region_of(key: str) -> Region:
     return _REGIONS[key]
 
 
+_MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1, torch.ops.aten.bmm.default: 0,
+            torch.ops.aten.baddbmm.default: 1}
+
+
+def _matmul_workspace(func, args) -> int:
+    """What a narrow CPU matmul allocates beside its output (``contracts.cpu_matmul_workspace``); 0 for other ops."""
+    at = _MATMULS.get(func)
+    if at is None:
+        return 0
+    a, b = args[at], args[at + 1]
+    if a.device.type != "cpu":
+        return 0
+    batch = int(a.shape[0]) if a.dim() == 3 else 1
+    return contracts.cpu_matmul_workspace(int(a.shape[-2]), int(a.shape[-1]), int(b.shape[-1]), a.element_size(),
+                                          batch, a_transposed=a.stride(-1) != 1 and a.shape[-1] != 1)
+
+
 class Timeline(torch.utils._python_dispatch.TorchDispatchMode):
     """The bytes alive after every aten op, of the storages made under the mode (each freed when its last tensor
-    dies); storages that exist before (``given``) are not counted."""
+    dies), a narrow CPU matmul's workspace added at its own op; storages that exist before (``given``) are not
+    counted."""
 
     def __init__(self, given: list):
         super().__init__()
@@ -177,7 +195,7 @@ class Timeline(torch.utils._python_dispatch.TorchDispatchMode):
                     self.keys.add(storage._cdata)
                     self.live += storage.nbytes()
                     weakref.finalize(storage, self._free, storage._cdata, storage.nbytes()).atexit = False
-        self.samples.append(self.live)
+        self.samples.append(self.live + _matmul_workspace(func, args))
         return out
 
     def _free(self, key: int, nbytes: int) -> None:

@@ -13,6 +13,7 @@ skipped too. C_r is the knob (``feed_forward_chunk``): the planner takes min(the
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -66,9 +67,18 @@ def _input(node: fx.Node) -> bool:
     return node.op in ("placeholder", "get_attr")
 
 
+def _activation(node: fx.Node) -> bool:
+    """What lies between the up projections and the down one: elementwise ops (the activation, the gate's product,
+    casts) and the split of a fused up projection."""
+    if node.op == "call_method":
+        return node.target in ar._ELEMENTWISE_METHODS or node.target in ("split", "chunk")
+    return node.target in ar._ELEMENTWISE_FUNCTIONS or node.target in ar._SPLITS or node.target is operator.getitem
+
+
 def _core(down: fx.Node):
     """(the nodes from the up projections to ``down``, the up projections' one input x) or None: the walk back
-    from ``down``'s input stops at linear maps (the up projections, kept) and at the graph's inputs (weights)."""
+    from ``down``'s input stops at linear maps (the up projections, kept) and at the graph's inputs (weights), and
+    passes only the activation's ops (``_activation``)."""
     path, ups, stack = set(), [], [down.args[0]]
     while stack:
         n = stack.pop()
@@ -80,6 +90,8 @@ def _core(down: fx.Node):
         if _linear(n):
             ups.append(n)
             continue
+        if not _activation(n):
+            return None
         stack.extend(a for a in n.all_input_nodes if not _input(a))
     xs = {u.args[0] for u in ups}
     if not ups or len(xs) != 1:
