@@ -149,7 +149,8 @@ def _try(sub: fx.GraphModule, down: fx.Node, chunk: int):
     ups = [n for n in path if _linear(n) and n is not down]
     width = max(int(_val(u).shape[-1]) for u in ups)
     if width <= int(_val(x).shape[-1]):
-        return None   # no intermediate wider than the input: nothing whole to save
+        return {"reason": f"no intermediate wider than its input ({width} <= {int(_val(x).shape[-1])}): nothing "
+                          "whole to save", "width": width}, None
     inside = path - {down}
     outside = [(n, u) for n in inside for u in n.users if u not in path]
     if outside:

@@ -333,3 +333,41 @@ def test_hf_trainer_drives_the_compiled_model_exactly():
     training, evaluation = step.reports  # two graphs: the training step, the eval (no-grad) call
     assert training.rewritten_of("vocab") and len(training.rewritten_of("dispatch")) == 2
     assert "are also returned" in evaluation.skipped_of("vocab")[0].reason  # eval keeps the logits
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_the_feed_forwards_are_walked_in_row_blocks_and_exact(family):
+    """HF's MLPs (gate_proj / up_proj -> act -> down_proj): qwen2_moe's shared expert (on the flattened tokens),
+    deepseek_v3's dense first layer (with its RMSNorm, which only it reads) and shared experts, each walked in row
+    blocks beside the attention; loss and gradients as eager HF's. An MLP no wider than its input is left, with that
+    reason."""
+    common = dict(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, use_cache=False, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    if family == "qwen2_moe":
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=128,
+            **common))
+        expected = [(f"model.model.layers.{i}.mlp.shared_expert.down_proj", False) for i in (0, 1)]
+    else:
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=2, n_group=1,
+            topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+            qk_nope_head_dim=16, v_head_dim=16, **{**common, "num_key_value_heads": 4}))
+        expected = [("model.model.layers.0.mlp.down_proj", True),
+                    ("model.model.layers.1.mlp.shared_experts.down_proj", False)]
+    plain = copy.deepcopy(model)
+    step = boundpass.compile(model, budget="1GiB", attention_enable=True, feed_forward_enable=True)
+    tokens, labels = _batch()
+    out, ref = step(input_ids=tokens, labels=labels), plain(input_ids=tokens, labels=labels)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    report = boundpass.explain(step)
+    assert sorted((r.module_path, r.norm) for r in report.rewritten_of("feed_forward")) == expected
+    narrow = boundpass.compile(_model("qwen2_moe"), budget="1GiB", feed_forward_enable=True)   # 64 <= H = 64
+    narrow(input_ids=tokens, labels=labels).loss.backward()
+    skipped = boundpass.explain(narrow).skipped_of("feed_forward")
+    assert skipped and all("no intermediate wider than its input" in r.reason for r in skipped)

@@ -49,10 +49,11 @@ def _stock_vs_boundpass(rank, world, tmp, assets):
     # offload forced: the run also exercises the OptimizersContainer swap and the rebuilt LR schedulers
     bp = _train(tmp, "bp", "deepseek_v3_debug", ["--training.steps", "3", "--dump_folder", f"{tmp}/bp",
                                                  "--boundpass.budget", "2GiB", "--boundpass.optimizer.offload", "True"])
-    # chunked attention through torchtitan's per-block compile (each block's SDPA inside its checkpoint body)
+    # chunked attention and the feed-forwards in row blocks through torchtitan's per-block compile (inside each
+    # block's checkpoint body)
     attention = _train(tmp, "attention", "deepseek_v3_debug", [
         "--training.steps", "3", "--dump_folder", f"{tmp}/attention", "--compile.enable", "--compile.backend",
-        "aot_eager", "--boundpass.budget", "2GiB", "--boundpass.attention.enable"])
+        "aot_eager", "--boundpass.budget", "2GiB", "--boundpass.attention.enable", "--boundpass.feed_forward.enable"])
     return stock, bp, attention
 
 
@@ -91,6 +92,9 @@ def test_one_rank_boundpass_follows_stock_torchtitan(tmp_path, assets):
     assert attention_summary.count("REWRITTEN attention attention.inner_attention") == 2, attention_summary
     assert attention_summary.count("query path + k / v path + scaled_dot_product_attention + output projection => "
                                    "boundpass::attention_blocks") == 2, attention_summary
+    # block 0's dense feed-forward with its norm, the MoE blocks' shared experts (one block graph each)
+    assert "REWRITTEN feed_forward feed_forward.w2: norm + up projections" in attention_summary, attention_summary
+    assert "REWRITTEN feed_forward moe.shared_experts.w2: up projections" in attention_summary, attention_summary
     attention = _losses(tmp_path / "attention.jsonl")
     for step in stock:
         assert attention[step] == pytest.approx(stock[step], rel=REL_TOL), (step, stock, attention)
