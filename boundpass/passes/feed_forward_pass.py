@@ -94,7 +94,7 @@ def _core(down: fx.Node):
             return None
         stack.extend(a for a in n.all_input_nodes if not _input(a))
     xs = {u.args[0] for u in ups}
-    if not ups or len(xs) != 1:
+    if not ups or len(xs) != 1 or len(path) == len(ups):   # no activation between: two linear maps in a row
         return None
     return path | {down}, xs.pop()
 
