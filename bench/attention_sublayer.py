@@ -43,12 +43,15 @@ VARIANTS = {"stock": ("stock", ()), "boundpass": ("boundpass", ()),
             "rows": ("boundpass", ("--boundpass.attention.enable", "--boundpass.feed_forward.enable"))}
 
 
-def run_point(assets: str, variant: str, seq: int, budget: str, timed_steps: int, profiler: bool = True) -> dict:
+def run_point(assets: str, variant: str, seq: int, budget: str, timed_steps: int, profiler: bool = True,
+              rope_to_seq_len: bool = False) -> dict:
     from bench.e2e import reach_job
     kind, extra = VARIANTS[variant]
+    extra = (*extra, "--boundpass.rope_to_seq_len") if rope_to_seq_len else extra
     out = run_on_ranks(reach_job, 1, assets, kind, seq, None if kind == "stock" else budget, "aot_eager", 128,
                        "64GiB", timed_steps, extra, profiler=profiler, timeout_s=7200)[0]
     out["variant"] = variant
+    out["rope_to_seq_len"] = rope_to_seq_len
     return out
 
 
@@ -62,6 +65,8 @@ def main(argv=None) -> int:
     p.add_argument("--runs", default=str(Path(tempfile.gettempdir()) / "attention_sublayer_runs.json"))
     p.add_argument("--provenance", default="", help="how the reused runs were made (rendered instead of the command)")
     p.add_argument("--reach-budget", default="1GiB", help="the budget the table says which lengths fit")
+    p.add_argument("--rope-to-seq-len", action="store_true",
+                   help="every variant's RoPE table sized to its length (--boundpass.rope_to_seq_len): past 16,384")
     p.add_argument("--counting-from", type=int, default=1 << 30,
                    help="from this length on, step 2's peak is the counting allocator's alone (no profiler events)")
     args = p.parse_args(argv)
@@ -72,10 +77,11 @@ def main(argv=None) -> int:
     runs = json.loads(Path(args.reuse).read_text()) if args.reuse else []
     for variant in args.variants.split(","):
         for seq in (int(s) for s in args.lengths.split(",")):
-            if any(r["variant"] == variant and r["seq"] == seq for r in runs):
+            if any(r["variant"] == variant and r["seq"] == seq
+                   and r.get("rope_to_seq_len", False) == args.rope_to_seq_len for r in runs):
                 continue
             runs.append(run_point(assets, variant, seq, args.budget, args.timed_steps,
-                                  profiler=seq < args.counting_from))
+                                  profiler=seq < args.counting_from, rope_to_seq_len=args.rope_to_seq_len))
             r = runs[-1]
             print(variant, seq, r.get("peak"), r.get("certified"), r.get("reason"), flush=True)
             Path(args.runs).write_text(json.dumps(runs, indent=1, default=str))
@@ -91,10 +97,13 @@ def main(argv=None) -> int:
         r["tiles"] = tiles
     # growth per token over the range every variant ran, and over each variant's two longest lengths
     data["slopes"] = []
-    common = sorted(set.intersection(*[{r["seq"] for r in runs if r["variant"] == v and r.get("peak")}
-                                       for v in VARIANTS if any(r["variant"] == v for r in runs)]))
+    grid = [r for r in runs if not r.get("rope_to_seq_len")]   # the debug model as it ships (RoPE at 16,384)
+    common = sorted(set.intersection(*[{r["seq"] for r in grid if r["variant"] == v and r.get("peak")}
+                                       for v in VARIANTS if any(r["variant"] == v for r in grid)]))
     for variant in VARIANTS:
-        points = dict((r["seq"], r["peak"]) for r in runs if r["variant"] == variant and r.get("peak"))
+        points = dict((r["seq"], r["peak"]) for r in grid if r["variant"] == variant and r.get("peak"))
+        if not points:
+            continue
         spans = {tuple(common[-2:]), tuple(sorted(points)[-2:])} if len(common) > 1 else {tuple(sorted(points)[-2:])}
         for a, b in sorted(s for s in spans if len(s) == 2):
             data["slopes"].append(dict(variant=variant, between=[a, b],
@@ -120,12 +129,14 @@ def render(data: dict) -> str:
              "the table (large enough that every length runs, but for the reach point at the budget it is about; the "
              "tile C_s is the planner's: the knee where it fits).", ""]
     table = []
-    for r in sorted(data["runs"], key=lambda r: (list(VARIANTS).index(r["variant"]), r["seq"])):
+    for r in sorted(data["runs"], key=lambda r: (bool(r.get("rope_to_seq_len")), list(VARIANTS).index(r["variant"]),
+                                                 r["seq"])):
         cert = r.get("certified")
         fits = r.get("peak") and r["peak"] <= budget and (cert is None or cert <= budget)
         profiled = r.get("measure", "profiler") != "the counting allocator alone"
         host = r.get("host_bytes")
-        table.append([r["variant"], f"{r['seq']:,}", r.get("budget") or "—",
+        table.append([r["variant"] + (" (RoPE at L)" if r.get("rope_to_seq_len") else ""), f"{r['seq']:,}",
+                      r.get("budget") or "—",
                       (fmt_bytes(r["peak"]) + ("" if profiled else " ‡")) if r.get("peak") else "—",
                       fmt_bytes(r["counted"]) if r.get("counted") else "—",
                       fmt_bytes(cert) if cert else "—",
@@ -138,6 +149,9 @@ def render(data: dict) -> str:
     lines += [markdown_table(["variant", "L", "budget", "measured peak (step 2)", "counting allocator",
                               "certified", "certified / measured", "host (set aside)", f"fits {data['reach_budget']}",
                               "C_s", "step 2 (profiled)", "later steps, median (n)"], table), "",
+              "(RoPE at L): `--boundpass.rope_to_seq_len`, every block's RoPE table sized to the run's length (the "
+              "debug flavor's stops at 16,384 positions), on both sides; the slopes below are the grid's, without it.",
+              "",
               "host (set aside): every host buffer boundpass holds by design (OffloadStreamAdamW's state, SCO's and "
               "the attention op's pools), left out of the device measure. Later steps: no profiler, nothing "
               "measured.", "",

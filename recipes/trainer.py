@@ -88,6 +88,10 @@ class BoundpassConfig(Config):
     config.PLAN_DISPATCH_CAP) instead of torchtitan's EP all-to-all dispatcher (refused for experts other than
     torchtitan's bias-free SwiGLU ones, e.g. gpt_oss). The layout's own switch: off by default, where
     `dispatch.enable` (boundpass.compile's rewrite) is on."""
+    rope_to_seq_len: bool = False
+    """Size every block's RoPE table to `--training.seq_len` (torchtitan's debug flavors stop at 16,384 positions and
+    refuse longer sequences). The model's config, not boundpass's: it applies with boundpass off too, so a
+    comparison sets it on both sides (bench/attention_sublayer.py's reach beyond 16K)."""
     mop_ring_dtp: bool = False
     """MoP layout: lm_head vocab-sharded over the W ranks (outside FSDP2) and the loss run as Ring-DTP (strip width
     `--boundpass.vocab.block`, default the whole local shard). The layout's own switch, off by default."""
@@ -116,6 +120,14 @@ class VocabHead(nn.Module):
         return F.linear(hidden, self.model.lm_head.weight)
 
 
+def _rope_to_seq_len(config) -> None:
+    import dataclasses
+    for layer in getattr(config.model_spec.model, "layers", []):
+        rope = getattr(getattr(layer, "attention", None), "rope", None)
+        if rope is not None and hasattr(rope, "max_seq_len"):
+            layer.attention.rope = dataclasses.replace(rope, max_seq_len=config.training.seq_len)
+
+
 class BoundpassTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -128,6 +140,8 @@ class BoundpassTrainer(Trainer):
         self.mop_state = None
         self.peaks: list[tuple[int, int]] = []  # (step, measured allocator peak bytes) with --boundpass.measure_peak
         bp = config.boundpass
+        if bp.rope_to_seq_len:
+            _rope_to_seq_len(config)
         if bp.active and bp.vocab.enable and isinstance(config.loss, ChunkedLossWrapper.Config):
             config.loss = config.loss.loss_fn  # see the module docstring: a chunked eager backward cannot be captured
         self.block_backend = self._prepare_block_compile(config) if bp.active else None

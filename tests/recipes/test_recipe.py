@@ -109,3 +109,15 @@ def test_ep2_over_gloo_trains_and_resumes_identically(tmp_path, assets):
     assert sorted(full) == [1, 2, 3] and sorted(resumed) == [2, 3], (full, resumed)
     assert full[3] < full[1], full
     assert resumed[2] == full[2] and resumed[3] == full[3], (full, resumed)  # the 2nd step checks the moments
+
+
+def test_rope_to_seq_len_sizes_every_blocks_table_to_the_trained_length():
+    """--boundpass.rope_to_seq_len: torchtitan's debug flavors stop at 16,384 RoPE positions; the flag sizes every
+    block's table to the trained length, with boundpass off too (it is the model's config)."""
+    from boundpass.recipes.config_registry import deepseek_v3_debug
+    from boundpass.recipes.trainer import _rope_to_seq_len
+    config = deepseek_v3_debug()
+    assert {layer.attention.rope.max_seq_len for layer in config.model_spec.model.layers} == {16384}
+    config.training.seq_len = 32768
+    _rope_to_seq_len(config)
+    assert {layer.attention.rope.max_seq_len for layer in config.model_spec.model.layers} == {32768}
