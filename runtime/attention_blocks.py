@@ -35,7 +35,6 @@ the inputs, the output, what the schedule keeps whole, and one block's phases; t
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import sympy
@@ -78,24 +77,18 @@ class Region:
         return list(params[:a]), list(params[a:b]), list(params[b:])
 
 
-_REGIONS: dict[str, Region] = {}
-_KEYS = itertools.count()
+_REGIONS = rb.Registry("region", "attention blocks")
 
 
 def register_region(region: Region, row_examples: list, param_examples: list, o_example: Tensor) -> str:
     """Keep ``region`` for the op's calls; return the key its call sites carry. The examples (fake or real tensors at
     the traced length) give each program's bytes per row; a program that does not run on a block's rows raises."""
     _per_row(region, row_examples, param_examples, o_example)
-    key = f"region{next(_KEYS)}"
-    _REGIONS[key] = region
-    return key
+    return _REGIONS.add(region)
 
 
 def region_of(key: str) -> Region:
-    if key not in _REGIONS:
-        raise BoundpassInputError(f"attention blocks: no region {key!r} in this process (the graph that calls it "
-                                  "was compiled elsewhere)")
-    return _REGIONS[key]
+    return _REGIONS.get(key)
 
 
 def _per_row(region: Region, rows: list, params: list, o: Tensor, n: int = 4) -> None:

@@ -139,24 +139,36 @@ class Region:
     input_row_bytes: int = 0        # one row of every row input
 
 
-_REGIONS: dict[str, Region] = {}
-_KEYS = itertools.count()
+class Registry:
+    """An op's regions by the key its call sites carry (a str argument of its schema: a GraphModule is not one)."""
+
+    def __init__(self, prefix: str, what: str):
+        self.prefix, self.what, self.regions, self.keys = prefix, what, {}, itertools.count()
+
+    def add(self, region) -> str:
+        key = f"{self.prefix}{next(self.keys)}"
+        self.regions[key] = region
+        return key
+
+    def get(self, key: str):
+        if key not in self.regions:
+            raise BoundpassInputError(f"{self.what}: no region {key!r} in this process (the graph that calls it was "
+                                      "compiled elsewhere)")
+        return self.regions[key]
+
+
+_REGIONS = Registry("rows", "row blocks")
 
 
 def register_region(region: Region, row_examples: list, param_examples: list) -> str:
     """Keep ``region`` for the op's calls; return the key its call sites carry. The examples (fake or real tensors at
     the traced length) give the program's bytes per row; a program that does not run on a block's rows raises."""
     _measure(region, row_examples, param_examples)
-    key = f"rows{next(_KEYS)}"
-    _REGIONS[key] = region
-    return key
+    return _REGIONS.add(region)
 
 
 def region_of(key: str) -> Region:
-    if key not in _REGIONS:
-        raise BoundpassInputError(f"row blocks: no region {key!r} in this process (the graph that calls it was "
-                                  "compiled elsewhere)")
-    return _REGIONS[key]
+    return _REGIONS.get(key)
 
 
 _MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1, torch.ops.aten.bmm.default: 0,
