@@ -44,12 +44,12 @@ VARIANTS = {"stock": ("stock", ()), "boundpass": ("boundpass", ()),
 
 
 def run_point(assets: str, variant: str, seq: int, budget: str, timed_steps: int, profiler: bool = True,
-              rope_to_seq_len: bool = False) -> dict:
+              rope_to_seq_len: bool = False, certify_only: bool = False) -> dict:
     from bench.e2e import reach_job
     kind, extra = VARIANTS[variant]
     extra = (*extra, "--boundpass.rope_to_seq_len") if rope_to_seq_len else extra
     out = run_on_ranks(reach_job, 1, assets, kind, seq, None if kind == "stock" else budget, "aot_eager", 128,
-                       "64GiB", timed_steps, extra, profiler=profiler, timeout_s=7200)[0]
+                       "64GiB", timed_steps, extra, profiler=profiler, certify_only=certify_only, timeout_s=7200)[0]
     out["variant"] = variant
     out["rope_to_seq_len"] = rope_to_seq_len
     return out
@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     p.add_argument("--reach-budget", default="1GiB", help="the budget the table says which lengths fit")
     p.add_argument("--rope-to-seq-len", action="store_true",
                    help="every variant's RoPE table sized to its length (--boundpass.rope_to_seq_len): past 16,384")
+    p.add_argument("--certify-only-from", type=int, default=1 << 30,
+                   help="from this length on, step 1's forward alone: boundpass's certificate, nothing measured")
     p.add_argument("--counting-from", type=int, default=1 << 30,
                    help="from this length on, step 2's peak is the counting allocator's alone (no profiler events)")
     args = p.parse_args(argv)
@@ -81,7 +83,8 @@ def main(argv=None) -> int:
                    and r.get("rope_to_seq_len", False) == args.rope_to_seq_len for r in runs):
                 continue
             runs.append(run_point(assets, variant, seq, args.budget, args.timed_steps,
-                                  profiler=seq < args.counting_from, rope_to_seq_len=args.rope_to_seq_len))
+                                  profiler=seq < args.counting_from, rope_to_seq_len=args.rope_to_seq_len,
+                                  certify_only=seq >= args.certify_only_from and VARIANTS[variant][0] != "stock"))
             r = runs[-1]
             print(variant, seq, r.get("peak"), r.get("certified"), r.get("reason"), flush=True)
             Path(args.runs).write_text(json.dumps(runs, indent=1, default=str))
@@ -98,13 +101,12 @@ def main(argv=None) -> int:
     # growth per token over the range every variant ran, and over each variant's two longest lengths
     data["slopes"] = []
     grid = [r for r in runs if not r.get("rope_to_seq_len")]   # the debug model as it ships (RoPE at 16,384)
-    common = sorted(set.intersection(*[{r["seq"] for r in grid if r["variant"] == v and r.get("peak")}
-                                       for v in VARIANTS if any(r["variant"] == v for r in grid)]))
+    ran = [{r["seq"] for r in grid if r["variant"] == v and r.get("peak")} for v in VARIANTS]
+    ran = [points for points in ran if points]
+    common = sorted(set.intersection(*ran)) if ran else []
     for variant in VARIANTS:
         points = dict((r["seq"], r["peak"]) for r in grid if r["variant"] == variant and r.get("peak"))
-        if not points:
-            continue
-        spans = {tuple(common[-2:]), tuple(sorted(points)[-2:])} if len(common) > 1 else {tuple(sorted(points)[-2:])}
+        spans = {tuple(sorted(points)[-2:])} | ({tuple(common[-2:])} if len(common) > 1 else set())
         for a, b in sorted(s for s in spans if len(s) == 2):
             data["slopes"].append(dict(variant=variant, between=[a, b],
                                        bytes_per_token=(points[b] - points[a]) / (b - a)))

@@ -265,7 +265,7 @@ def _reach_args(variant: str, seq: int, budget: str | None, backend: str, chunk_
     if variant == "stock":
         # torchtitan's ChunkedLossWrapper (the config's loss), with enough chunks that no chunk's [tokens, V] logits
         # hold more than `chunk_tokens` tokens: its memory knob turned to its best (8 is the config's default)
-        args += ["--loss.num_chunks", str(max(8, seq // chunk_tokens))]
+        args += ["--loss.num_chunks", str(max(8, seq // chunk_tokens)), *extra]   # extra: the model's flags only
     else:
         # the per-block path: every TransformerBlock graph through boundpass (dispatch -> PipelinedLLEP, SCO across
         # blocks), the head through Ring-DTP, AdamW offloaded (OffloadStreamAdamW: its state on the host)
@@ -296,10 +296,13 @@ def trainer_rank_setup(assets: str) -> None:
 
 
 def reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens, host_budget, timed_steps,
-               extra: tuple = (), profiler: bool = True):
+               extra: tuple = (), profiler: bool = True, certify_only: bool = False):
     """One trainer at one sequence length: step 1 (compile, lazy optimizer state), step 2 measured at torch's
     allocator, then `timed_steps` steps timed (nothing measured). ``profiler=False``: step 2's peak is the counting
-    allocator's alone (``measured_step``)."""
+    allocator's alone (``measured_step``). ``certify_only``: step 1's forward alone (--boundpass.certify_only): the
+    certificate (or the refusal), nothing measured."""
+    if certify_only:
+        extra = (*extra, "--boundpass.certify_only")
     trainer_rank_setup(assets)
     from boundpass.core.errors import InfeasibleBudgetError
     from boundpass.core.units import format_bytes
@@ -325,11 +328,13 @@ def reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens, 
             # only for a block it saw allocated while memory profiling was on, so without this every tensor step 1
             # made and step 2 frees (last step's gradients: 186 MiB here) would look alive through all of step 2
             from torch.profiler import ProfilerActivity, profile
-            if profiler:
+            if profiler and not certify_only:
                 with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
                     trainer.train_step(data)
             else:
                 trainer.train_step(data)
+        except trainer.CertifiedOnly:
+            pass
         except Exception as exc:
             return refused(out, exc, InfeasibleBudgetError)
         out["step1_seconds"] = time.perf_counter() - start
@@ -343,6 +348,9 @@ def reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens, 
             out["binding"] = dict(total=worst.total, terms=[(t.name, t.value, t.kind) for t in terms[:8]])
             out["sco_count"] = getattr(trainer.blocks, "sco_count", None)
             out["summary"] = trainer.summary()
+        if certify_only:
+            out["measure"] = "certified only (step 1's forward; nothing measured)"
+            return out
         trainer.step = 2
         t0 = time.perf_counter()
         peak, at_start, host, holders, grown, counted = measured_step(trainer, data, profiler)

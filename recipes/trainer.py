@@ -88,6 +88,11 @@ class BoundpassConfig(Config):
     config.PLAN_DISPATCH_CAP) instead of torchtitan's EP all-to-all dispatcher (refused for experts other than
     torchtitan's bias-free SwiGLU ones, e.g. gpt_oss). The layout's own switch: off by default, where
     `dispatch.enable` (boundpass.compile's rewrite) is on."""
+    certify_only: bool = False
+    """Stop after step 1's forward: by then every graph (each block graph, the head) has compiled and been checked
+    against the budget, so the whole step's certificate exists (FITS, or the fail-fast refusal naming what breaks
+    it). Logs the report and returns without a backward or an optimizer step: the certificate at a length whose
+    step would take long to run (`BoundpassTrainer.CertifiedOnly` carries the certified peak). Needs a budget."""
     rope_to_seq_len: bool = False
     """Size every block's RoPE table to `--training.seq_len` (torchtitan's debug flavors stop at 16,384 positions and
     refuse longer sequences). The model's config, not boundpass's: it applies with boundpass off too, so a
@@ -121,14 +126,24 @@ class VocabHead(nn.Module):
 
 
 def _rope_to_seq_len(config) -> None:
-    import dataclasses
     for layer in getattr(config.model_spec.model, "layers", []):
         rope = getattr(getattr(layer, "attention", None), "rope", None)
         if rope is not None and hasattr(rope, "max_seq_len"):
             layer.attention.rope = dataclasses.replace(rope, max_seq_len=config.training.seq_len)
 
 
+class CertifiedOnly(Exception):
+    """Raised after step 1's forward under --boundpass.certify_only: every graph compiled and checked."""
+
+    def __init__(self, certified: int, host: int):
+        super().__init__(f"certified {format_bytes(certified)} (host {format_bytes(host)}); stopped before the "
+                         "backward (--boundpass.certify_only)")
+        self.certified, self.host = certified, host
+
+
 class BoundpassTrainer(Trainer):
+    CertifiedOnly = CertifiedOnly
+
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         boundpass: BoundpassConfig = field(default_factory=BoundpassConfig)
@@ -140,6 +155,9 @@ class BoundpassTrainer(Trainer):
         self.mop_state = None
         self.peaks: list[tuple[int, int]] = []  # (step, measured allocator peak bytes) with --boundpass.measure_peak
         bp = config.boundpass
+        if bp.certify_only and not bp.active:
+            raise BoundpassInputError("--boundpass.certify_only checks a budget: give --boundpass.budget (default "
+                                      "layout)")
         if bp.rope_to_seq_len:
             _rope_to_seq_len(config)
         if bp.active and bp.vocab.enable and isinstance(config.loss, ChunkedLossWrapper.Config):
@@ -433,12 +451,22 @@ class BoundpassTrainer(Trainer):
                 loss_kwargs = {"positions": extra_kwargs["positions"]} if "positions" in extra_kwargs else {}
                 loss, _ = self.loss_fn(pred, labels, global_valid_tokens, **loss_kwargs)
                 del pred
+            if self.config.boundpass.certify_only:
+                if self.config.boundpass.report:
+                    logger.info("[boundpass] " + self.summary().replace("\n", "\n[boundpass] "))
+                raise CertifiedOnly(self.certified_peak(), self.certified_host())
             with spmd.no_typecheck():
                 loss.backward()
         if not self._reported and self.config.boundpass.report:
             self._reported = True
             logger.info("[boundpass] " + self.summary().replace("\n", "\n[boundpass] "))
         return loss
+
+    def train(self):
+        try:
+            return super().train()
+        except CertifiedOnly as done:
+            logger.info(f"[boundpass] {done}")
 
     def train_step(self, data_iterator):
         if self.blocks is not None:
