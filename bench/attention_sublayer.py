@@ -14,6 +14,8 @@ left out by design), step 1 compiles. Variants:
              back a tile at a time, the next prefetched (host bytes reported beside the device peak)
   +rows      + --boundpass.feed_forward.enable: every block's feed-forward (block 0's dense MLP with its norm, the
              MoE blocks' shared experts) walked C_r rows at a time (boundpass::row_blocks)
+  +rows+sco  + --boundpass.sco.enable True: every block's checkpoint boundary on the host too (SCO's pool), where
+             `auto` keeps them on the device while the budget allows
 The peak's growth per token between the two longest lengths, each variant. Writes docs/results/attention_sublayer.json
 and .md.
 
@@ -40,7 +42,9 @@ from boundpass.testing.distributed import run_on_ranks
 VARIANTS = {"stock": ("stock", ()), "boundpass": ("boundpass", ()),
             "blocks": ("boundpass", ("--boundpass.attention.enable", "--boundpass.attention.no-offload")),
             "offload": ("boundpass", ("--boundpass.attention.enable",)),
-            "rows": ("boundpass", ("--boundpass.attention.enable", "--boundpass.feed_forward.enable"))}
+            "rows": ("boundpass", ("--boundpass.attention.enable", "--boundpass.feed_forward.enable")),
+            "rows+sco": ("boundpass", ("--boundpass.attention.enable", "--boundpass.feed_forward.enable",
+                                       "--boundpass.sco.enable", "True"))}
 
 
 def run_point(assets: str, variant: str, seq: int, budget: str, timed_steps: int, profiler: bool = True,
