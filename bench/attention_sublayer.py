@@ -95,13 +95,13 @@ def main(argv=None) -> int:
     data = dict(runs=[{k: v for k, v in r.items() if k not in ("summary", "args")} for r in runs],
                 budget=args.budget, meta=run_metadata(), provenance=args.provenance, reach_budget=args.reach_budget,
                 command="python bench/attention_sublayer.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    for r in data["runs"]:   # the tile the planner chose (the knee), from boundpass's summary
-        if r.get("tiles"):
-            continue
-        tiles = sorted({int(t) for t in re.findall(r"C_s=(\d+)", next((x.get("summary", "") for x in runs
-                                                                        if x is r or (x["variant"], x["seq"])
-                                                                        == (r["variant"], r["seq"])), ""))})
-        r["tiles"] = tiles
+    for r in data["runs"]:   # the tile and the feed-forward's rows the planner chose (the knee), from the summary
+        summary = next((x.get("summary", "") for x in runs if x is r or (x["variant"], x["seq"], x.get("rope_to_seq_len"))
+                        == (r["variant"], r["seq"], r.get("rope_to_seq_len"))), "")
+        if not r.get("tiles"):
+            r["tiles"] = sorted({int(t) for t in re.findall(r"C_s=(\d+)", summary)})
+        if not r.get("rows_per_block"):
+            r["rows_per_block"] = sorted({int(t) for t in re.findall(r"C_r=(\d+)", summary)})
     # growth per token over the range every variant ran, and over each variant's two longest lengths
     data["slopes"] = []
     grid = [r for r in runs if not r.get("rope_to_seq_len")]   # the debug model as it ships (RoPE at 16,384)
@@ -138,7 +138,10 @@ def render(data: dict) -> str:
     for r in sorted(data["runs"], key=lambda r: (bool(r.get("rope_to_seq_len")), list(VARIANTS).index(r["variant"]),
                                                  r["seq"])):
         cert = r.get("certified")
+        certified_only = r.get("measure", "").startswith("certified only")
         fits = r.get("peak") and r["peak"] <= budget and (cert is None or cert <= budget)
+        fit_text = ("yes (certified only)" if r.get("accepted") and cert <= budget else "no (refused)") \
+            if certified_only else ("yes" if fits else "no")
         profiled = r.get("measure", "profiler") != "the counting allocator alone"
         host = r.get("host_bytes")
         table.append([r["variant"] + (" (RoPE at L)" if r.get("rope_to_seq_len") else ""), f"{r['seq']:,}",
@@ -148,19 +151,23 @@ def render(data: dict) -> str:
                       fmt_bytes(cert) if cert else "—",
                       f"{cert / r['peak']:.3f}" if cert and r.get("peak") else "—",
                       fmt_bytes(host) if host else "—",
-                      "yes" if fits else "no", ", ".join(map(str, r.get("tiles") or [])) or "—",
-                      f"{r.get('measured_step_seconds', 0):.0f} s" + ("" if profiled else " ‡"),
+                      fit_text, ", ".join(map(str, r.get("tiles") or [])) or "—",
+                      ", ".join(map(str, r.get("rows_per_block") or [])) or "—",
+                      ("—" if certified_only else f"{r.get('measured_step_seconds', 0):.0f} s" + ("" if profiled else " ‡")),
                       f"{statistics.median(r['step_seconds']):.1f} s ({len(r['step_seconds'])})"
                       if r.get("step_seconds") else "—"])
     lines += [markdown_table(["variant", "L", "budget", "measured peak (step 2)", "counting allocator",
                               "certified", "certified / measured", "host (set aside)", f"fits {data['reach_budget']}",
-                              "C_s", "step 2 (profiled)", "later steps, median (n)"], table), "",
+                              "C_s", "C_r", "step 2 (profiled)", "later steps, median (n)"], table), "",
               "(RoPE at L): `--boundpass.rope_to_seq_len`, every block's RoPE table sized to the run's length (the "
               "debug flavor's stops at 16,384 positions), on both sides; the slopes below are the grid's, without it.",
               "",
               "host (set aside): every host buffer boundpass holds by design (OffloadStreamAdamW's state, SCO's and "
               "the attention op's pools), left out of the device measure. Later steps: no profiler, nothing "
               "measured.", "",
+              "yes (certified only): `--certify-only-from`, the run stopped after step 1's forward "
+              "(`--boundpass.certify_only`): boundpass's certificate accepted the budget; nothing was measured (a step "
+              "that long takes hours on this CPU: attention is quadratic).", "",
               "‡ measured by the counting allocator alone (`bench/e2e.measured_step(profiler=False)`: the profiler's "
               "event tree of a step this long does not fit this machine's memory); its time is not under the "
               "profiler. The counting allocator's column beside the profiler's peak shows the two measures agree "
@@ -169,6 +176,26 @@ def render(data: dict) -> str:
         a, b = sl["between"]
         lines.append(f"- {sl['variant']}: the peak grows {sl['bytes_per_token'] / 1024:.1f} KiB per token between "
                      f"L = {a:,} and {b:,}.")
+    stock = [r for r in data["runs"] if r["variant"] == "stock" and r.get("peak")]
+    fit = [r["seq"] for r in stock if r["peak"] <= budget]
+    miss = [r["seq"] for r in stock if r["peak"] > budget]
+    if fit:
+        longest = max(fit)
+        lines += ["", f"Reach at {data['reach_budget']} (1 rank): stock's longest measured L that fits is {longest:,}"
+                  + (f" (its first measured miss: {min(m for m in miss if m > longest):,})"
+                     if any(m > longest for m in miss) else "") + "."]
+        for variant in VARIANTS:
+            if variant == "stock":
+                continue
+            runs_v = [r for r in data["runs"] if r["variant"] == variant]
+            measured = [r["seq"] for r in runs_v if r.get("peak") and r["peak"] <= budget
+                        and r.get("certified", 0) <= budget]
+            certified = [r["seq"] for r in runs_v if r.get("measure", "").startswith("certified only")
+                         and r.get("accepted") and r.get("certified", budget + 1) <= budget]
+            if measured:
+                lines.append(f"- {variant}: longest measured {max(measured):,} ({max(measured) / longest:.1f}x)"
+                             + (f"; longest accepted by the certificate (certified only, not run) {max(certified):,} "
+                                f"({max(certified) / longest:.1f}x)" if certified else ""))
     if data.get("blocks_regions"):
         lines += ["", "The attention pass's region (the last run with it), from boundpass's summary:", "", "```",
                   *data["blocks_regions"], "```"]
