@@ -181,8 +181,9 @@ def render(data: dict) -> str:
     miss = [r["seq"] for r in stock if r["peak"] > budget]
     if fit:
         longest = max(fit)
-        lines += ["", f"Reach at {data['reach_budget']} (1 rank): stock's longest measured L that fits is {longest:,}"
-                  + (f" (its first measured miss: {min(m for m in miss if m > longest):,})"
+        lines += ["", f"Reach at {data['reach_budget']} (1 rank), over the lengths this page ran: stock's longest "
+                  f"measured L that fits is {longest:,}"
+                  + (f" (its first measured miss here: {min(m for m in miss if m > longest):,})"
                      if any(m > longest for m in miss) else "") + "."]
         for variant in VARIANTS:
             if variant == "stock":
@@ -193,7 +194,7 @@ def render(data: dict) -> str:
             certified = [r["seq"] for r in runs_v if r.get("measure", "").startswith("certified only")
                          and r.get("accepted") and r.get("certified", budget + 1) <= budget]
             if measured:
-                lines.append(f"- {variant}: longest measured {max(measured):,} ({max(measured) / longest:.1f}x)"
+                lines.append(f"- {variant}: longest run that fits {max(measured):,} ({max(measured) / longest:.1f}x)"
                              + (f"; longest accepted by the certificate (certified only, not run) {max(certified):,} "
                                 f"({max(certified) / longest:.1f}x)" if certified else ""))
     if data.get("blocks_regions"):
