@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from boundpass.bound.bounds import Knob
 from boundpass.measure.step_peak import module_path
 from boundpass.passes import attention_region as ar
-from boundpass.passes.graph_edit import ancestors, concrete_size, graph_modules, node_adder
+from boundpass.passes.graph_edit import ancestors, graph_modules, node_adder, sequence_range
 from boundpass.passes.graph_edit import example_value as _val
 from boundpass.passes.protocol import Diagnosis
 from boundpass.runtime import attention_blocks as ab
@@ -312,12 +312,9 @@ class AttentionPass:
 
     def knobs(self, regions: list, ctx) -> list[Knob]:
         from boundpass.bound import cost_model
-        rewritten = [r for r in regions if r.rewritten]
+        rewritten, lengths, lo, hi = sequence_range(regions, MIN_CHUNK)
         if not rewritten:
             return []
-        lengths = [concrete_size(r.length, r.op_node) for r in rewritten]
-        hi = max(lengths)
-        lo = min(MIN_CHUNK, hi)
 
         def knee_of(region, length) -> int:
             b_acc = torch.promote_types(region.dtype or torch.float32, torch.float32).itemsize

@@ -22,7 +22,7 @@ import torch.fx as fx
 from boundpass.bound.bounds import Knob
 from boundpass.measure.step_peak import module_path
 from boundpass.passes import attention_region as ar
-from boundpass.passes.graph_edit import concrete_size, graph_modules, node_adder
+from boundpass.passes.graph_edit import graph_modules, node_adder, sequence_range
 from boundpass.passes.graph_edit import example_value as _val
 from boundpass.passes.protocol import Diagnosis
 from boundpass.runtime import row_blocks as rb
@@ -237,12 +237,9 @@ class FeedForwardPass:
 
     def knobs(self, regions: list, ctx) -> list[Knob]:
         from boundpass.bound import cost_model
-        rewritten = [r for r in regions if r.rewritten]
+        rewritten, lengths, lo, hi = sequence_range(regions, MIN_ROWS)
         if not rewritten:
             return []
-        lengths = [concrete_size(r.length, r.op_node) for r in rewritten]
-        hi = max(lengths)
-        lo = min(MIN_ROWS, hi)
         costs = cost_model.costs_for(_val(rewritten[0].op_node).device.type)
         knee = max(cost_model.row_blocks_knee(lo=lo, hi=hi, L=n, flops_per_row=r.flops_per_row, ops=r.ops,
                                               costs=costs) for r, n in zip(rewritten, lengths))

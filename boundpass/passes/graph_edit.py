@@ -102,3 +102,14 @@ def graph_modules(gm: fx.GraphModule):
     for _, sub in gm.named_modules():
         if sub is not gm and isinstance(sub, fx.GraphModule):
             yield sub
+
+
+def sequence_range(regions: list, floor: int) -> tuple[list, list[int], int, int]:
+    """A sequence-chunk knob's range from a pass's regions: (the rewritten ones, their lengths L as ints, lo =
+    min(floor, the longest L), hi = the longest L); ([], [], 0, 0) when none was rewritten."""
+    rewritten = [r for r in regions if r.rewritten]
+    if not rewritten:
+        return [], [], 0, 0
+    lengths = [concrete_size(r.length, r.op_node) for r in rewritten]
+    hi = max(lengths)
+    return rewritten, lengths, min(floor, hi), hi

@@ -227,3 +227,15 @@ def certified_and_rss(inner: str, model: str = "dense", timeout: float = 900) ->
     if line is None:
         raise RuntimeError(f"the measured step's setup printed no certificate; stdout:\n{stdout[-2000:]}")
     return int(line.split()[1]), grown
+
+
+def assert_step_matches(step, model, plain, batch, loss_fn, *, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    """One compiled step's loss and every parameter's gradient against the unrewritten model's (``plain``, a copy
+    of ``model`` before compiling; ``batch`` = (inputs, labels); ``loss_fn(output, labels)``)."""
+    loss = step(*batch)
+    loss.backward()
+    ref = loss_fn(plain(batch[0]), batch[1])
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=rtol, atol=atol)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=name)

@@ -43,13 +43,14 @@ def test_the_naming_rule():
         "dispatch_enable": "dispatch.enable", "dispatch_cap": "dispatch.cap",
         "dispatch_borrowed_slots": "dispatch.borrowed_slots", "attention_enable": "attention.enable",
         "attention_chunk": "attention.chunk", "attention_query_blocks": "attention.query_blocks",
-        "attention_offload": "attention.offload",
+        "attention_offload": "attention.offload", "feed_forward_enable": "feed_forward.enable",
+        "feed_forward_chunk": "feed_forward.chunk",
         "sco_enable": "sco.enable", "sco_max_layers": "sco.max_layers", "optimizer_offload": "optimizer.offload",
         "optimizer_bucket": "optimizer.bucket", "optimizer_slots": "optimizer.slots"}
     for keyword, path in KNOBS.items():
         assert keyword == path.replace(".", "_")
     # a section's on/off switch is `enable` (the optimizer section has none: `offload` chooses what runs it)
-    for name in ("vocab", "dispatch", "attention", "sco"):
+    for name in ("vocab", "dispatch", "attention", "feed_forward", "sco"):
         assert "enable" in {f.name for f in dataclasses.fields(type(getattr(Config(), name)))}
 
 
@@ -172,7 +173,8 @@ def test_the_recipe_section_is_config_and_parses_every_knob():
               "vocab_enable": False, "vocab_block": 256, "dispatch_enable": False, "dispatch_cap": 64,
               "dispatch_borrowed_slots": 3, "sco_enable": False, "sco_max_layers": 2, "optimizer_offload": True, "optimizer_bucket": 4096,
               "optimizer_slots": 1, "allow_uncertified": True, "vocab_keep_logits": True, "attention_enable": True,
-              "attention_chunk": 128, "attention_query_blocks": False, "attention_offload": False}
+              "attention_chunk": 128, "attention_query_blocks": False, "attention_offload": False,
+              "feed_forward_enable": True, "feed_forward_chunk": 96}
     assert set(values) == set(KNOBS)
     argv = ["--module", "boundpass.recipes", "--config", "deepseek_v3_debug"]
     for keyword, value in values.items():  # a bool is a flag, as torchtitan's own: --boundpass.vocab.no-enable
@@ -181,7 +183,7 @@ def test_the_recipe_section_is_config_and_parses_every_knob():
                                                                           section in ("vocab", "dispatch")
                                                                           or keyword in ("attention_query_blocks",
                                                                                          "attention_offload")) else [f"--boundpass.{KNOBS[keyword]}"] \
-            if keyword in ("allow_uncertified", "vocab_keep_logits", "attention_enable") \
+            if keyword in ("allow_uncertified", "vocab_keep_logits", "attention_enable", "feed_forward_enable") \
             else [f"--boundpass.{KNOBS[keyword]}", str(value)]
     parsed = config_manager_class()().parse_args(argv).boundpass
     assert isinstance(parsed, BoundpassConfig) and parsed.flat() == values

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import boundpass
-from boundpass.testing.whole_step import allocator_step_peak
+from boundpass.testing.whole_step import allocator_step_peak, assert_step_matches
 
 from boundpass.testing.attention_lm import LM, V  # noqa: E402
 
@@ -25,13 +25,7 @@ def _batch(length, seed=0, batch=2):
 
 def _close_step(step, model, plain, batch, *, rtol=1e-5, atol=1e-5):
     """The compiled step's loss and every gradient against the unrewritten model's (fp32: reordered sums only)."""
-    loss = step(*batch)
-    loss.backward()
-    ref = _loss(plain(batch[0]), batch[1])
-    ref.backward()
-    torch.testing.assert_close(loss, ref, rtol=rtol, atol=atol)
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=name)
+    assert_step_matches(step, model, plain, batch, _loss, rtol=rtol, atol=atol)
 
 
 def test_rewritten_exact_certified_both_ways_and_refused_just_below():

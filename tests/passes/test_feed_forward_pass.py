@@ -12,17 +12,11 @@ import torch.nn.functional as F
 
 import boundpass
 from boundpass.testing.dense_lm import DenseLM, ce, lm_batches
-from boundpass.testing.whole_step import allocator_step_peak
+from boundpass.testing.whole_step import allocator_step_peak, assert_step_matches
 
 
 def _close_step(step, model, plain, batch, *, rtol=1e-5, atol=1e-5, loss_fn=ce):
-    loss = step(*batch)
-    loss.backward()
-    ref = loss_fn(plain(batch[0]), batch[1])
-    ref.backward()
-    torch.testing.assert_close(loss, ref, rtol=rtol, atol=atol)
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=name)
+    assert_step_matches(step, model, plain, batch, loss_fn, rtol=rtol, atol=atol)
 
 
 def test_rewritten_exact_certified_both_ways_below_the_unrewritten_and_refused_just_below():

@@ -26,9 +26,26 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+def _common(**over) -> dict:
+    """The tiny config every family's test model shares (no hub, no cache, no special tokens)."""
+    return dict(dict(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, use_cache=False, eos_token_id=None, pad_token_id=None, bos_token_id=None),
+                **over)
+
+
+def _matches_eager(step, model, plain) -> None:
+    """One training call as HF's users make it: the loss and every gradient as eager HF's (the fused-kernel class)."""
+    tokens, labels = _batch()
+    out, ref = step(input_ids=tokens, labels=labels), plain(input_ids=tokens, labels=labels)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def _model(family: str):
-    common = dict(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, use_cache=False, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    common = _common()
     torch.manual_seed(0)
     if family == "mixtral":
         return transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
@@ -130,13 +147,7 @@ def test_the_sdpa_attention_is_rewritten_and_exact(family):
     model = _model(family)
     plain = copy.deepcopy(model)
     step = boundpass.compile(model, budget="1GiB", attention_enable=True)
-    tokens, labels = _batch()
-    out, ref = step(input_ids=tokens, labels=labels), plain(input_ids=tokens, labels=labels)
-    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
-    out.loss.backward()
-    ref.loss.backward()
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    _matches_eager(step, model, plain)
     regions = boundpass.explain(step).rewritten_of("attention")
     assert len(regions) == 2 and all(r.causal for r in regions), [r.describe() for r in regions]
     if family == "deepseek_v3":
@@ -154,8 +165,7 @@ def test_gpt_oss_experts_are_skipped_with_the_reason_and_the_step_exact():
 
 def test_experts_the_op_does_not_compute_are_skipped_with_the_reason_and_exact():
     """GeGLU experts (hidden_act="gelu"): the probes find no SwiGLU layout, the region stays as HF wrote it."""
-    common = dict(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, use_cache=False, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    common = _common(num_hidden_layers=1)
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
         num_local_experts=4, num_experts_per_tok=2, hidden_act="gelu", **common))
@@ -341,8 +351,7 @@ def test_the_feed_forwards_are_walked_in_row_blocks_and_exact(family):
     deepseek_v3's dense first layer (with its RMSNorm, which only it reads) and shared experts, each walked in row
     blocks beside the attention; loss and gradients as eager HF's. An MLP no wider than its input is left, with that
     reason."""
-    common = dict(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, use_cache=False, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    common = _common()
     torch.manual_seed(0)
     if family == "qwen2_moe":
         model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
@@ -358,16 +367,11 @@ def test_the_feed_forwards_are_walked_in_row_blocks_and_exact(family):
                     ("model.model.layers.1.mlp.shared_experts.down_proj", False)]
     plain = copy.deepcopy(model)
     step = boundpass.compile(model, budget="1GiB", attention_enable=True, feed_forward_enable=True)
-    tokens, labels = _batch()
-    out, ref = step(input_ids=tokens, labels=labels), plain(input_ids=tokens, labels=labels)
-    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
-    out.loss.backward()
-    ref.loss.backward()
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    _matches_eager(step, model, plain)
     report = boundpass.explain(step)
     assert sorted((r.module_path, r.norm) for r in report.rewritten_of("feed_forward")) == expected
     narrow = boundpass.compile(_model("qwen2_moe"), budget="1GiB", feed_forward_enable=True)   # 64 <= H = 64
+    tokens, labels = _batch()
     narrow(input_ids=tokens, labels=labels).loss.backward()
     skipped = boundpass.explain(narrow).skipped_of("feed_forward")
     assert skipped and all("no intermediate wider than its input" in r.reason for r in skipped)
