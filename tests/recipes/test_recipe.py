@@ -57,6 +57,19 @@ def _stock_vs_boundpass(rank, world, tmp, assets):
     return stock, bp, attention
 
 
+def _certify_only(rank, world, tmp, assets):
+    os.environ["BOUNDPASS_ASSETS"] = assets
+    from boundpass.recipes.train import train_in_process
+    args = ["--module", "boundpass.recipes", "--config", "deepseek_v3_debug", *SHORT, "--training.steps", "3",
+            "--dump_folder", f"{tmp}/certify", "--compile.enable", "--compile.backend", "aot_eager",
+            "--boundpass.budget", "2GiB", "--boundpass.certify_only", "--boundpass.no-report",
+            "--boundpass.record_losses", os.path.join(tmp, "certify.jsonl")]
+    trainer = train_in_process(args)
+    tables = trainer._tables()
+    return trainer.step, trainer.certified_peak(), len(tables), any(p.grad is not None
+                                                                   for p in trainer.model_parts[0].parameters())
+
+
 def _ep2_save_resume(rank, world, tmp, assets):
     os.environ["BOUNDPASS_ASSETS"] = assets
     on = ["--boundpass.budget", "2GiB", "--boundpass.optimizer.offload", "True", "--dump_folder", f"{tmp}/ep2",
@@ -98,6 +111,15 @@ def test_one_rank_boundpass_follows_stock_torchtitan(tmp_path, assets):
     attention = _losses(tmp_path / "attention.jsonl")
     for step in stock:
         assert attention[step] == pytest.approx(stock[step], rel=REL_TOL), (step, stock, attention)
+
+
+def test_certify_only_stops_after_the_first_forward_with_the_whole_steps_certificate(tmp_path, assets):
+    """--boundpass.certify_only: step 1's forward compiles every graph (each block graph, the head) and checks it
+    against the budget; the trainer stops there, before any backward or optimizer step, with the certificate."""
+    step, certified, tables, grads = run_on_ranks(_certify_only, 1, str(tmp_path), assets, timeout_s=300)[0]
+    assert step == 1 and tables >= 3 and 0 < certified <= 2 * 2 ** 30
+    assert not grads                                    # no backward ran
+    assert not (tmp_path / "certify.jsonl").exists()    # no step was logged
 
 
 def test_ep2_over_gloo_trains_and_resumes_identically(tmp_path, assets):
