@@ -92,7 +92,9 @@ class BoundpassConfig(Config):
     """Stop after step 1's forward: by then every graph (each block graph, the head) has compiled and been checked
     against the budget, so the whole step's certificate exists (FITS, or the fail-fast refusal naming what breaks
     it). Logs the report and returns without a backward or an optimizer step: the certificate at a length whose
-    step would take long to run (`BoundpassTrainer.CertifiedOnly` carries the certified peak). Needs a budget."""
+    step would take long to run (`BoundpassTrainer.CertifiedOnly` carries the certified peak). The block graphs do not
+    compute (``CompiledBlocks.dry``): the certificate reads shapes, never values, so it is a real step's, at the cost
+    of compiling. Needs a budget.
     rope_to_seq_len: bool = False
     """Size every block's RoPE table to `--training.seq_len` (torchtitan's debug flavors stop at 16,384 positions and
     refuse longer sequences). The model's config, not boundpass's: it applies with boundpass off too, so a
@@ -262,6 +264,7 @@ class BoundpassTrainer(Trainer):
             self.blocks = CompiledBlocks(
                 model, list(model.layers.values()), dataclasses.replace(self.bounded.boundpass_config, inner=self.block_inner),
                 state_terms=self.bounded.state_terms, optimizer_plan=plan)
+            self.blocks.dry = bp.certify_only  # blocks compile and are checked, and compute nothing
             self.blocks.check_tail()  # the backward's tail needs no graph: checked here, before step 1
             self.block_backend.target = self.blocks
             self.bounded.trunk = self.blocks  # the head runs with every block's saved tensors held

@@ -44,6 +44,7 @@ from boundpass.backend.compiler import BoundedModule
 from boundpass.measure.step_peak import int_or_hint
 from boundpass.planning.planner import raise_step_infeasible
 from boundpass.core.config import Config
+from boundpass.core.errors import BoundpassInputError
 
 SHARD = "shard over more ranks (--parallelism.data_parallel_shard_degree) or raise --boundpass.budget"
 KNOB = ("reduce tokens per rank (--training.local_batch_size / --training.seq_len), checkpoint every block "
@@ -162,6 +163,9 @@ class CompiledBlocks(BoundedModule):
         # and does not hold through backward: the graph analysis counts them as the graph sees them, the rows below
         # count them as the other blocks' (step_peak.analyze_graphs ctx["per_block"])
         self.per_block = True
+        # certify only (the recipe's --boundpass.certify_only): a block graph compiles and is checked, then its calls
+        # return uninitialised tensors of its outputs' shapes without running a kernel (``_dry``)
+        self.dry = False
         self.sco_runtime = None
         self.sco_count = 0
         self.sco_ok = True                 # False once a block graph could not be rewritten: no block is planned off
@@ -172,6 +176,7 @@ class CompiledBlocks(BoundedModule):
     def backend(self, gm, example_inputs):
         """The Dynamo backend of every block's torch.compile."""
         index = len(self.graph_saved)
+        outputs = _output_examples(gm) if self.dry else None  # before the passes rewrite the graph
         self.graph_saved.append(0)
         self.graph_rows.append([])
         self._compiling = index
@@ -186,6 +191,8 @@ class CompiledBlocks(BoundedModule):
                 self.sco_ok = False
             self.sco_runtime.set_offload_count(self.sco_count if self.sco_ok else 0)
         self.recheck()
+        if self.dry:
+            return _dry(outputs, self, index, plan.rewritten and plan.dynamic and bool(plan.eligible))
         return _counting(compiled, self, index)
 
     def dispatch_root(self) -> nn.Module:
@@ -580,6 +587,35 @@ def _scatter_row(units: list[FSDPUnit], output_counted: bool = False) -> BoundTe
     nbytes = _scatter_cost(widest, output_counted) if widest is not None else 0
     return BoundTerm(f"FSDP2 gradient reduce-scatter of the largest unit ({widest.path if widest else '-'})",
                      sympy.Integer(nbytes), nbytes, kind="transient", knob=SHARD)
+
+
+def _output_examples(gm) -> list:
+    """The graph's outputs as Dynamo traced them (fake tensors): what a dry call returns the shapes of."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    values = [n.meta.get("example_value") if isinstance(n, torch.fx.Node) else n for n in out.args[0]]
+    if not all(isinstance(v, torch.Tensor) and all(isinstance(d, int) for d in v.shape) for v in values):
+        raise BoundpassInputError("--boundpass.certify_only: a block graph returns something other than tensors of "
+                                  f"static shapes ({[type(v).__name__ for v in values]}); run the step instead")
+    return values
+
+
+def _dry(outputs: list, blocks: CompiledBlocks, index: int, sco: bool):
+    """A compiled block graph that does not compute: each call records the block (as ``_counting``) and returns
+    uninitialised tensors of the graph's output shapes, dtypes and strides, requiring grad where the graph's do, so
+    the graphs after it (the next blocks, the head) trace and are checked as in a real step. The certificate is a
+    function of shapes, never of values (docs/step_peak.md), so it is the one the step would get; the certified-only
+    lengths where attention's quadratic time makes a real forward take hours cost compile time alone. A block whose
+    graph offloads its boundary records SCO's decision for it as the op would (the plan's forward-order prefix):
+    the composition reads it."""
+    runs, runtime = blocks.runs, blocks.sco_runtime
+
+    def run(*args, **kwargs):
+        runs.append(index)
+        if sco and runtime is not None:
+            runtime.offloaded[len(runs) - 1] = runtime.plan[len(runs) - 1]
+        return tuple(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device,
+                                         requires_grad=v.requires_grad) for v in outputs)
+    return run
 
 
 def _counting(compiled, blocks: CompiledBlocks, index: int):

@@ -58,16 +58,22 @@ def _stock_vs_boundpass(rank, world, tmp, assets):
 
 
 def _certify_only(rank, world, tmp, assets):
+    """The certify-only run and a real step of the same configuration (every pass that runs a block op of its own:
+    attention and feed-forward in blocks, SCO offloading each boundary): their certificates."""
     os.environ["BOUNDPASS_ASSETS"] = assets
     from boundpass.recipes.train import train_in_process
-    args = ["--module", "boundpass.recipes", "--config", "deepseek_v3_debug", *SHORT, "--training.steps", "3",
-            "--dump_folder", f"{tmp}/certify", "--compile.enable", "--compile.backend", "aot_eager",
-            "--boundpass.budget", "2GiB", "--boundpass.certify_only", "--boundpass.no-report",
-            "--boundpass.record_losses", os.path.join(tmp, "certify.jsonl")]
-    trainer = train_in_process(args)
-    tables = trainer._tables()
-    return trainer.step, trainer.certified_peak(), len(tables), any(p.grad is not None
-                                                                   for p in trainer.model_parts[0].parameters())
+    args = ["--module", "boundpass.recipes", "--config", "deepseek_v3_debug", "--training.seq_len", "512",
+            "--training.local_batch_size", "1", "--compile.enable", "--compile.backend", "aot_eager",
+            "--boundpass.budget", "2GiB", "--boundpass.no-report", "--boundpass.attention.enable",
+            "--boundpass.feed_forward.enable", "--boundpass.sco.enable", "True"]
+    trainer = train_in_process([*args, "--training.steps", "3", "--dump_folder", f"{tmp}/certify",
+                                "--boundpass.certify_only", "--boundpass.record_losses",
+                                os.path.join(tmp, "certify.jsonl")])
+    dry = (trainer.step, trainer.certified_peak(), trainer.certified_host(), len(trainer._tables()),
+           any(p.grad is not None for p in trainer.model_parts[0].parameters()), trainer.blocks.sco_runtime.offloaded, trainer.blocks.dry)
+    del trainer
+    real = train_in_process([*args, "--training.steps", "1", "--dump_folder", f"{tmp}/real"])
+    return dry, (real.certified_peak(), real.certified_host(), real.blocks.sco_runtime.offloaded)
 
 
 def _ep2_save_resume(rank, world, tmp, assets):
@@ -115,11 +121,16 @@ def test_one_rank_boundpass_follows_stock_torchtitan(tmp_path, assets):
 
 def test_certify_only_stops_after_the_first_forward_with_the_whole_steps_certificate(tmp_path, assets):
     """--boundpass.certify_only: step 1's forward compiles every graph (each block graph, the head) and checks it
-    against the budget; the trainer stops there, before any backward or optimizer step, with the certificate."""
-    step, certified, tables, grads = run_on_ranks(_certify_only, 1, str(tmp_path), assets, timeout_s=300)[0]
-    assert step == 1 and tables >= 3 and 0 < certified <= 2 * 2 ** 30
+    against the budget, its blocks computing nothing; the trainer stops there, before any backward or optimizer
+    step, with the certificate a real step of the same configuration gets (device and host, to the byte)."""
+    dry, real = run_on_ranks(_certify_only, 1, str(tmp_path), assets, timeout_s=400)[0]
+    step, certified, host, tables, grads, offloaded, dry_blocks = dry
+    assert dry_blocks                                   # the block graphs did not compute
+    assert step == 1 and tables >= 3 and 0 < certified <= 2 * 2 ** 30 and host > 0
     assert not grads                                    # no backward ran
     assert not (tmp_path / "certify.jsonl").exists()    # no step was logged
+    assert any(offloaded) and offloaded == real[2]      # SCO's decisions, recorded for the blocks that did not run
+    assert (certified, host) == real[:2], (dry, real)
 
 
 def test_ep2_over_gloo_trains_and_resumes_identically(tmp_path, assets):
