@@ -94,7 +94,7 @@ class BoundpassConfig(Config):
     it). Logs the report and returns without a backward or an optimizer step: the certificate at a length whose
     step would take long to run (`BoundpassTrainer.CertifiedOnly` carries the certified peak). The block graphs do not
     compute (``CompiledBlocks.dry``): the certificate reads shapes, never values, so it is a real step's, at the cost
-    of compiling. Needs a budget.
+    of compiling. Needs a budget."""
     rope_to_seq_len: bool = False
     """Size every block's RoPE table to `--training.seq_len` (torchtitan's debug flavors stop at 16,384 positions and
     refuse longer sequences). The model's config, not boundpass's: it applies with boundpass off too, so a
