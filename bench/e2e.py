@@ -381,6 +381,7 @@ def refused(out: dict, exc: BaseException, kind) -> dict:
     if refusal is None:
         raise exc
     out["accepted"], out["reason"] = False, "boundpass refused the budget: " + str(refusal).splitlines()[0]
+    out["refusal"] = str(refusal)  # the whole message: what breaks the budget, its formula and value, the knob
     return out
 
 

@@ -321,8 +321,8 @@ class CompiledBlocks(BoundedModule):
 
     def _check_reduce_table(self, table: BudgetTable, which: str) -> None:
         if not table.fits():
-            binding = max((t for t in table.terms if t.counted), key=lambda t: t.value)
-            raise_infeasible(table, binding, detail=f"({which}: its FSDP2 units' gradients reduce-scattered)")
+            raise_infeasible(table, table.breaking_term(),
+                             detail=f"({which}: its FSDP2 units' gradients reduce-scattered)")
 
     def _gloo_row(self) -> list[BoundTerm]:
         """ProcessGroupGloo's reduce_scatter runs on a copy of its input, which its worker thread releases after the
@@ -551,8 +551,7 @@ class CompiledBlocks(BoundedModule):
         """Raise before anything runs if the backward's tail (state + gradients + the embedding's reduce-scatter)
         cannot fit: it depends on the model and FSDP2's units only."""
         if not self.tail.fits():
-            binding = max((t for t in self.tail.terms if t.counted), key=lambda t: t.value)
-            raise_infeasible(self.tail, binding, detail="(the end of the backward: every gradient reduced, the "
+            raise_infeasible(self.tail, self.tail.breaking_term(), detail="(the end of the backward: every gradient reduced, the "
                              "embedding's reduce-scatter in flight)")
 
 

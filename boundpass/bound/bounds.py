@@ -80,6 +80,12 @@ class BudgetTable:
     def host_fits(self) -> bool:
         return self.host_budget is None or self.host_total <= self.host_budget
 
+    def breaking_term(self) -> BoundTerm:
+        """The largest counted term of the side that does not fit: the device's first, else the host's (a host term
+        named for a device that is over its budget sends the user to the wrong knob)."""
+        host = self.total <= self.budget and not self.host_fits()
+        return max((t for t in self.terms if t.counted and (t.kind == "host") == host), key=lambda t: t.value)
+
     def render(self, *, formulas: bool = False, width: int = textwidth.WIDTH) -> str:
         """Text table that fits ``width`` columns: term, bytes, share of its budget, then the device peak and the
         verdict. formulas=True adds each term's sympy formula under it (wrapped, never clipped)."""

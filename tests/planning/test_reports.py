@@ -86,6 +86,23 @@ def test_budget_table_fits_120_columns_and_formulas_are_opt_in():
     assert "".join(with_formulas.split()).count("".join(str(formula).split())) == 1  # whole, only wrapped
 
 
+def test_a_refusal_names_a_term_of_the_side_that_does_not_fit():
+    """The device over its budget with a larger host term beside it (OffloadStreamAdamW's state): the refusal names
+    the device budget and its largest device term, not the host's (which sent the user to a larger host_budget)."""
+    from boundpass.bound.bounds import raise_infeasible
+    from boundpass.core.errors import InfeasibleBudgetError
+    terms = [BoundTerm("parameters", sym.Theta * sym.b, 300 << 20, "shard", kind="persistent"),
+             BoundTerm("saved tensors", sym.N * sym.H * sym.b, 800 << 20, "SCO", kind="transient"),
+             BoundTerm("optimizer state on host", 3 * sym.Theta * sym.b_acc, 900 << 20, "host", kind="host")]
+    device_over = BudgetTable(budget=1 << 30, host_budget=64 << 30, terms=terms)
+    assert device_over.breaking_term().name == "saved tensors"
+    with pytest.raises(InfeasibleBudgetError, match=r"device budget 1\.00 GiB") as err:
+        raise_infeasible(device_over, device_over.breaking_term())
+    assert err.value.term == "saved tensors" and err.value.knob == "SCO"
+    host_over = BudgetTable(budget=4 << 30, host_budget=512 << 20, terms=terms)
+    assert host_over.breaking_term().name == "optimizer state on host"
+
+
 def test_fit_drops_remarks_before_clipping():
     assert textwidth.fit("a name (a long remark)", 10) == "a name"
     assert textwidth.fit("traced block, forward: what it holds (where)", 25) == "traced block, forward"
