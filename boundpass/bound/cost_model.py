@@ -456,16 +456,19 @@ ROW_BLOCK_PASSES = 4
 
 
 def row_blocks_seconds(C: int, *, L: int, flops_per_row: float, ops: int,
-                       costs: DeviceCosts | None = None) -> float:
-    """Modelled seconds of one row-blocks forward + backward at C_r = C rows per block."""
+                       costs: DeviceCosts | None = None, bytes_per_row: float = 0.0) -> float:
+    """Modelled seconds of one row-blocks forward + backward at C_r = C rows per block: the matmuls' flops, the
+    elementwise ops' memory traffic (``bytes_per_row``: a norm alone, which has no matmul), the launches."""
     costs = costs or DEVICE_COSTS["cpu"]
     blocks = -(-L // max(1, min(C, L)))
-    return 4 * L * flops_per_row / costs.flops + blocks * ROW_BLOCK_PASSES * ops * costs.launch_s
+    work = 4 * L * (flops_per_row / costs.flops + bytes_per_row / costs.bandwidth)
+    return work + blocks * ROW_BLOCK_PASSES * ops * costs.launch_s
 
 
 def row_blocks_knee(*, lo: int, hi: int, L: int, flops_per_row: float, ops: int, costs: DeviceCosts | None = None,
-                    tolerance: float = KNEE_TOLERANCE) -> int:
+                    tolerance: float = KNEE_TOLERANCE, bytes_per_row: float = 0.0) -> int:
     """The knee of the modelled row-blocks time over lo..hi rows per block."""
-    times = {C: row_blocks_seconds(C, L=L, flops_per_row=flops_per_row, ops=ops, costs=costs)
+    times = {C: row_blocks_seconds(C, L=L, flops_per_row=flops_per_row, ops=ops, costs=costs,
+                                   bytes_per_row=bytes_per_row)
              for C in candidates(lo, hi)}
     return knee(times, tolerance)

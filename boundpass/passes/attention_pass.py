@@ -54,6 +54,7 @@ class AttentionRegion:
     kv_blocks: bool = False        # k and v made per key tile too (never whole, nor their gradients)
     kv_reason: str = ""            # why k and v are the op's inputs instead
     host: bool = False             # k, v and the backward's q, dO on the host, read back tile by tile (prefetched)
+    norm: bool = False             # the norm both paths read joined them (per block; the row input is its input)
     op_node: fx.Node | None = field(default=None, repr=False)
 
     def describe(self) -> str:
@@ -63,9 +64,10 @@ class AttentionRegion:
                  f"D_v={self.v_head_dim}, {'causal' if self.causal else 'full'}, {self.dtype}, C_s={self.chunk})")
         if self.blocks:
             kv = ("k / v path + " if self.kv_blocks else "")
+            norm = "norm + " if self.norm else ""
             tail = (("; k, v, q and dO on the host, a tile prefetched" if self.host else "") if self.kv_blocks
                     else f"; k and v whole: {self.kv_reason}")
-            return (f"REWRITTEN attention {self.module_path}: query path + {kv}scaled_dot_product_attention + output "
+            return (f"REWRITTEN attention {self.module_path}: {norm}query path + {kv}scaled_dot_product_attention + output "
                     f"projection => boundpass::attention_blocks, C_s query rows / key rows at a time {shape}{tail}")
         tail = f"; not in query blocks: {self.blocks_reason}" if self.blocks_reason else ""
         return (f"REWRITTEN attention {self.module_path}: scaled_dot_product_attention => boundpass::chunked_attention "
@@ -150,12 +152,17 @@ class _KVSide:
     dead: list
 
 
-def _kv_side(node: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, unpadded, length: int, qdims: dict) -> _KVSide:
+def _kv_side(node: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, unpadded, length: int, qdims: dict,
+             norm: set = frozenset()) -> _KVSide:
     """The key / value path made per key tile, or NotPositionwise: every node key and value are computed from that
-    the query is not, position-wise from the same row inputs (those the query path shares keep their dims)."""
+    the query is not, position-wise from the same row inputs (those the query path shares keep their dims); ``norm``:
+    the norm both paths read, joined to this one too (each program computes it for its own rows)."""
     source, links = (unpadded.source, unpadded.links) if unpadded is not None else (v, [])
     pad_chain = unpadded.chain if unpadded is not None else []
     path = ar.kv_path(node, q, k, source, also_using=set(pad_chain))
+    if norm:
+        order = {n: i for i, n in enumerate(node.graph.nodes)}
+        path = sorted(set(path) | norm, key=order.__getitem__)
     inputs = ar.inputs_of(path) if path else [k, source]
     shared = {i: qdims[i] for i in inputs if i in qdims}
     alias = {unpadded.pad: source} if links else {}
@@ -199,8 +206,6 @@ def _query_blocks(sub: fx.GraphModule, node: fx.Node, a: dict, chunk: int, offlo
         return None, "the sequence length is symbolic in this graph", ""
     try:
         qpath = ar.query_path(node, q, k, v)
-        q_inputs = ar.inputs_of(qpath) if qpath else [q]
-        dims, qwalk = ar.follow_inputs(qpath, q_inputs, length, [(q, 2)])
         opath = ar.output_path(node)
         o_inputs = ar.inputs_of(opath, node)
         result = opath[-1] if opath else node
@@ -211,18 +216,42 @@ def _query_blocks(sub: fx.GraphModule, node: fx.Node, a: dict, chunk: int, offlo
     except ar.NotPositionwise as why:
         return None, str(why), ""
     unpadded = ar.padded_value(v, opath)   # (the value before the padding for torch's fused kernel, reshapes)
-    try:
-        side, kv_why = _kv_side(node, q, k, v, unpadded, length, {i: dims[i] for i in q_inputs}), ""
-    except ar.NotPositionwise as why:
-        side, kv_why = None, str(why)
     width = _val(unpadded.source).shape[-1] if unpadded is not None else _val(v).shape[3]
     o_example = _val(node).new_empty((*_val(node).shape[:3], width))
-    rows, params, region = _region(q, k, v, node, result, qpath, q_inputs, dims, qwalk, opath, o_inputs, odims,
-                                   owalk, side, offload)
+    # the norm the query and key / value paths read joins both where only they read it; without it, if it will not
     try:
-        key = ab.register_region(region, [_val(i) for i in rows], [_val(i) for i in params], o_example)
-    except Exception as why:  # a program that still makes a sequence-long dim at a block's rows
-        return None, f"the query path does not run on a block of rows ({type(why).__name__}: {why})", ""
+        source, chain = (unpadded.source, set(unpadded.chain)) if unpadded is not None else (v, set())
+        kv_nodes = set(ar.kv_path(node, q, k, source, also_using=chain)) | chain
+    except ar.NotPositionwise:
+        kv_nodes = None
+    norm = ar.norm_joining(set(qpath) | kv_nodes | {node, *opath}) if qpath and kv_nodes is not None else set()
+    why = kv_why = ""
+    for joined in ([norm] if norm else []) + [set()]:
+        order = {n: i for i, n in enumerate(node.graph.nodes)}
+        path = sorted(set(qpath) | joined, key=order.__getitem__)
+        q_inputs = ar.inputs_of(path) if path else [q]
+        try:
+            dims, qwalk = ar.follow_inputs(path, q_inputs, length, [(q, 2)])
+        except ar.NotPositionwise as e:
+            why = why or str(e)
+            continue
+        try:
+            side, kv_why = _kv_side(node, q, k, v, unpadded, length, {i: dims[i] for i in q_inputs}, joined), ""
+        except ar.NotPositionwise as e:
+            if joined:   # the norm joins only where both paths are walked in blocks
+                continue
+            side, kv_why = None, str(e)
+        rows, params, region = _region(q, k, v, node, result, path, q_inputs, dims, qwalk, opath, o_inputs, odims,
+                                       owalk, side, offload)
+        try:
+            key = ab.register_region(region, [_val(i) for i in rows], [_val(i) for i in params], o_example)
+        except Exception as e:  # a program that still makes a sequence-long dim at a block's rows
+            why = why or f"the query path does not run on a block of rows ({type(e).__name__}: {e})"
+            continue
+        break
+    else:
+        return None, why, ""
+    qpath = path
     add = node_adder(sub.graph, _val(q).fake_mode, module_stack_of=node, trace_of=node)
     k_arg = v_arg = None
     if side is None:
@@ -236,6 +265,7 @@ def _query_blocks(sub: fx.GraphModule, node: fx.Node, a: dict, chunk: int, offlo
         op = add(torch.ops.boundpass.attention_blocks_fwd.default, rows, params, k_arg, v_arg, key,
                  bool(a["is_causal"]), float(a["scale"] or 0.0), int(chunk))
     op.meta["attention_value_dim"] = width
+    op.meta["attention_norm_joined"] = bool(joined)
     result.replace_all_uses_with(op)
     order = {n: i for i, n in enumerate(sub.graph.nodes)}
     dead = {*qpath, node, *opath, *(side.dead if side is not None else []),
@@ -292,7 +322,7 @@ def rewrite_attention_regions(gm: fx.GraphModule, chunk: int = 0, *,
                                        blocks_reason=why_not_blocks, kv_blocks=query_blocks and not why_not_blocks
                                        and not why_kv_whole, kv_reason=why_kv_whole,
                                        host=offload and query_blocks and not why_not_blocks and not why_kv_whole,
-                                       op_node=op))
+                                       norm=bool(op.meta.get("attention_norm_joined")), op_node=op))
     for sub in {id(s): s for s in touched}.values():
         sub.recompile()
     return regions

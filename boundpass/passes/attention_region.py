@@ -302,6 +302,34 @@ def output_path(sdpa: fx.Node) -> list[fx.Node]:
     return []
 
 
+# what a norm before a region may be made of (it joins the region when only the region reads it)
+_NORM_FUNCTIONS = _NORMS | _ELEMENTWISE_FUNCTIONS | _REDUCTIONS
+_NORM_METHODS = _ELEMENTWISE_METHODS | {"mean", "sum", "amax"}
+
+
+def norm_joining(inside: set) -> set:
+    """The nodes before ``inside`` that only it reads and that a norm is made of (a norm module's call or a
+    hand-written one's elementwise ops and reductions): the norm that joins a region, so that its intermediates
+    (an RMSNorm's fp32 copy of its input and normalised product, both saved whole for its backward) exist for a
+    block of rows at a time and the region's row input becomes the norm's input, the residual stream."""
+    if not inside:
+        return set()
+    order = {n: i for i, n in enumerate(next(iter(inside)).graph.nodes)}
+    grown, changed = set(), True
+    while changed:
+        changed = False
+        both = inside | grown
+        for n in inputs_of(sorted(both, key=order.__getitem__)):
+            if n in both or n.op in ("placeholder", "get_attr") or not n.users or any(u not in both for u in n.users):
+                continue
+            kind = (n.op == "call_function" and n.target in _NORM_FUNCTIONS) or \
+                (n.op == "call_method" and n.target in _NORM_METHODS)
+            if kind and isinstance(_val(n), torch.Tensor):
+                grown.add(n)
+                changed = True
+    return grown
+
+
 def inputs_of(path: list[fx.Node], *also: fx.Node) -> list[fx.Node]:
     """The nodes outside ``path`` that it reads, in first-use order (``also``: nodes to treat as inside)."""
     inside, out = set(path) | set(also), []

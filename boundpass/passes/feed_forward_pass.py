@@ -29,9 +29,6 @@ from boundpass.runtime import row_blocks as rb
 
 MIN_ROWS = 64         # narrower blocks only add launches; below this, the sequence itself must shrink
 _MOST_NODES = 96      # a region is a sublayer: a walk back from a linear that grows past this is not one
-# what the norm before the up projections may be made of (it joins the region when only the region reads it)
-_NORM_FUNCTIONS = ar._NORMS | ar._ELEMENTWISE_FUNCTIONS | ar._REDUCTIONS
-_NORM_METHODS = ar._ELEMENTWISE_METHODS | {"mean", "sum", "amax"}
 
 
 @dataclass
@@ -45,14 +42,19 @@ class FeedForwardRegion:
     length: object = None          # L
     width: int = 0                 # the widest intermediate's last dim
     norm: bool = False             # the norm before it joined the region
+    readers: int = 0               # a norm alone (its result read by this many nodes outside any region), or 0
     chunk: int = 0                 # C_r chosen by the budget
     flops_per_row: float = 0.0
+    bytes_per_row: float = 0.0     # a norm alone: its elementwise ops' memory traffic (the cost model's work)
     ops: int = 0                   # the program's nodes
     op_node: fx.Node | None = field(default=None, repr=False)
 
     def describe(self) -> str:
         if not self.rewritten:
             return f"SKIPPED   feed_forward {self.module_path}: {self.reason}"
+        if self.readers:
+            return (f"REWRITTEN feed_forward {self.module_path}: norm alone (its result read by {self.readers} "
+                    f"nodes) => boundpass::row_blocks, C_r rows at a time (L={self.length}, C_r={self.chunk})")
         what = "norm + " if self.norm else ""
         return (f"REWRITTEN feed_forward {self.module_path}: {what}up projections + activation + down projection => "
                 f"boundpass::row_blocks, C_r rows at a time (L={self.length}, widest {self.width}, "
@@ -97,23 +99,6 @@ def _core(down: fx.Node):
     if not ups or len(xs) != 1 or len(path) == len(ups):   # no activation between: two linear maps in a row
         return None
     return path | {down}, xs.pop()
-
-
-def _norm_before(path: set, x: fx.Node) -> set:
-    """The nodes making ``x`` that only the region reads and that a norm is made of (the norm joins the region)."""
-    grown, changed = set(), True
-    while changed:
-        changed = False
-        inside = path | grown
-        for n in ar.inputs_of(sorted(inside, key=_order(x))):
-            if n in inside or _input(n) or not n.users or any(u not in inside for u in n.users):
-                continue
-            kind = (n.op == "call_function" and n.target in _NORM_FUNCTIONS) or \
-                (n.op == "call_method" and n.target in _NORM_METHODS)
-            if kind and isinstance(_val(n), torch.Tensor):
-                grown.add(n)
-                changed = True
-    return grown
 
 
 def _order(node: fx.Node):
@@ -165,41 +150,71 @@ def _try(sub: fx.GraphModule, down: fx.Node, chunk: int):
         return {"reason": "the sequence length is symbolic in this graph", "width": width}, None
     if length <= 1:
         return None
-    norm = _norm_before(path, x)
-    attempts = ([path | norm] if norm else []) + [path]
+    norm = ar.norm_joining(path)
     why = ""
-    for nodes in attempts:
-        ordered = sorted(nodes, key=_order(down))
-        inputs = ar.inputs_of(ordered)
-        try:
-            dims, walker = ar.follow_inputs(ordered, inputs, length, [(down, y_dim)])
-        except ar.NotPositionwise as e:
-            why = why or str(e)
+    for nodes in ([path | norm] if norm else []) + [path]:
+        fields, op = _rewrite(sub, nodes, down, y_dim, length, chunk)
+        if op is None:
+            why = why or fields
             continue
-        rows = [i for i in inputs if dims[i] is not None]
-        params = [i for i in inputs if dims[i] is None]
-        if not all(isinstance(_val(i), torch.Tensor) for i in inputs):
-            why = why or "an input that is not a tensor"
-            continue
-        program = ar.program(ordered, rows + params, down, walker)
-        region = rb.Region(program=program, row_dims=tuple(dims[i] for i in rows), y_shape=tuple(y.shape),
-                           y_dim=y_dim, y_dtype=y.dtype,
-                           needs=tuple(bool(getattr(_val(i), "requires_grad", False)) for i in rows + params))
-        try:
-            key = rb.register_region(region, [_val(i) for i in rows], [_val(i) for i in params])
-        except Exception as e:  # a program that still makes a sequence-long dim at a block's rows
-            why = why or f"the region does not run on a block of rows ({type(e).__name__}: {e})"
-            continue
-        fields = {"length": length, "tokens": length, "width": width, "norm": nodes is not path,
-                  "flops_per_row": _flops_per_row(ordered, length), "ops": len(ordered)}
-        add = node_adder(sub.graph, y.fake_mode, module_stack_of=down, trace_of=down)
-        with sub.graph.inserting_before(down):
-            op = add(torch.ops.boundpass.row_blocks_fwd.default, rows, params, key, int(chunk))
-        down.replace_all_uses_with(op)
-        for n in sorted(nodes, key=_order(down), reverse=True):
-            sub.graph.erase_node(n)
+        fields.update(width=width, norm=nodes is not path)
         return fields, op
     return {"reason": why, "width": width}, None
+
+
+def _rewrite(sub: fx.GraphModule, nodes: set, y_node: fx.Node, y_dim: int, length: int, chunk: int):
+    """``nodes`` (ending at ``y_node``, its sequence dim ``y_dim``) replaced by one boundpass::row_blocks call: (its
+    record's fields, the op node), or (why not, None)."""
+    ordered = sorted(nodes, key=_order(y_node))
+    inputs = ar.inputs_of(ordered)
+    try:
+        dims, walker = ar.follow_inputs(ordered, inputs, length, [(y_node, y_dim)])
+    except ar.NotPositionwise as e:
+        return str(e), None
+    if not all(isinstance(_val(i), torch.Tensor) for i in inputs):
+        return "an input that is not a tensor", None
+    rows = [i for i in inputs if dims[i] is not None]
+    params = [i for i in inputs if dims[i] is None]
+    y = _val(y_node)
+    program = ar.program(ordered, rows + params, y_node, walker)
+    region = rb.Region(program=program, row_dims=tuple(dims[i] for i in rows), y_shape=tuple(y.shape),
+                       y_dim=y_dim, y_dtype=y.dtype,
+                       needs=tuple(bool(getattr(_val(i), "requires_grad", False)) for i in rows + params))
+    try:
+        key = rb.register_region(region, [_val(i) for i in rows], [_val(i) for i in params])
+    except Exception as e:  # a program that still makes a sequence-long dim at a block's rows
+        return f"the region does not run on a block of rows ({type(e).__name__}: {e})", None
+    fields = {"length": length, "tokens": length, "flops_per_row": _flops_per_row(ordered, length),
+              "ops": len(ordered)}
+    add = node_adder(sub.graph, y.fake_mode, module_stack_of=y_node, trace_of=y_node)
+    with sub.graph.inserting_before(y_node):
+        op = add(torch.ops.boundpass.row_blocks_fwd.default, rows, params, key, int(chunk))
+    y_node.replace_all_uses_with(op)
+    for n in sorted(nodes, key=_order(y_node), reverse=True):
+        sub.graph.erase_node(n)
+    return fields, op
+
+
+def _try_norm(sub: fx.GraphModule, node: fx.Node, chunk: int):
+    """A norm call no region took (an MoE block's ffn_norm, whose result the router, the routed experts and the
+    shared experts all read) in row blocks alone: its result stays whole, its intermediates (an RMSNorm's fp32 copy
+    of its input and normalised product, saved whole for its backward) exist a block at a time, and its backward
+    recomputes them from its input. (record fields, op), or None when ``node`` is no norm over rows."""
+    if node.op != "call_function" or node.target not in ar._NORMS:
+        return None
+    y = _val(node)
+    found = _rows_dim(y) if isinstance(y, torch.Tensor) else None
+    if found is None or not isinstance(found[1], int) or found[1] <= 1:
+        return None
+    y_dim, length = found
+    readers = len(node.users)
+    fields, op = _rewrite(sub, {node}, node, y_dim, length, chunk)
+    if op is None:
+        return {"reason": fields, "width": int(y.shape[-1])}, None
+    # no matmul: its memory traffic (an element read, its fp32 copy and product written and read, the result
+    # written: ~24 B) against the launches sets its knee where no feed-forward's does (FeedForwardPass.knobs)
+    fields.update(width=int(y.shape[-1]), readers=readers, bytes_per_row=24.0 * int(y.shape[-1]))
+    return fields, op
 
 
 def rewrite_feed_forward_regions(gm: fx.GraphModule, chunk: int = 0) -> list[FeedForwardRegion]:
@@ -218,6 +233,14 @@ def rewrite_feed_forward_regions(gm: fx.GraphModule, chunk: int = 0) -> list[Fee
             path = module_path(op if op is not None else down) or "<top level>"
             regions.append(FeedForwardRegion(module_path=path, rewritten=op is not None, chunk=int(chunk),
                                              op_node=op, **fields))
+            touched = touched or op is not None
+        for node in [n for n in sub.graph.nodes if n.op == "call_function" and n.target in ar._NORMS]:
+            found = _try_norm(sub, node, chunk)
+            if found is None:
+                continue
+            fields, op = found
+            regions.append(FeedForwardRegion(module_path=module_path(op if op is not None else node) or "<top level>",
+                                             rewritten=op is not None, chunk=int(chunk), op_node=op, **fields))
             touched = touched or op is not None
         if touched:
             sub.graph.lint()
@@ -241,8 +264,10 @@ class FeedForwardPass:
         if not rewritten:
             return []
         costs = cost_model.costs_for(_val(rewritten[0].op_node).device.type)
+        # a norm alone is launch-bound (no matmul): it takes the rows the feed-forwards' knee gives, where there are any
+        timed = [(r, n) for r, n in zip(rewritten, lengths) if not r.readers] or list(zip(rewritten, lengths))
         knee = max(cost_model.row_blocks_knee(lo=lo, hi=hi, L=n, flops_per_row=r.flops_per_row, ops=r.ops,
-                                              costs=costs) for r, n in zip(rewritten, lengths))
+                                              costs=costs, bytes_per_row=r.bytes_per_row) for r, n in timed)
         return [Knob("feed_forward_chunk", rb.C_r_sym, lo=lo, hi=hi, arg="chunk",
                      ops=(torch.ops.boundpass.row_blocks_fwd.default, torch.ops.boundpass.row_blocks_bwd.default),
                      user=ctx.config.feed_forward.chunk, regions=rewritten, knee=knee, owner=self.name)]

@@ -38,8 +38,8 @@ def test_rewritten_exact_certified_both_ways_and_refused_just_below():
     regions = report.rewritten_of("attention")
     assert len(regions) == 2 and all(r.causal and r.heads == 4 and r.kv_heads == 2 and r.v_head_dim == 24
                                      for r in regions)
-    # the whole sublayer in query blocks, k and v made per key tile
-    assert all(r.blocks and r.kv_blocks for r in regions), [r.describe() for r in regions]
+    # the whole sublayer in query blocks, k and v made per key tile, the norm before it joined (only it reads it)
+    assert all(r.blocks and r.kv_blocks and r.norm for r in regions), [r.describe() for r in regions]
     knob = next(k for k in step.certificates[-1].planner.knobs if k.name == "attention_chunk")
     assert knob.why == "knee" and knob.lo <= knob.value == knob.knee <= 512
     assert "attention_chunk = " in report.text(graph="none")
@@ -54,6 +54,27 @@ def test_rewritten_exact_certified_both_ways_and_refused_just_below():
     with pytest.raises(boundpass.InfeasibleBudgetError, match="cannot be met"):
         tight(*batch)
     assert all(p.grad is None for p in tight.model.parameters())
+
+
+class _NormReadOutside(LM):
+    """Each block's norm output also read outside the attention (a parallel block's MLP reads it so)."""
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for norm, attn in zip(self.norms, self.attn):
+            n = norm(h)
+            h = h + attn(n) + 0.5 * n
+        return self.head(h)
+
+
+def test_a_norm_read_outside_the_sublayer_stays_outside_it():
+    model = _NormReadOutside()
+    plain = copy.deepcopy(model)
+    step = boundpass.compile(model, loss_fn=_loss, budget="1GiB", attention_enable=True)
+    _close_step(step, model, plain, _batch(256))
+    regions = boundpass.explain(step).rewritten_of("attention")
+    assert len(regions) == 2 and all(r.blocks and r.kv_blocks and not r.norm for r in regions), \
+        [r.describe() for r in regions]
 
 
 def test_the_tile_the_budget_allows_and_the_users_tile():
@@ -209,6 +230,10 @@ def test_torchtitans_attention_is_rewritten(family):
     assert len(report.rewritten_of("attention")) == len(model.layers)
     # MLA / GQA with RoPE (qwen3's fused q/k/v projection too): position-wise, k and v made per key tile
     assert all(r.blocks and r.kv_blocks for r in report.rewritten_of("attention"))
+    # MLA: attention_norm is read by the query and key / value paths alone, so it joins them (its fp32 intermediates
+    # per block); qwen3's is read by the fused q/k/v projection both paths share, outside either: it stays outside
+    joined = [r.norm and "norm + query path" in r.describe() for r in report.rewritten_of("attention")]
+    assert all(joined) if family == "deepseek_v3" else not any(joined), joined
     assert report.rewritten_of("vocab") and report.rewritten_of("dispatch")
 
 

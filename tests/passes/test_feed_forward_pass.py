@@ -79,6 +79,43 @@ def test_an_intermediate_read_elsewhere_is_skipped_with_the_reason():
     assert "used outside the region" in skipped.reason
 
 
+class NormTwoReaders(nn.Module):
+    """A norm whose result two parts read (as an MoE block's ffn_norm: the router and the experts), in bf16: it
+    stays out of any region and runs in row blocks alone."""
+
+    def __init__(self, vocab=256, hidden=64):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, hidden)
+        self.norm = nn.RMSNorm(hidden)
+        self.gate, self.value = nn.Linear(hidden, hidden, bias=False), nn.Linear(hidden, hidden, bias=False)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        n = self.norm(h)   # bf16 in and out, fp32 inside (torch's rms_norm)
+        return self.head(h + torch.sigmoid(self.gate(n)) * self.value(n))
+
+
+def test_a_norm_read_by_several_parts_runs_in_row_blocks_alone_exact_and_certified_both_ways():
+    plain = NormTwoReaders().to(torch.bfloat16)
+    batches = lm_batches(256, 1, 2048, n=3)
+    model = copy.deepcopy(plain)
+    step = boundpass.compile(model, loss_fn=ce, budget="1GiB", feed_forward_enable=True)
+    _close_step(step, model, copy.deepcopy(plain), batches[0], rtol=2e-2, atol=2e-2)
+    (region,) = boundpass.explain(step).rewritten_of("feed_forward")
+    assert region.readers == 2 and "norm alone" in region.describe(), region.describe()
+    assert 64 <= region.chunk < 2048   # in blocks: its elementwise work against the launches (the knee)
+    model.zero_grad(set_to_none=True)
+    measured = allocator_step_peak(step, model, None, batches)
+    cert = step.certificates[-1]
+    assert measured <= cert.table.total <= 1.10 * measured, (cert.table.total, measured)
+    off = boundpass.compile(copy.deepcopy(plain), loss_fn=ce, budget="1GiB")
+    unrewritten = allocator_step_peak(off, off.model, None, batches)
+    # the norm's fp32 copy of its input, saved whole for its backward, is gone
+    assert measured <= unrewritten - 2048 * 64 * 4, (measured, unrewritten)
+
+
 def test_off_by_default():
     step = boundpass.compile(DenseLM(vocab=256, hidden=32, inter=128), loss_fn=ce, budget="1GiB")
     step(*lm_batches(256, 1, 64, n=1)[0]).backward()
@@ -88,7 +125,7 @@ def test_off_by_default():
 @pytest.mark.torchtitan
 def test_torchtitans_dense_block_and_shared_experts_are_rewritten():
     """deepseek_v3: block 0's dense feed-forward with its norm, every MoE block's shared experts (the norm is read by
-    the router too: it stays), beside the attention, dispatch and vocab passes."""
+    the router too: it stays out, in row blocks alone), beside the attention, dispatch and vocab passes."""
     pytest.importorskip("torchtitan")
     from boundpass.recipes.models import build_debug_moe
 
@@ -103,7 +140,13 @@ def test_torchtitans_dense_block_and_shared_experts_are_rewritten():
     report = boundpass.explain(step)
     regions = report.rewritten_of("feed_forward")
     paths = sorted(r.module_path for r in regions)
-    assert paths == ["model.layers.0.feed_forward.w2"] + [f"model.layers.{i}.moe.shared_experts.w2"
-                                                          for i in range(1, len(model.layers))], paths
+    # the MoE blocks' ffn_norm (read by the router, the routed and the shared experts) and the final norm (read by
+    # the head) in row blocks alone: their results whole, their intermediates per block
+    moe = [f"model.layers.{i}.{part}" for i in range(1, len(model.layers)) for part in ("ffn_norm",
+                                                                                       "moe.shared_experts.w2")]
+    assert paths == sorted(["model.layers.0.feed_forward.w2", *moe, "model.norm"]), paths
     assert [r.norm for r in regions if "feed_forward" in r.module_path] == [True]
+    alone = [r for r in regions if r.readers]
+    assert len(alone) == len(model.layers) and all("norm alone" in r.describe() for r in alone)
+    assert all(r.readers >= 2 for r in alone if "ffn_norm" in r.module_path), [r.describe() for r in alone]
     assert report.rewritten_of("attention") and report.rewritten_of("dispatch") and report.rewritten_of("vocab")
