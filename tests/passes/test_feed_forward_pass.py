@@ -19,6 +19,19 @@ def _close_step(step, model, plain, batch, *, rtol=1e-5, atol=1e-5, loss_fn=ce):
     assert_step_matches(step, model, plain, batch, loss_fn, rtol=rtol, atol=atol)
 
 
+def _certified_both_ways_and_below_unrewritten(step, model, plain, batches, gone: int):
+    """The step's peak at torch's allocator within its certificate (<= 1.10x), and at least ``gone`` bytes below the
+    same model's step without the pass; the certificate."""
+    model.zero_grad(set_to_none=True)
+    measured = allocator_step_peak(step, model, None, batches)
+    cert = step.certificates[-1]
+    assert measured <= cert.table.total <= 1.10 * measured, (cert.table.total, measured)
+    off = boundpass.compile(copy.deepcopy(plain), loss_fn=ce, budget="1GiB")
+    unrewritten = allocator_step_peak(off, off.model, None, batches)
+    assert measured <= unrewritten - gone, (measured, unrewritten)
+    return cert
+
+
 def test_rewritten_exact_certified_both_ways_below_the_unrewritten_and_refused_just_below():
     plain = DenseLM(vocab=512, hidden=64, inter=2048)
     batches = lm_batches(512, 1, 2048, n=3)
@@ -31,14 +44,8 @@ def test_rewritten_exact_certified_both_ways_below_the_unrewritten_and_refused_j
     assert knob.why == "knee" and knob.lo <= knob.value == knob.knee <= 2048 and region.chunk == knob.value
     assert "feed_forward_chunk = " in boundpass.explain(step).text(graph="none")
 
-    model.zero_grad(set_to_none=True)
-    measured = allocator_step_peak(step, model, None, batches)
-    cert = step.certificates[-1]
-    assert measured <= cert.table.total <= 1.10 * measured, (cert.table.total, measured)
-    off = boundpass.compile(copy.deepcopy(plain), loss_fn=ce, budget="1GiB")
-    unrewritten = allocator_step_peak(off, off.model, None, batches)
     # at least two [L, inter] fp32 intermediates of the whole sequence are gone
-    assert measured < unrewritten - 2 * 2048 * 2048 * 4, (measured, unrewritten)
+    cert = _certified_both_ways_and_below_unrewritten(step, model, plain, batches, 2 * 2048 * 2048 * 4)
 
     least = cert.total_at(**{k.name: k.lo for k in cert.planner.knobs})
     tight = boundpass.compile(copy.deepcopy(plain), loss_fn=ce, budget=least - 1, feed_forward_enable=True)
@@ -106,14 +113,8 @@ def test_a_norm_read_by_several_parts_runs_in_row_blocks_alone_exact_and_certifi
     (region,) = boundpass.explain(step).rewritten_of("feed_forward")
     assert region.readers == 2 and "norm alone" in region.describe(), region.describe()
     assert 64 <= region.chunk < 2048   # in blocks: its elementwise work against the launches (the knee)
-    model.zero_grad(set_to_none=True)
-    measured = allocator_step_peak(step, model, None, batches)
-    cert = step.certificates[-1]
-    assert measured <= cert.table.total <= 1.10 * measured, (cert.table.total, measured)
-    off = boundpass.compile(copy.deepcopy(plain), loss_fn=ce, budget="1GiB")
-    unrewritten = allocator_step_peak(off, off.model, None, batches)
     # the norm's fp32 copy of its input, saved whole for its backward, is gone
-    assert measured <= unrewritten - 2048 * 64 * 4, (measured, unrewritten)
+    _certified_both_ways_and_below_unrewritten(step, model, plain, batches, 2048 * 64 * 4)
 
 
 def test_off_by_default():
