@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     p.add_argument("--reuse", default="", help="a runs file (this bench's --runs) whose points are not rerun")
     p.add_argument("--runs", default=str(Path(tempfile.gettempdir()) / "attention_sublayer_runs.json"))
     p.add_argument("--provenance", default="", help="how the reused runs were made (rendered instead of the command)")
-    p.add_argument("--reach-budget", default="1GiB", help="the budget the table says which lengths fit")
+    p.add_argument("--reach-budget", default="1GiB,2GiB",
+                   help="the budgets (comma-separated) the table says which lengths fit and the reach is given at")
     p.add_argument("--rope-to-seq-len", action="store_true",
                    help="every variant's RoPE table sized to its length (--boundpass.rope_to_seq_len): past 16,384")
     p.add_argument("--certify-only-from", type=int, default=1 << 30,
@@ -110,6 +111,8 @@ def main(argv=None) -> int:
     common = sorted(set.intersection(*ran)) if ran else []
     for variant in VARIANTS:
         points = dict((r["seq"], r["peak"]) for r in grid if r["variant"] == variant and r.get("peak"))
+        if len(points) < 2:
+            continue
         spans = {tuple(sorted(points)[-2:])} | ({tuple(common[-2:])} if len(common) > 1 else set())
         for a, b in sorted(s for s in spans if len(s) == 2):
             data["slopes"].append(dict(variant=variant, between=[a, b],
@@ -124,7 +127,7 @@ def main(argv=None) -> int:
 def render(data: dict) -> str:
     meta = data["meta"]
     from boundpass.core.units import parse_bytes
-    budget = parse_bytes(data["reach_budget"])
+    budgets = [(b, parse_bytes(b)) for b in data["reach_budget"].split(",")]
     made = data.get("provenance") or f"`{data['command']}`"
     lines = ["# The attention sublayer in query blocks, whole step on torchtitan's trainer (issue 36)", "",
              f"{made}; rendered {meta['date_utc']}, torch {meta['torch']}, {meta['nproc']} cores, one thread per run. "
@@ -139,9 +142,10 @@ def render(data: dict) -> str:
                                                  r["seq"])):
         cert = r.get("certified")
         certified_only = r.get("measure", "").startswith("certified only")
-        fits = r.get("peak") and r["peak"] <= budget and (cert is None or cert <= budget)
-        fit_text = ("yes (certified only)" if r.get("accepted") and cert <= budget else "no (refused)") \
-            if certified_only else ("yes" if fits else "no")
+        fit_text = ((f"{r.get('budget')} (certified only)" if r.get("accepted") else f"refused at {r.get('budget')}")
+                    if certified_only or not r.get("peak") else
+                    ", ".join(name for name, limit in budgets
+                              if r["peak"] <= limit and (cert is None or cert <= limit)) or "no")
         profiled = r.get("measure", "profiler") != "the counting allocator alone"
         host = r.get("host_bytes")
         table.append([r["variant"] + (" (RoPE at L)" if r.get("rope_to_seq_len") else ""), f"{r['seq']:,}",
@@ -157,7 +161,7 @@ def render(data: dict) -> str:
                       f"{statistics.median(r['step_seconds']):.1f} s ({len(r['step_seconds'])})"
                       if r.get("step_seconds") else "—"])
     lines += [markdown_table(["variant", "L", "budget", "measured peak (step 2)", "counting allocator",
-                              "certified", "certified / measured", "host (set aside)", f"fits {data['reach_budget']}",
+                              "certified", "certified / measured", "host (set aside)", "fits",
                               "C_s", "C_r", "step 2 (profiled)", "later steps, median (n)"], table), "",
               "(RoPE at L): `--boundpass.rope_to_seq_len`, every block's RoPE table sized to the run's length (the "
               "debug flavor's stops at 16,384 positions), on both sides; the slopes below are the grid's, without it.",
@@ -165,9 +169,11 @@ def render(data: dict) -> str:
               "host (set aside): every host buffer boundpass holds by design (OffloadStreamAdamW's state, SCO's and "
               "the attention op's pools), left out of the device measure. Later steps: no profiler, nothing "
               "measured.", "",
-              "yes (certified only): `--certify-only-from`, the run stopped after step 1's forward "
-              "(`--boundpass.certify_only`): boundpass's certificate accepted the budget; nothing was measured (a step "
-              "that long takes hours on this CPU: attention is quadratic).", "",
+              "fits: the reach budgets its measured peak and its certificate are both under. (certified only): "
+              "`--certify-only-from`, the run stopped after step 1's forward (`--boundpass.certify_only`, the block "
+              "graphs compiled and checked, computing nothing): boundpass's certificate accepted the run's budget; "
+              "nothing was measured (a step that long takes hours on this CPU: attention is quadratic). refused: "
+              "the certificate refused the run's budget before anything ran.", "",
               "‡ measured by the counting allocator alone (`bench/e2e.measured_step(profiler=False)`: the profiler's "
               "event tree of a step this long does not fit this machine's memory); its time is not under the "
               "profiler. The counting allocator's column beside the profiler's peak shows the two measures agree "
@@ -177,26 +183,31 @@ def render(data: dict) -> str:
         lines.append(f"- {sl['variant']}: the peak grows {sl['bytes_per_token'] / 1024:.1f} KiB per token between "
                      f"L = {a:,} and {b:,}.")
     stock = [r for r in data["runs"] if r["variant"] == "stock" and r.get("peak")]
-    fit = [r["seq"] for r in stock if r["peak"] <= budget]
-    miss = [r["seq"] for r in stock if r["peak"] > budget]
-    if fit:
+    for name, budget in budgets:
+        fit = [r["seq"] for r in stock if r["peak"] <= budget]
+        miss = [r["seq"] for r in stock if r["peak"] > budget]
+        if not fit:
+            continue
         longest = max(fit)
-        lines += ["", f"Reach at {data['reach_budget']} (1 rank), over the lengths this page ran: stock's longest "
-                  f"measured L that fits is {longest:,}"
-                  + (f" (its first measured miss here: {min(m for m in miss if m > longest):,})"
-                     if any(m > longest for m in miss) else "") + "."]
+        lines += ["", f"Reach at {name} (1 rank), over the lengths this page ran: stock's longest measured L that "
+                  f"fits is {longest:,}" + (f" (its first measured miss here: {min(m for m in miss if m > longest):,})"
+                                            if any(m > longest for m in miss) else "") + "."]
         for variant in VARIANTS:
             if variant == "stock":
                 continue
             runs_v = [r for r in data["runs"] if r["variant"] == variant]
             measured = [r["seq"] for r in runs_v if r.get("peak") and r["peak"] <= budget
                         and r.get("certified", 0) <= budget]
-            certified = [r["seq"] for r in runs_v if r.get("measure", "").startswith("certified only")
-                         and r.get("accepted") and r.get("certified", budget + 1) <= budget]
-            if measured:
-                lines.append(f"- {variant}: longest run that fits {max(measured):,} ({max(measured) / longest:.1f}x)"
-                             + (f"; longest accepted by the certificate (certified only, not run) {max(certified):,} "
-                                f"({max(certified) / longest:.1f}x)" if certified else ""))
+            only = [r for r in runs_v if r.get("measure", "").startswith("certified only") and r.get("budget") == name]
+            certified = [r["seq"] for r in only if r.get("accepted")]
+            refused = [r["seq"] for r in only if not r.get("accepted") and r["seq"] > max(certified, default=0)]
+            if measured or certified:
+                lines.append(f"- {variant}: "
+                             + (f"longest run that fits {max(measured):,} ({max(measured) / longest:.1f}x)"
+                                if measured else "no run that fits")
+                             + (f"; longest accepted by the certificate at {name} (certified only, not run) "
+                                f"{max(certified):,} ({max(certified) / longest:.1f}x)" if certified else "")
+                             + (f", refused from {min(refused):,}" if refused else ""))
     if data.get("blocks_regions"):
         lines += ["", "The attention pass's region (the last run with it), from boundpass's summary:", "", "```",
                   *data["blocks_regions"], "```"]

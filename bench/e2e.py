@@ -311,6 +311,8 @@ def reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens, 
     args = _reach_args(variant, seq, budget, backend, chunk_tokens, host_budget, 2 + timed_steps, dump.name, extra)
     out = dict(variant=variant, seq=seq, budget=budget, accepted=None, peak=None, reason="",
                args=[a for a in args if a != dump.name and a != "--dump_folder"])
+    if certify_only:   # accepted or refused, nothing is measured
+        out["measure"] = "certified only (step 1's forward; nothing measured)"
     start = time.perf_counter()
     config = config_manager_class()().parse_args(args)
     from torchtitan.distributed.activation_checkpoint import FullAC
@@ -349,7 +351,6 @@ def reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens, 
             out["sco_count"] = getattr(trainer.blocks, "sco_count", None)
             out["summary"] = trainer.summary()
         if certify_only:
-            out["measure"] = "certified only (step 1's forward; nothing measured)"
             return out
         trainer.step = 2
         t0 = time.perf_counter()
