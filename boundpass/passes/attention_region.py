@@ -322,12 +322,18 @@ def norm_joining(inside: set) -> set:
         for n in inputs_of(sorted(both, key=order.__getitem__)):
             if n in both or n.op in ("placeholder", "get_attr") or not n.users or any(u not in both for u in n.users):
                 continue
-            kind = (n.op == "call_function" and n.target in _NORM_FUNCTIONS) or \
-                (n.op == "call_method" and n.target in _NORM_METHODS)
-            if kind and isinstance(_val(n), torch.Tensor):
+            if is_norm_op(n):
                 grown.add(n)
                 changed = True
     return grown
+
+
+def is_norm_op(n: fx.Node) -> bool:
+    """Whether ``n`` is what a norm may be made of: a norm call, or an elementwise op or reduction of a hand-written
+    one, with a tensor result."""
+    kind = (n.op == "call_function" and n.target in _NORM_FUNCTIONS) or \
+        (n.op == "call_method" and n.target in _NORM_METHODS)
+    return kind and isinstance(_val(n), torch.Tensor)
 
 
 def inputs_of(path: list[fx.Node], *also: fx.Node) -> list[fx.Node]:

@@ -195,12 +195,27 @@ def _rewrite(sub: fx.GraphModule, nodes: set, y_node: fx.Node, y_dim: int, lengt
     return fields, op
 
 
+def _norm_alone(node: fx.Node) -> set | None:
+    """The nodes of the norm whose result ``node`` is, or None: a norm call (torchtitan's and PyTorch's modules call
+    ``F.rms_norm`` / ``F.layer_norm``), or a hand-written one (HF's ``*RMSNorm``: a cast, a square, a mean over the
+    last dim, an rsqrt, products, a cast back), the elementwise ops and reductions only its result reads, with an
+    rsqrt and a reduction among them; ``node`` is where the norm ends (some reader is not part of it)."""
+    if not ar.is_norm_op(node) or not node.users or all(ar.is_norm_op(u) for u in node.users):
+        return None
+    nodes = ar.norm_joining({node}) | {node}
+    names = {ar._name(n) for n in nodes}
+    if node.target in ar._NORMS or ("rsqrt" in names and names & {"mean", "sum"}):
+        return nodes
+    return None
+
+
 def _try_norm(sub: fx.GraphModule, node: fx.Node, chunk: int):
-    """A norm call no region took (an MoE block's ffn_norm, whose result the router, the routed experts and the
-    shared experts all read) in row blocks alone: its result stays whole, its intermediates (an RMSNorm's fp32 copy
-    of its input and normalised product, saved whole for its backward) exist a block at a time, and its backward
-    recomputes them from its input. (record fields, op), or None when ``node`` is no norm over rows."""
-    if node.op != "call_function" or node.target not in ar._NORMS:
+    """A norm no region took (an MoE block's, whose result the router, the routed experts and the shared experts all
+    read; the final one) in row blocks alone: its result stays whole, its intermediates (an RMSNorm's fp32 copy of
+    its input and normalised product, saved whole for its backward) exist a block at a time, and its backward
+    recomputes them from its input. (record fields, op), or None when ``node`` ends no norm over rows."""
+    nodes = _norm_alone(node)
+    if nodes is None:
         return None
     y = _val(node)
     found = _rows_dim(y) if isinstance(y, torch.Tensor) else None
@@ -208,7 +223,7 @@ def _try_norm(sub: fx.GraphModule, node: fx.Node, chunk: int):
         return None
     y_dim, length = found
     readers = len(node.users)
-    fields, op = _rewrite(sub, {node}, node, y_dim, length, chunk)
+    fields, op = _rewrite(sub, nodes, node, y_dim, length, chunk)
     if op is None:
         return {"reason": fields, "width": int(y.shape[-1])}, None
     # no matmul: its memory traffic (an element read, its fp32 copy and product written and read, the result
@@ -234,7 +249,9 @@ def rewrite_feed_forward_regions(gm: fx.GraphModule, chunk: int = 0) -> list[Fee
             regions.append(FeedForwardRegion(module_path=path, rewritten=op is not None, chunk=int(chunk),
                                              op_node=op, **fields))
             touched = touched or op is not None
-        for node in [n for n in sub.graph.nodes if n.op == "call_function" and n.target in ar._NORMS]:
+        for node in [n for n in sub.graph.nodes if ar.is_norm_op(n)]:
+            if getattr(node, "_erased", False):   # in a norm rewritten already
+                continue
             found = _try_norm(sub, node, chunk)
             if found is None:
                 continue

@@ -349,8 +349,8 @@ def test_hf_trainer_drives_the_compiled_model_exactly():
 def test_the_feed_forwards_are_walked_in_row_blocks_and_exact(family):
     """HF's MLPs (gate_proj / up_proj -> act -> down_proj): qwen2_moe's shared expert (on the flattened tokens),
     deepseek_v3's dense first layer (with its RMSNorm, which only it reads) and shared experts, each walked in row
-    blocks beside the attention; loss and gradients as eager HF's. An MLP no wider than its input is left, with that
-    reason."""
+    blocks beside the attention, and the hand-written RMSNorms other parts read in row blocks alone; loss and
+    gradients as eager HF's. An MLP no wider than its input is left, with that reason."""
     common = _common()
     torch.manual_seed(0)
     if family == "qwen2_moe":
@@ -358,6 +358,9 @@ def test_the_feed_forwards_are_walked_in_row_blocks_and_exact(family):
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=128,
             **common))
         expected = [(f"model.model.layers.{i}.mlp.shared_expert.down_proj", False) for i in (0, 1)]
+        # the MoE layers' norm (read by the router, the experts, the shared expert and its gate), the final one; the
+        # input norm joins the attention sublayer (only its q / k / v projections read it)
+        expected_alone = [f"model.model.layers.{i}.post_attention_layernorm" for i in (0, 1)] + ["model.model.norm"]
     else:
         model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=2, n_group=1,
@@ -365,11 +368,18 @@ def test_the_feed_forwards_are_walked_in_row_blocks_and_exact(family):
             qk_nope_head_dim=16, v_head_dim=16, **{**common, "num_key_value_heads": 4}))
         expected = [("model.model.layers.0.mlp.down_proj", True),
                     ("model.model.layers.1.mlp.shared_experts.down_proj", False)]
+        # the attention is the call alone here (above): its input norm and the kv latent's norm stay outside it
+        expected_alone = sorted([f"model.model.layers.{i}.{n}" for i in (0, 1)
+                                 for n in ("input_layernorm", "self_attn.kv_a_layernorm")]
+                                + ["model.model.layers.1.post_attention_layernorm", "model.model.norm"])
     plain = copy.deepcopy(model)
     step = boundpass.compile(model, budget="1GiB", attention_enable=True, feed_forward_enable=True)
     _matches_eager(step, model, plain)
     report = boundpass.explain(step)
-    assert sorted((r.module_path, r.norm) for r in report.rewritten_of("feed_forward")) == expected
+    assert sorted((r.module_path, r.norm) for r in report.rewritten_of("feed_forward") if not r.readers) == expected
+    # HF's hand-written RMSNorms (casts, square, mean, rsqrt, products) that several parts read, in row blocks alone
+    alone = sorted(r.module_path for r in report.rewritten_of("feed_forward") if r.readers)
+    assert alone == expected_alone, alone
     narrow = boundpass.compile(_model("qwen2_moe"), budget="1GiB", feed_forward_enable=True)   # 64 <= H = 64
     tokens, labels = _batch()
     narrow(input_ids=tokens, labels=labels).loss.backward()
