@@ -154,8 +154,8 @@ class FeedForwardConfig:
     """Rewrite each feed-forward region (its norm where only it reads the norm, the up projections, the activation,
     the down projection: a block's dense MLP, MoE shared experts; found by structure and proved position-wise) to
     boundpass::row_blocks, walked C_r rows at a time and recomputed per block in the backward, so its intermediates
-    are never whole; a norm call several parts read (an MoE block's, the final one) in row blocks alone. Off by
-    default: the weights' gradients are summed over the blocks (reordered sums)."""
+    are never whole; a norm other parts read (an MoE block's, the final one; a call or hand-written) in row blocks
+    alone. Off by default: the weights' gradients are summed over the blocks (reordered sums)."""
     chunk: int | None = None
     """The rows per block C_r. None: the planner's choice, min(the widest the budget allows, the knee of the modelled
     time) (docs/knobs.md)."""
