@@ -387,8 +387,10 @@ def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
                           o's gradient + dq + the kernels' backward tile,
                           o's gradient + 3 o_n in b_acc                (rowsum(dO O), with a kv program)
                           dq + Q_n (the query program's gradients) + X_n + the query path's weight gradients),
-                    S + 2 KV_n + X_n + the kv weights' gradients       (key-outer: one key tile under autograd)
-                    + its gradients in b_acc and b + the backward tile)"""
+                    S' + KV_n + X_n + the kv weights' gradients        (key-outer: one key tile under autograd,
+                    + max(its gradients in b_acc + the key tile's workspace  then the kernel's walk over the
+                          + (host) the q / dO tiles it reads,           query tiles, or the program's vjp;
+                          KV_n + its gradients in b_acc and b)))         S' = S but the host tiles)"""
     r = region_of(a["region"])
     k, v, rows, params = a["k"], a["v"], a["rows"], a["params"]
     length = rb.length_expr(r.row_dims, rows)
@@ -456,8 +458,14 @@ def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
     phases = [query_outer]
     if walk_kv:
         phases.append(held_kv + KV_n + stash)
-        phases.append(kept + read + 2 * KV_n + n * r.input_row_bytes + weights[1]
-                      + n * batch * kv_heads * (d_qk + d_v) * (acc + b) + tile_k)
+        # key-outer, one key tile: its kv program under autograd (KV_n), then either the kernel's walk over the query
+        # tiles (its fp32 dk / dv, the tile workspace, the q / dO rows it reads) or the program's vjp (dk / dv, their
+        # casts, the program's gradients <= KV_n); q / dO whole on the device are read through both
+        tile_grads = n * batch * kv_heads * (d_qk + d_v)
+        walk = tile_grads * acc + tile_k + (read if host else zero)
+        vjp = KV_n + tile_grads * (acc + b)
+        phases.append(kept + (zero if host else read) + KV_n + n * r.input_row_bytes + weights[1]
+                      + sympy.Max(walk, vjp))
     return length * y_row + inputs + outputs + sympy.Max(*phases)
 
 
