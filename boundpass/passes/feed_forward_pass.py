@@ -238,27 +238,21 @@ def rewrite_feed_forward_regions(gm: fx.GraphModule, chunk: int = 0) -> list[Fee
     regions = []
     for sub in list(graph_modules(gm)):   # checkpointed blocks keep theirs in the HOP's body
         touched = False
-        for down in reversed([n for n in sub.graph.nodes if _linear(n)]):
-            if getattr(down, "_erased", False):   # inside a region rewritten already
-                continue
-            found = _try(sub, down, chunk)
-            if found is None:
-                continue
-            fields, op = found
-            path = module_path(op if op is not None else down) or "<top level>"
-            regions.append(FeedForwardRegion(module_path=path, rewritten=op is not None, chunk=int(chunk),
-                                             op_node=op, **fields))
-            touched = touched or op is not None
-        for node in [n for n in sub.graph.nodes if ar.is_norm_op(n)]:
-            if getattr(node, "_erased", False):   # in a norm rewritten already
-                continue
-            found = _try_norm(sub, node, chunk)
-            if found is None:
-                continue
-            fields, op = found
-            regions.append(FeedForwardRegion(module_path=module_path(op if op is not None else node) or "<top level>",
-                                             rewritten=op is not None, chunk=int(chunk), op_node=op, **fields))
-            touched = touched or op is not None
+        # the feed-forwards first (a norm only one reads joins it), then the norms left, alone
+        walks = ((lambda: reversed([n for n in sub.graph.nodes if _linear(n)]), _try),
+                 (lambda: [n for n in sub.graph.nodes if ar.is_norm_op(n)], _try_norm))
+        for candidates, attempt in walks:
+            for node in candidates():
+                if getattr(node, "_erased", False):   # inside a region rewritten already
+                    continue
+                found = attempt(sub, node, chunk)
+                if found is None:
+                    continue
+                fields, op = found
+                path = module_path(op if op is not None else node) or "<top level>"
+                regions.append(FeedForwardRegion(module_path=path, rewritten=op is not None, chunk=int(chunk),
+                                                 op_node=op, **fields))
+                touched = touched or op is not None
         if touched:
             sub.graph.lint()
             sub.recompile()
