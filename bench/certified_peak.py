@@ -22,12 +22,12 @@ PASSES = ("--boundpass.attention.enable", "--boundpass.feed_forward.enable", "--
 
 
 def certified_points(rank, world, assets: str, seq: int, budget: str, top: int, extra: tuple) -> str:
-    from bench.e2e import _reach_args, trainer_rank_setup
+    from bench.e2e import reach_args, trainer_rank_setup
     trainer_rank_setup(assets)
     from boundpass.measure.step_peak import render_point
     from boundpass.recipes.train import config_manager_class
     dump = tempfile.TemporaryDirectory(prefix="bp_certified_peak_")
-    args = _reach_args("boundpass", seq, budget, "aot_eager", 128, "64GiB", 2, dump.name,
+    args = reach_args("boundpass", seq, budget, "aot_eager", 128, "64GiB", 2, dump.name,
                        (*PASSES, "--boundpass.certify_only", *extra))
     trainer = config_manager_class()().parse_args(args).build()
     data = trainer.batch_generator(trainer.dataloader)

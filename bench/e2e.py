@@ -255,7 +255,7 @@ def measured_step(trainer, data, profiler: bool = True):
     return peak, at_start, sum(host.values()), holders, grown, counted
 
 
-def _reach_args(variant: str, seq: int, budget: str | None, backend: str, chunk_tokens: int, host_budget: str,
+def reach_args(variant: str, seq: int, budget: str | None, backend: str, chunk_tokens: int, host_budget: str,
                 steps: int, dump: str, extra: tuple = ()) -> list[str]:
     """The trainer's command line of one reach run (both variants: FullAC, --compile.enable, 1 rank, batch 1);
     ``extra``: more boundpass options (bench/attention_sublayer.py: the attention pass)."""
@@ -308,7 +308,7 @@ def reach_job(rank, world, assets, variant, seq, budget, backend, chunk_tokens, 
     from boundpass.core.units import format_bytes
     from boundpass.recipes.train import config_manager_class
     dump = tempfile.TemporaryDirectory(prefix="bp_e2e_reach_")
-    args = _reach_args(variant, seq, budget, backend, chunk_tokens, host_budget, 2 + timed_steps, dump.name, extra)
+    args = reach_args(variant, seq, budget, backend, chunk_tokens, host_budget, 2 + timed_steps, dump.name, extra)
     out = dict(variant=variant, seq=seq, budget=budget, accepted=None, peak=None, reason="",
                args=[a for a in args if a != dump.name and a != "--dump_folder"])
     if certify_only:   # accepted or refused, nothing is measured

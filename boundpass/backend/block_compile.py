@@ -551,8 +551,8 @@ class CompiledBlocks(BoundedModule):
         """Raise before anything runs if the backward's tail (state + gradients + the embedding's reduce-scatter)
         cannot fit: it depends on the model and FSDP2's units only."""
         if not self.tail.fits():
-            raise_infeasible(self.tail, self.tail.breaking_term(), detail="(the end of the backward: every gradient reduced, the "
-                             "embedding's reduce-scatter in flight)")
+            raise_infeasible(self.tail, self.tail.breaking_term(), detail="(the end of the backward: every gradient "
+                             "reduced, the embedding's reduce-scatter in flight)")
 
 
 def _local_bytes(t) -> int:
@@ -589,13 +589,14 @@ def _scatter_row(units: list[FSDPUnit], output_counted: bool = False) -> BoundTe
 
 
 def _output_examples(gm) -> list:
-    """The graph's outputs as Dynamo traced them (fake tensors): what a dry call returns the shapes of."""
+    """(shape, stride, dtype, device, requires_grad) of each output as Dynamo traced it: what a dry call returns."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     values = [n.meta.get("example_value") if isinstance(n, torch.fx.Node) else n for n in out.args[0]]
     if not all(isinstance(v, torch.Tensor) and all(isinstance(d, int) for d in v.shape) for v in values):
         raise BoundpassInputError("--boundpass.certify_only: a block graph returns something other than tensors of "
                                   f"static shapes ({[type(v).__name__ for v in values]}); run the step instead")
-    return values
+    # what a dry call makes, not the fake tensors themselves (they would keep the graph's fake mode alive)
+    return [(tuple(v.shape), v.stride(), v.dtype, v.device, v.requires_grad) for v in values]
 
 
 def _dry(outputs: list, blocks: CompiledBlocks, index: int, sco: bool):
@@ -612,8 +613,8 @@ def _dry(outputs: list, blocks: CompiledBlocks, index: int, sco: bool):
         runs.append(index)
         if sco and runtime is not None:
             runtime.offloaded[len(runs) - 1] = runtime.plan[len(runs) - 1]
-        return tuple(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device,
-                                         requires_grad=v.requires_grad) for v in outputs)
+        return tuple(torch.empty_strided(shape, stride, dtype=dtype, device=device, requires_grad=grad)
+                     for shape, stride, dtype, device, grad in outputs)
     return run
 
 

@@ -67,8 +67,9 @@ class AttentionRegion:
             norm = "norm + " if self.norm else ""
             tail = (("; k, v, q and dO on the host, a tile prefetched" if self.host else "") if self.kv_blocks
                     else f"; k and v whole: {self.kv_reason}")
-            return (f"REWRITTEN attention {self.module_path}: {norm}query path + {kv}scaled_dot_product_attention + output "
-                    f"projection => boundpass::attention_blocks, C_s query rows / key rows at a time {shape}{tail}")
+            return (f"REWRITTEN attention {self.module_path}: {norm}query path + {kv}scaled_dot_product_attention + "
+                    f"output projection => boundpass::attention_blocks, C_s query rows / key rows at a time "
+                    f"{shape}{tail}")
         tail = f"; not in query blocks: {self.blocks_reason}" if self.blocks_reason else ""
         return (f"REWRITTEN attention {self.module_path}: scaled_dot_product_attention => boundpass::chunked_attention "
                 f"{shape}{tail}")

@@ -336,6 +336,20 @@ def is_norm_op(n: fx.Node) -> bool:
     return kind and isinstance(_val(n), torch.Tensor)
 
 
+def norm_ending_at(node: fx.Node) -> set | None:
+    """The nodes of the norm whose result ``node`` is, or None: a norm call (``F.rms_norm`` / ``F.layer_norm``, what
+    torchtitan's and PyTorch's modules call), or a hand-written one (HF's ``*RMSNorm``: a cast, a square, a mean over
+    the last dim, an rsqrt, products, a cast back), the elementwise ops and reductions only its result reads, with an
+    rsqrt and a reduction among them; ``node`` is where the norm ends (some reader is not part of it)."""
+    if not is_norm_op(node) or not node.users or all(is_norm_op(u) for u in node.users):
+        return None
+    nodes = norm_joining({node}) | {node}
+    names = {_name(n) for n in nodes}
+    if node.target in _NORMS or ("rsqrt" in names and names & {"mean", "sum"}):
+        return nodes
+    return None
+
+
 def inputs_of(path: list[fx.Node], *also: fx.Node) -> list[fx.Node]:
     """The nodes outside ``path`` that it reads, in first-use order (``also``: nodes to treat as inside)."""
     inside, out = set(path) | set(also), []

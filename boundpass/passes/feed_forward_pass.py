@@ -195,26 +195,12 @@ def _rewrite(sub: fx.GraphModule, nodes: set, y_node: fx.Node, y_dim: int, lengt
     return fields, op
 
 
-def _norm_alone(node: fx.Node) -> set | None:
-    """The nodes of the norm whose result ``node`` is, or None: a norm call (torchtitan's and PyTorch's modules call
-    ``F.rms_norm`` / ``F.layer_norm``), or a hand-written one (HF's ``*RMSNorm``: a cast, a square, a mean over the
-    last dim, an rsqrt, products, a cast back), the elementwise ops and reductions only its result reads, with an
-    rsqrt and a reduction among them; ``node`` is where the norm ends (some reader is not part of it)."""
-    if not ar.is_norm_op(node) or not node.users or all(ar.is_norm_op(u) for u in node.users):
-        return None
-    nodes = ar.norm_joining({node}) | {node}
-    names = {ar._name(n) for n in nodes}
-    if node.target in ar._NORMS or ("rsqrt" in names and names & {"mean", "sum"}):
-        return nodes
-    return None
-
-
 def _try_norm(sub: fx.GraphModule, node: fx.Node, chunk: int):
     """A norm no region took (an MoE block's, whose result the router, the routed experts and the shared experts all
     read; the final one) in row blocks alone: its result stays whole, its intermediates (an RMSNorm's fp32 copy of
     its input and normalised product, saved whole for its backward) exist a block at a time, and its backward
     recomputes them from its input. (record fields, op), or None when ``node`` ends no norm over rows."""
-    nodes = _norm_alone(node)
+    nodes = ar.norm_ending_at(node)
     if nodes is None:
         return None
     y = _val(node)
