@@ -13,20 +13,20 @@ chunked-attention kernels between them (runtime/chunked_attention.py):
     out(n, o rows, *params)           -> y rows                           (transpose, reshape, output projection)
 
 Forward: (k and v made per key tile into whole buffers, freed at the end) per query block the three steps under no
-grad, the rows written into y; nothing of a block is kept. Backward, query-outer: per block, q and o again
-(recomputed), ``out``'s vjp, the kernels' backward for dq, ``query``'s vjp into the block's rows of the row inputs'
-gradients and into the weights'. Without a kv program the same kernels add the block's key / value gradients into
-one pair of fp32 accumulators (k, v inputs). With one, the query-outer pass keeps q, the output gradient, the
-log-sum-exp and rowsum(dO O) of every row instead, k and v are freed, and a key-outer pass makes each key tile again
-under autograd, finishes its gradients against every query tile that sees it (``ca.key_tile_backward``) and takes
-``kv``'s vjp into the rows' and the weights' gradients. Exact up to reordered sums: every row of y is the same
-function of the same rows of the inputs and of all keys and values.
+grad, the rows written into y; nothing of a block is kept. Backward without a kv program (k, v inputs), query-outer:
+per block, q and o again (recomputed), ``out``'s vjp, the kernels' backward for dq and into one pair of fp32 dk / dv
+accumulators, ``query``'s vjp into the block's rows of the row inputs' gradients and into the weights'. With a kv
+program, three passes: query-outer, q (no grad) and o again and ``out``'s vjp, keeping q, the output gradient, the
+log-sum-exp and rowsum(dO O) of every row; key-outer, each key tile made again under autograd, walked once against
+every query tile that sees it (``ca.key_tile_backward``: its own gradients finished, its part of every row's dq added
+into one fp32 dq), ``kv``'s vjp; query-outer again, ``query``'s vjp with the block's rows of dq. Exact up to
+reordered sums: every row of y is the same function of the same rows of the inputs and of all keys and values.
 
 Host (``Region.host``, ``attention.offload``; FPDT's schedule): with a kv program, the whole k and v the forward
-and the query-outer pass make, and the q and output gradient the key-outer pass reads, are written to host buffers
-(runtime/host_tiles.py) as they are made and read back one tile at a time, the next tile's copy started before the
-current one is used: the device holds two tiles of each instead of the sequence. The kernels' tiles go through
-torch's fused CPU kernel where it applies (``ca.fused_tiles``).
+and the query-outer pass make, the q and output gradient the key-outer pass reads and the dq it adds into, are
+written to host buffers (runtime/host_tiles.py) as they are made and read back one tile at a time, the next tile's
+copy started before the current one is used: the device holds two tiles of each instead of the sequence. The
+kernels' tiles go through torch's fused CPU kernel where it applies (``ca.fused_tiles``).
 
 The programs are registered here by the pass under a key the op's schema carries (``region``); the op is opaque to
 Inductor and AOTAutograd takes its backward from ``register_autograd``. The bound (``attention_blocks_bound``) counts
@@ -193,77 +193,124 @@ def blocks_forward(rows: list, params: list, k: Tensor | None, v: Tensor | None,
 def blocks_backward(grad_y: Tensor, rows: list, params: list, k: Tensor | None, v: Tensor | None, region: Region,
                     causal: bool, scale: float | None, chunk: int) -> list[Tensor]:
     """The gradients of the inputs ``region.needs`` names, in input order (rows, params, k, v)."""
-    length = rb.length_of(region.row_dims, rows)
     n_rows, n_params = len(rows), len(params)
     need_rows, need_params = list(region.needs[:n_rows]), list(region.needs[n_rows:n_rows + n_params])
-    qp, kvp, op = region.split(params)
-    nq, nkv = len(qp), len(kvp)
     d_rows = [torch.zeros_like(t) if need else None for t, need in zip(rows, need_rows)]
     d_params = [torch.zeros_like(p) if need else None for p, need in zip(params, need_params)]
-    d_qp, d_kvp, d_op = d_params[:nq], d_params[nq:nq + nkv], d_params[nq + nkv:]
-    walk_kv = region.kv is not None
-    if walk_kv:
-        k, v = _whole_kv(region, rows, kvp, length, chunk)
-    acc = ca.acc_dtype(k.dtype)
-    device = rows[0].device
-    if walk_kv:   # what the key-outer pass reads of every row
-        stash_q = None
-        stash_go = None
-        stash_lse = torch.empty((k.shape[0], region.heads, length), dtype=acc, device=device)
-        stash_delta = torch.empty_like(stash_lse)
+    if region.kv is None:
+        dk, dv = _backward_kv_inputs(grad_y, rows, params, k, v, region, causal, scale, chunk, d_rows, d_params)
+        need_k, need_v = region.needs[-2:]
+        out_kv = ([dk] if need_k else []) + ([dv] if need_v else [])
     else:
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        _backward_kv_program(grad_y, rows, params, region, causal, scale, chunk, d_rows, d_params)
+        out_kv = []
+    return [g for g in (*d_rows, *d_params) if g is not None] + out_kv
+
+
+def _out_vjp(region: Region, grad_y: Tensor, q: Tensor, k, v, op: list, need_op: list, d_op: list, causal: bool,
+             scale: float | None, chunk: int, s: int, e: int):
+    """One query block's o recomputed (no grad) and the output program's vjp: (o, its log-sum-exp, o's gradient);
+    the output weights' gradients added into ``d_op``."""
+    with torch.no_grad():
+        o, lse = ca.chunked_attention_forward(q, k, v, causal, scale, chunk, q_offset=s)
+    with rb.autograd_in_kernel():
+        o.requires_grad_()
+        ow = rb.leaves(op, need_op)
+        y = region.out(e - s, o, *ow)
+    grad_o, *from_out = rb.vjp(y, [o, *ow], grad_y.narrow(region.y_dim, s, e - s))
+    rb.add(d_op, from_out)
+    return o.detach(), lse, grad_o
+
+
+def _backward_kv_inputs(grad_y, rows, params, k, v, region, causal, scale, chunk, d_rows, d_params):
+    """k and v are the op's inputs: per query block, q again under autograd, o again, the output program's vjp, the
+    kernels' backward into dq and into one pair of fp32 dk / dv accumulators, the query program's vjp. Returns dk, dv
+    in k's and v's dtypes."""
+    length = rb.length_of(region.row_dims, rows)
+    n_rows = len(rows)
+    need_rows, need_params = list(region.needs[:n_rows]), list(region.needs[n_rows:n_rows + len(params)])
+    qp, _, op = region.split(params)
+    nq = len(qp)
+    d_qp, d_op = d_params[:nq], d_params[nq:]
+    acc = ca.acc_dtype(k.dtype)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     for s, e in rb.blocks(length, chunk):
         with rb.autograd_in_kernel():
             cut = rb.leaves(rb.cut(region.row_dims, rows, s, e), need_rows)
             qw = rb.leaves(qp, need_params[:nq])
             q = region.query(e - s, *cut, *qw)
-        with torch.no_grad():
-            o, lse = ca.chunked_attention_forward(q.detach(), k, v, causal, scale, chunk, q_offset=s)
-        with rb.autograd_in_kernel():
-            o.requires_grad_()
-            ow = rb.leaves(op, need_params[nq + nkv:])
-            y = region.out(e - s, o, *ow)
-        grad_o, *from_out = rb.vjp(y, [o, *ow], grad_y.narrow(region.y_dim, s, e - s))
-        del y
-        rb.add(d_op, from_out)
-        del from_out, ow   # the output projection's weight gradient is added: not held through the kernels
-        dq, _, _ = ca.chunked_attention_backward(grad_o, q.detach(), k, v, o.detach(), lse, causal, scale, chunk,
-                                                 q_offset=s, into=None if walk_kv else (dk, dv), dkv=not walk_kv)
-        if walk_kv:
-            if stash_q is None:
-                stash_q, stash_go = _stores(region, ("q", "dO"), (q, grad_o), length)
-            _write(stash_q, s, e, q.detach())
-            _write(stash_go, s, e, grad_o)
-            stash_lse[:, :, s:e].copy_(lse)
-            stash_delta[:, :, s:e].copy_((grad_o.to(acc) * o.detach().to(acc)).sum(-1))
+        o, lse, grad_o = _out_vjp(region, grad_y, q.detach(), k, v, op, need_params[nq:], d_op, causal, scale, chunk,
+                                  s, e)
+        dq, _, _ = ca.chunked_attention_backward(grad_o, q.detach(), k, v, o, lse, causal, scale, chunk, q_offset=s,
+                                                 into=(dk, dv))
         del grad_o, o, lse
         grads = rb.vjp(q, [*cut, *qw], dq)
         del q, dq
         rb.add_rows(d_rows, region.row_dims, grads[:n_rows], s, e)
         rb.add(d_qp, grads[n_rows:])
         del grads, cut, qw
-    out_kv = []
-    if walk_kv:
-        del k, v
-        for s, e in rb.blocks(length, chunk):   # key-outer: each key tile's gradients finished, then kv's vjp
-            with rb.autograd_in_kernel():
-                cut = rb.leaves(rb.cut(region.row_dims, rows, s, e), need_rows)
-                kw = rb.leaves(kvp, need_params[nq:nq + nkv])
-                kj, vj = region.kv(e - s, *cut, *kw)
-            dkj, dvj = ca.key_tile_backward(stash_q, stash_go, stash_lse, stash_delta, kj.detach(), vj.detach(), s,
-                                            causal, scale, chunk)
-            grads = rb.vjp((kj, vj), [*cut, *kw], (dkj.to(kj.dtype), dvj.to(vj.dtype)))
-            del kj, vj, dkj, dvj
-            rb.add_rows(d_rows, region.row_dims, grads[:n_rows], s, e)
-            rb.add(d_kvp, grads[n_rows:])
-            del grads, cut, kw
-    else:
-        need_k, need_v = region.needs[-2:]
-        out_kv = ([dk.to(k.dtype) if dk.dtype != k.dtype else dk] if need_k else []) + \
-                 ([dv.to(v.dtype) if dv.dtype != v.dtype else dv] if need_v else [])
-    return [g for g in (*d_rows, *d_params) if g is not None] + out_kv
+    return (dk.to(k.dtype) if dk.dtype != k.dtype else dk), (dv.to(v.dtype) if dv.dtype != v.dtype else dv)
+
+
+def _backward_kv_program(grad_y, rows, params, region, causal, scale, chunk, d_rows, d_params) -> None:
+    """k and v made by the kv program. Three passes:
+    query-outer: per query block q (no grad) and o again, the output program's vjp; q, o's gradient, the
+        log-sum-exp and rowsum(dO O) of every row kept (q, dO on the host with the region), k and v freed;
+    key-outer: per key tile its k, v made under autograd, the kernels' walk over the query tiles that see it
+        (``ca.key_tile_backward``: its dk, dv finished, its part of every row's dq added into one fp32 dq, on the host
+        with the region), the kv program's vjp;
+    query-outer: per query block q again under autograd and the query program's vjp with its rows of dq.
+    Each tile's scores are made once in the backward."""
+    length = rb.length_of(region.row_dims, rows)
+    n_rows = len(rows)
+    need_rows, need_params = list(region.needs[:n_rows]), list(region.needs[n_rows:n_rows + len(params)])
+    qp, kvp, op = region.split(params)
+    nq, nkv = len(qp), len(kvp)
+    d_qp, d_kvp, d_op = d_params[:nq], d_params[nq:nq + nkv], d_params[nq + nkv:]
+    k, v = _whole_kv(region, rows, kvp, length, chunk)
+    acc = ca.acc_dtype(k.dtype)
+    stash_q = stash_go = None
+    stash_lse = torch.empty((k.shape[0], region.heads, length), dtype=acc, device=rows[0].device)
+    stash_delta = torch.empty_like(stash_lse)
+    for s, e in rb.blocks(length, chunk):
+        with torch.no_grad():
+            q = region.query(e - s, *rb.cut(region.row_dims, rows, s, e), *qp)
+        o, lse, grad_o = _out_vjp(region, grad_y, q, k, v, op, need_params[nq + nkv:], d_op, causal, scale, chunk,
+                                  s, e)
+        if stash_q is None:
+            stash_q, stash_go = _stores(region, ("q", "dO"), (q, grad_o), length)
+        _write(stash_q, s, e, q)
+        _write(stash_go, s, e, grad_o)
+        stash_lse[:, :, s:e].copy_(lse)
+        stash_delta[:, :, s:e].copy_((grad_o.to(acc) * o.to(acc)).sum(-1))
+        del q, o, lse, grad_o
+    del k, v
+    shape, device = (stash_lse.shape[0], region.heads, length, region.d_qk), rows[0].device
+    dq = host_tiles.HostRows("dq", shape, acc, device) if region.host else torch.empty(shape, dtype=acc, device=device)
+    for s, e in rb.blocks(length, chunk):   # key-outer: each key tile's gradients finished, then kv's vjp
+        with rb.autograd_in_kernel():
+            cut = rb.leaves(rb.cut(region.row_dims, rows, s, e), need_rows)
+            kw = rb.leaves(kvp, need_params[nq:nq + nkv])
+            kj, vj = region.kv(e - s, *cut, *kw)
+        dkj, dvj = ca.key_tile_backward(stash_q, stash_go, stash_lse, stash_delta, kj.detach(), vj.detach(), s,
+                                        causal, scale, chunk, dq, fresh=s == 0)
+        grads = rb.vjp((kj, vj), [*cut, *kw], (dkj.to(kj.dtype), dvj.to(vj.dtype)))
+        del kj, vj, dkj, dvj
+        rb.add_rows(d_rows, region.row_dims, grads[:n_rows], s, e)
+        rb.add(d_kvp, grads[n_rows:])
+        del grads, cut, kw
+    del stash_q, stash_go, stash_lse, stash_delta
+    for (s, e), (dq_rows,) in ca.row_tiles((dq,), rb.blocks(length, chunk)):   # the query program's vjp
+        with rb.autograd_in_kernel():
+            cut = rb.leaves(rb.cut(region.row_dims, rows, s, e), need_rows)
+            qw = rb.leaves(qp, need_params[:nq])
+            q = region.query(e - s, *cut, *qw)
+        grads = rb.vjp(q, [*cut, *qw], dq_rows.to(q.dtype))
+        del q, dq_rows
+        rb.add_rows(d_rows, region.row_dims, grads[:n_rows], s, e)
+        rb.add(d_qp, grads[n_rows:])
+        del grads, cut, qw
 
 
 # ---------------------------------------------------------------------------------------------- custom ops
@@ -373,24 +420,29 @@ def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
     all counted alive, an upper bound of each program's own peak), X_n one block's rows of the row inputs, KV the
     whole k and v a kv program makes (0 when they are inputs; on the host: two key tiles of them, the one read and
     the next), S what the key-outer pass reads of every row (q and the output gradient in b, the log-sum-exp and
-    rowsum(dO O) in b_acc; on the host: two query tiles of q and dO, the log-sum-exp and delta whole). The kernels'
-    tile workspace is the fused kernel's where the tiles go through it (``ca.tile_workspace(fused=...)``):
+    rowsum(dO O) in b_acc; on the host: two query tiles of q and dO, the log-sum-exp and delta whole), DQ the fp32 dq
+    the key-outer pass adds into (whole on the device; on the host: two query tiles of it in the passes that read
+    it). The kernels' tile workspace is the fused kernel's where the tiles go through it
+    (``ca.tile_workspace(fused=...)``):
 
     forward : the inputs (rows, weights, k, v) + y + KV
               + max(KV_n, Q_n, q_n + o_n + lse_n + the kernels' forward tile, o_n + O_n)
     backward: grad_y and the inputs + the gradients it returns (the rows', the weights', and without a kv program
               dk / dv in b_acc and their casts when narrower)
-              + max(KV + KV_n + S                                      (k, v made)
-                    KV + S + Q_n (kept for the query program's vjp) + o_n + lse_n
+              + k, v inputs: Q_n (kept for the query program's vjp) + o_n + lse_n
                     + max(the kernels' forward tile                    (o recomputed)
                           2 O_n + o's gradient + the output projection's weight gradients (whole, from autograd),
                           o's gradient + dq + the kernels' backward tile,
-                          o's gradient + 3 o_n in b_acc                (rowsum(dO O), with a kv program)
-                          dq + Q_n (the query program's gradients) + X_n + the query path's weight gradients),
-                    S' + KV_n + X_n + the kv weights' gradients        (key-outer: one key tile under autograd,
+                          dq + Q_n (the query program's gradients) + X_n + the query path's weight gradients)
+              + a kv program: max(KV + KV_n + S                          (k, v made)
+                    KV + S + max(Q_n, q_n + o_n + lse_n                (query-outer: q, o recomputed,
+                      + max(the kernels' forward tile, 2 O_n + o's gradient + the output weights' gradients,
+                            o's gradient + 3 o_n in b_acc)),            out's vjp, rowsum(dO O))
+                    DQ + S + KV_n + X_n + the kv weights' gradients    (key-outer: one key tile under autograd,
                     + max(its gradients in b_acc + the key tile's workspace  then the kernel's walk over the
-                          + (host) the q / dO tiles it reads,           query tiles, or the program's vjp;
-                          KV_n + its gradients in b_acc and b)))         S' = S but the host tiles)"""
+                          + (host) the q / dO / dq tiles it reads,      query tiles, or the program's vjp)
+                          KV_n + its gradients in b_acc and b),
+                    DQ + 2 Q_n + q_n + X_n + the query weights' gradients)   (the query program's vjp)"""
     r = region_of(a["region"])
     k, v, rows, params = a["k"], a["v"], a["rows"], a["params"]
     length = rb.length_expr(r.row_dims, rows)
@@ -433,8 +485,8 @@ def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
     if "grad_y" not in a:
         return inputs + length * y_row + held_kv + sympy.Max(KV_n, Q_n, q_n + o_n + lse_n + tile_f + kernel_kv,
                                                              o_n + O_n)
-    tile_b = ca.tile_workspace("backward", mixed_precision=mixed, batch=batch).xreplace(values)
-    tile_k = ca.tile_workspace("key", mixed_precision=mixed, batch=batch).xreplace(values)
+    tile_b = ca.tile_workspace("backward", mixed_precision=mixed, batch=batch, gqa=shape["gqa"]).xreplace(values)
+    tile_k = ca.tile_workspace("key", mixed_precision=mixed, batch=batch, gqa=shape["gqa"]).xreplace(values)
     n_rows, needs = len(rows), r.needs
     outputs = sum((nbytes(t) for t, need in zip((*rows, *params), needs) if need), zero)
     if not walk_kv:
@@ -451,34 +503,47 @@ def attention_blocks_bound(a: dict, ctx: dict) -> sympy.Expr:
     # on the host, q and dO are on the device only while the key-outer pass reads them, and k, v only while the
     # kernels read them; whole on the device, from when they are made
     stash = kept + (zero if host else read)
-    delta = 2 * o_n + 3 * n * batch * heads * d_v * acc if walk_kv else zero
-    query_outer = held_kv + stash + Q_n + o_n + lse_n + sympy.Max(
-        tile_f + kernel_kv, 2 * O_n + o_n + weights[2], o_n + q_n + tile_b + kernel_kv, delta,
-        q_n + Q_n + n * r.input_row_bytes + weights[0])
-    phases = [query_outer]
-    if walk_kv:
-        phases.append(held_kv + KV_n + stash)
-        # key-outer, one key tile: its kv program under autograd (KV_n), then either the kernel's walk over the query
-        # tiles (its fp32 dk / dv, the tile workspace, the q / dO rows it reads) or the program's vjp (dk / dv, their
-        # casts, the program's gradients <= KV_n); q / dO whole on the device are read through both
-        tile_grads = n * batch * kv_heads * (d_qk + d_v)
-        walk = tile_grads * acc + tile_k + (read if host else zero)
-        vjp = KV_n + tile_grads * (acc + b)
-        phases.append(kept + (zero if host else read) + KV_n + n * r.input_row_bytes + weights[1]
-                      + sympy.Max(walk, vjp))
+    if not walk_kv:   # per query block: q kept for its vjp, o again, the output program's vjp, the kernels, q's vjp
+        query_outer = Q_n + o_n + lse_n + sympy.Max(
+            tile_f, 2 * O_n + o_n + weights[2], o_n + q_n + tile_b, q_n + Q_n + n * r.input_row_bytes + weights[0])
+        return length * y_row + inputs + outputs + query_outer
+    delta = 2 * o_n + 3 * n * batch * heads * d_v * acc
+    # the fp32 dq the key-outer pass adds into: whole on the device, or (host) two of its query tiles, the one read
+    # and the next
+    dq = (2 * n if host else length) * batch * heads * d_qk * acc
+    held_dq, tile_dq = (zero, dq) if host else (dq, zero)
+    phases = [
+        held_kv + KV_n + stash,                       # k, v made
+        # query-outer: q (no grad), o again, the output program's vjp, rowsum(dO O); q, dO, lse and delta kept
+        held_kv + stash + sympy.Max(Q_n, q_n + o_n + lse_n + sympy.Max(tile_f + kernel_kv, 2 * O_n + o_n + weights[2],
+                                                                        delta)),
+    ]
+    # key-outer, one key tile: its kv program under autograd (KV_n), then either the kernel's walk over the query
+    # tiles (its fp32 dk / dv, the tile workspace, the q / dO / dq rows it reads) or the program's vjp (dk / dv,
+    # their casts, the program's gradients <= KV_n); q / dO whole on the device are read through both
+    tile_grads = n * batch * kv_heads * (d_qk + d_v)
+    walk = tile_grads * acc + tile_k + ((read + tile_dq) if host else zero)
+    vjp = KV_n + tile_grads * (acc + b)
+    phases.append(held_dq + stash + KV_n + n * r.input_row_bytes + weights[1] + sympy.Max(walk, vjp))
+    # query-outer again: q under autograd, its rows of dq (fetched: two tiles on the host) cast to q's dtype, the
+    # query program's vjp (its gradients <= Q_n, the rows' and the query weights' gradients)
+    phases.append(held_dq + tile_dq + 2 * Q_n + q_n + n * r.input_row_bytes + weights[0])
     return length * y_row + inputs + outputs + sympy.Max(*phases)
 
 
 def attention_blocks_host_bound(a: dict, ctx: dict) -> sympy.Expr:
     """Host bytes of one call (``host_tiles``' pool): with the region on the host, k and v of the whole sequence
-    ([B, A_kv, L, D + D_v] in b), and in the backward the key-outer pass's q and dO ([B, A_q, L, D + D_v]); else 0."""
+    ([B, A_kv, L, D + D_v] in b), and in the backward the key-outer pass's q and dO ([B, A_q, L, D + D_v] in b) and
+    the dq it adds into ([B, A_q, L, D] in the accumulation dtype); else 0."""
     r = region_of(a["region"])
     if r.kv is None or not r.host:
         return sympy.Integer(0)
     length = rb.length_expr(r.row_dims, a["rows"])
     kv_heads, d_v, dtype = r.kv_shape[0], r.kv_shape[2], r.kv_shape[3]
-    heads = r.heads if "grad_y" in a else 0
-    return length * r.batch * (kv_heads + heads) * (r.d_qk + d_v) * dtype.itemsize
+    kv = length * r.batch * kv_heads * (r.d_qk + d_v) * dtype.itemsize
+    if "grad_y" not in a:
+        return kv
+    return kv + length * r.batch * r.heads * ((r.d_qk + d_v) * dtype.itemsize + r.d_qk * ca.acc_dtype(dtype).itemsize)
 
 
 contracts.register_bound(torch.ops.boundpass.attention_blocks_fwd.default, attention_blocks_bound)

@@ -63,7 +63,7 @@ def _tiles(length: int, chunk: int):
     return [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
 
 
-def _row_tiles(stores, ranges):
+def row_tiles(stores, ranges):
     """Per (s, e) of ``ranges``: ((s, e), rows [s, e) of each store): views of whole tensors, or device tiles fetched
     from the host (``host_tiles.HostRows``, the next one prefetched)."""
     if isinstance(stores[0], Tensor):
@@ -81,6 +81,14 @@ def _tile_rows(x: Tensor, kv_heads: int, start: int, stop: int, dtype: torch.dty
 def _put_rows(dst: Tensor, rows: Tensor, start: int, stop: int) -> None:
     """The inverse of ``_tile_rows``: [B, A_kv, G n, ...] written into rows [start, stop) of [B, A_q, L, ...]."""
     dst[:, :, start:stop] = rows.reshape(dst.shape[0], dst.shape[1], stop - start, *dst.shape[3:])
+
+
+def _product(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` in ``b``'s dtype: a tile's product that is added into an accumulator (dV, dQ, dK). In mixed precision
+    (bf16 inputs, fp32 tile math) its operands are the inputs' dtype, as a fused kernel takes them (P and dS rounded
+    once), and so is the product, which the accumulator sums in fp32: torch's CPU bf16 matmul runs on the matrix
+    units, 5x the fp32 one. The scores and dP = dO V^T, which the softmax reads, stay fp32 products."""
+    return torch.matmul(a.to(b.dtype), b)
 
 
 def _masked(scores: Tensor, q0: int, q1: int, k0: int, causal: bool) -> Tensor:
@@ -122,7 +130,7 @@ def _fused_forward(q, k, v, causal, scale, chunk, base, out, lse, acc) -> None:
     for q0, q1 in _tiles(q.shape[2], chunk):
         qi = q[:, :, q0:q1]
         o = run = None
-        for (k0, k1), (kt, vt) in _row_tiles((k, v), _tiles(base + q1 if causal else k.shape[2], chunk)):
+        for (k0, k1), (kt, vt) in row_tiles((k, v), _tiles(base + q1 if causal else k.shape[2], chunk)):
             oj, lj = _FLASH(qi, _for_kernel(kt, groups, d), _for_kernel(vt, groups, d), 0.0,
                             causal and k1 > base + q0, scale=scale)
             del kt, vt
@@ -161,7 +169,7 @@ def chunked_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sca
         run_max = qi.new_full(qi.shape[:-1], float("-inf"))
         run_sum = qi.new_zeros(qi.shape[:-1])
         o = qi.new_zeros((*qi.shape[:-1], dv))
-        for (k0, k1), (kt, vt) in _row_tiles((k, v), _tiles(base + q1 if causal else k.shape[2], chunk)):
+        for (k0, k1), (kt, vt) in row_tiles((k, v), _tiles(base + q1 if causal else k.shape[2], chunk)):
             kj, vj = kt.to(acc), vt.to(acc)                            # [B, A_kv, m, D], [B, A_kv, m, D_v]
             del kt, vt
             s = _masked(torch.matmul(qi, kj.transpose(-1, -2)).mul_(scale), base + q0, base + q1, k0, causal)
@@ -180,76 +188,94 @@ def chunked_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sca
 
 def chunked_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                causal: bool, scale: float | None, chunk: int, q_offset: int | None = None,
-                               into: tuple[Tensor, Tensor] | None = None,
-                               dkv: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                               into: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the inputs' dtypes; each tile's probabilities recomputed from the saved log-sum-exp.
 
     q_offset: as ``chunked_attention_forward``. into: (dk, dv) accumulators in the accumulation dtype, shaped as k
     and v, that this block's key / value gradients are added to in place (a schedule walking query blocks keeps one
-    pair for the whole sequence); they are returned as they are, not cast. dkv=False: dq only (dk, dv None; a
-    schedule that takes them key tile by key tile, ``key_tile_backward``)."""
+    pair for the whole sequence); they are returned as they are, not cast."""
     base = q_offset or 0
     length, kv_heads = q.shape[2], k.shape[1]
     acc = acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if not dkv:
-        dk = dv = None
-    elif into is None:
+    if into is None:
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     else:
         dk, dv = into
+    narrow = q.dtype   # the products' operands (mixed precision: P, dS, q, k and dO as the inputs are, ``_product``)
     for q0, q1 in _tiles(length, chunk):
         qi, goi = _tile_rows(q, kv_heads, q0, q1, acc), _tile_rows(grad_out, kv_heads, q0, q1, acc)
+        qn, gon = (_tile_rows(q, kv_heads, q0, q1, narrow), _tile_rows(grad_out, kv_heads, q0, q1, narrow)) \
+            if narrow != acc else (qi, goi)
         delta = (goi * _tile_rows(out, kv_heads, q0, q1, acc)).sum(-1)   # rowsum(dO * O)
         li = _tile_rows(lse[..., None], kv_heads, q0, q1, acc)            # [B, A_kv, G n, 1]
         dqi = torch.zeros_like(qi)
-        for (k0, k1), (kt, vt) in _row_tiles((k, v), _tiles(base + q1 if causal else k.shape[2], chunk)):
+        for (k0, k1), (kt, vt) in row_tiles((k, v), _tiles(base + q1 if causal else k.shape[2], chunk)):
             kj, vj = kt.to(acc), vt.to(acc)
-            del kt, vt
             s = _masked(torch.matmul(qi, kj.transpose(-1, -2)).mul_(scale), base + q0, base + q1, k0, causal)
             p = torch.exp(s.sub_(li))                                      # the tile's probabilities
-            if dkv:
-                dv[:, :, k0:k1].add_(torch.matmul(p.transpose(-1, -2), goi))   # the G query heads summed
+            dv[:, :, k0:k1].add_(_product(p.transpose(-1, -2), gon))   # the G query heads summed
             ds = torch.matmul(goi, vj.transpose(-1, -2)).sub_(delta[..., None]).mul_(p).mul_(scale)
-            del s, p
-            dqi.add_(torch.matmul(ds, kj))
-            if dkv:
-                dk[:, :, k0:k1].add_(torch.matmul(ds.transpose(-1, -2), qi))
-            del ds, kj, vj
+            del s, p, vj
+            ds = ds.to(narrow)
+            dqi.add_(_product(ds, kt))
+            dk[:, :, k0:k1].add_(_product(ds.transpose(-1, -2), qn))
+            del ds, kj, kt, vt
         _put_rows(dq, dqi, q0, q1)
-        del qi, goi, delta, li, dqi
-    if into is not None or not dkv:
+        del qi, goi, qn, gon, delta, li, dqi
+    if into is not None:
         return dq, dk, dv
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
-def key_tile_backward(q: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, kj: Tensor, vj: Tensor, k0: int,
-                      causal: bool, scale: float | None, chunk: int) -> tuple[Tensor, Tensor]:
-    """The key / value gradients of keys [k0, k0 + m) alone, in the accumulation dtype: every query tile that sees
-    them walked against this one key tile (FlashAttention-2's key-outer order), from the whole sequence's q,
-    output gradient, log-sum-exp and delta = rowsum(dO O) [B, A_q, L] (what a query-outer pass leaves). A schedule
-    that makes k and v per key tile (recomputed from the block's inputs) finishes each tile's gradients here and
-    never holds them whole."""
+def key_tile_backward(q, grad_out, lse: Tensor, delta: Tensor, kj: Tensor, vj: Tensor, k0: int, causal: bool,
+                      scale: float | None, chunk: int, dq, fresh: bool) -> tuple[Tensor, Tensor]:
+    """The key / value gradients of keys [k0, k0 + m) alone, in the accumulation dtype, and this key tile's part of
+    every query row's dq added into ``dq``: every query tile that sees the key tile walked against it once
+    (FlashAttention-2's key-outer order), from the whole sequence's q, output gradient, log-sum-exp and delta =
+    rowsum(dO O) [B, A_q, L] (what a query-outer pass leaves). A schedule that makes k and v per key tile (recomputed
+    from the block's inputs) finishes each tile's gradients here and never holds them whole. ``dq``: [B, A_q, L, D]
+    in the accumulation dtype, on the device or the host (``host_tiles.HostRows``: its tiles fetched with q and dO,
+    added to, written back); ``fresh``: its rows hold nothing yet (the first key tile, which every query row sees):
+    the parts are written, not added. q and dO are whole tensors or HostRows alike."""
     length, kv_heads, m = q.shape[2], kj.shape[1], kj.shape[2]
     acc = acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     kt, vt = kj.to(acc), vj.to(acc)
     dk, dv = torch.zeros(kj.shape, dtype=acc, device=kj.device), torch.zeros(vj.shape, dtype=acc, device=vj.device)
-    seen = [(q0, q1) for q0, q1 in _tiles(length, chunk) if not (causal and q1 - 1 < k0)]  # rows before the
-    for (q0, q1), (qt, got) in _row_tiles((q, grad_out), seen):                           # tile see none of it
+    seen = [(q0, q1) for q0, q1 in _tiles(length, chunk) if not (causal and q1 - 1 < k0)]  # rows before the tile
+    on_host = isinstance(dq, host_tiles.HostRows)                                          # see none of it
+    stores = (q, grad_out, dq) if on_host and not fresh else (q, grad_out)
+    for (q0, q1), (qt, got, *dqt) in row_tiles(stores, seen):
         qi, goi = _tile_rows(qt, kv_heads, 0, q1 - q0, acc), _tile_rows(got, kv_heads, 0, q1 - q0, acc)
+        qn, gon = (_tile_rows(qt, kv_heads, 0, q1 - q0, qt.dtype), _tile_rows(got, kv_heads, 0, q1 - q0, got.dtype)) \
+            if qt.dtype != acc else (qi, goi)
         del qt, got
         li = _tile_rows(lse[..., None], kv_heads, q0, q1, acc)
         di = _tile_rows(delta[..., None], kv_heads, q0, q1, acc)
         s = _masked(torch.matmul(qi, kt.transpose(-1, -2)).mul_(scale), q0, q1, k0, causal)
         p = torch.exp(s.sub_(li))
-        dv.add_(torch.matmul(p.transpose(-1, -2), goi))
+        dv.add_(_product(p.transpose(-1, -2), gon))
         ds = torch.matmul(goi, vt.transpose(-1, -2)).sub_(di).mul_(p).mul_(scale)
         del s, p
-        dk.add_(torch.matmul(ds.transpose(-1, -2), qi))
-        del ds, qi, goi, li, di
+        ds = ds.to(kj.dtype)
+        dk.add_(_product(ds.transpose(-1, -2), qn))
+        del qi, goi, qn, gon, li, di
+        part = _product(ds, kj)                       # [B, A_kv, G n, D]: the query heads' rows in order
+        part = part.view(part.shape[0], -1, q1 - q0, part.shape[-1])
+        del ds
+        if on_host:
+            if fresh:
+                dq.write(q0, q1, part)
+            else:
+                dq.write(q0, q1, dqt[0].add_(part))
+        elif fresh:
+            dq[:, :, q0:q1].copy_(part)
+        else:
+            dq[:, :, q0:q1].add_(part)
+        del part, dqt
     return dk, dv
 
 
@@ -364,6 +390,15 @@ def flash_cpu_workspace(part: str, *, batch_heads, rows, kv_rows, d, width, b, n
     return threads * tile + batch_heads * rows * d * b
 
 
+def narrow_matmul_workspace(*, entry, threads: int | None = None) -> sympy.Expr:
+    """What torch's CPU matmul of two bf16 / fp16 batched operands (oneDNN's) allocates beyond its output, per call:
+    scratch per thread, freed when it returns; ``entry`` the bytes of one batch entry of the larger operand (a tile's
+    probabilities or dS, [G C_s, C_s]). Measured at torch's allocator over tile shapes (C_s 64-512, 1-16 heads, the
+    operand transposed or not; tests/runtime/test_chunked_attention.py): at most two entries and 16 KiB per thread."""
+    threads = torch.get_num_threads() if threads is None else threads
+    return threads * (2 * entry + 16384)
+
+
 def fused_tile_workspace(*, mixed_precision: bool, batch=None, gqa: bool = True, padded: bool = True,
                          rows: int | None = None) -> sympy.Expr:
     """``tile_workspace`` of the forward where its tiles go through torch's fused kernel (``fused_tiles``): B C_s
@@ -400,13 +435,21 @@ def tile_workspace(part: str = "forward", *, mixed_precision: bool, batch=None, 
     if part == "forward":
         return rows * A_q * (D + 2 * D_v + 5) * b_acc + upcast_kv + 2 * scores + mask
     kv_rows = rows * A_kv                # B C_s key rows of every key/value head
+    # mixed precision: the products' operands q and dO in the inputs' dtype, copies where the G query heads of a
+    # key / value head are stacked (GQA); P and dS cast narrow beside the fp32 scores (within the three scores' room),
+    # and the narrow matmul's own scratch (``narrow_matmul_workspace``) beside them
+    narrow = rows * A_q * (D + D_v) * sym.b if mixed_precision and gqa else 0
+    # the key loop: the scores, probabilities and dS together, or (mixed) the scores and probabilities, P cast narrow
+    # and the narrow product's scratch
+    loop = sympy.Max(3 * scores, 2 * scores + scores * sym.b / b_acc
+                     + narrow_matmul_workspace(entry=A_q / A_kv * C_s * C_s * sym.b)) if mixed_precision else 3 * scores
     if part == "key":   # key_tile_backward: qi, goi, delta and the lse rows (no dq), then the tile's products
-        return rows * A_q * (D + D_v + 2) * b_acc + upcast_kv + 3 * scores + kv_rows * (D + D_v) * b_acc + mask
-    held = rows * A_q * (2 * D + D_v + 2) * b_acc    # qi, dqi, goi, delta, the lse rows
+        return rows * A_q * (D + D_v + 2) * b_acc + narrow + upcast_kv + loop + kv_rows * (D + D_v) * b_acc + mask
+    held = rows * A_q * (2 * D + D_v + 2) * b_acc + narrow   # qi, dqi, goi, delta, the lse rows
     # rowsum(dO O): O's rows and the product; then the key loop: scores, probabilities and dS live together, beside
     # one [C_s x d] product of a key/value head
     return held + upcast_kv + sympy.Max(rows * A_q * 2 * D_v * b_acc,
-                                        3 * scores + kv_rows * (D + D_v) * b_acc + mask)
+                                        loop + kv_rows * (D + D_v) * b_acc + mask)
 
 
 C_s_sym = sympy.Symbol("C_s", integer=True, positive=True)    # query / key rows per tile

@@ -6,7 +6,7 @@ A ``HostRows`` is a [B, A, L, D] tensor whose bytes live in a pooled host buffer
 store, the copy of range i + 1 started before range i is handed over, so at most two tiles of each store are on the
 device at once. The kernels (runtime/chunked_attention.py) read a store where they read a whole tensor otherwise.
 
-Pool: one flat buffer per role ("k", "v", "q", "dO"), kept across calls and steps and grown only when a call needs
+Pool: one flat buffer per role ("k", "v", "q", "dO", "dq"), kept across calls and steps and grown only when a call needs
 more: a rank runs one attention op at a time, so the host holds the largest call's stores. Pinned on CUDA.
 Prefetch: a side CUDA stream ordered by events on CUDA; on CPU a one-thread worker (there the "device" and the host
 are the same memory: the schedule and the bytes are real, the saving is the device bound's, as SCO's). The device

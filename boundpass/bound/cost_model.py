@@ -422,27 +422,41 @@ def sco_knee(most: int, *, boundary_bytes: int, forward_s: float = 0.0, backward
 # masked half of the diagonal tiles for nothing (the tiles' area is L^2 / 2 + L C_s / 2).
 ATTENTION_PASSES = 12
 ATTENTION_LAUNCHES = 34
+# The sublayer in query blocks with a kv program (boundpass::attention_blocks: the forward, then the backward's
+# query-outer pass with o recomputed and its key-outer pass): the same tiles, visited more often, each visit issuing
+# more small ops (host tiles fetched, tiles padded for the fused kernel, the tile math). Fitted by least squares on
+# relative error to the op's measured forward + backward at torchtitan's MLA shape (16 heads, D 192, D_v 128, bf16,
+# k and v on the host) over L = 2,048-8,192 and C_s = 64-1,024 (``bench/attention_knee.py``,
+# docs/results/attention_knee.md): 1.5x the op's FLOPs, 14 passes over a tile's scores, ~250 ops per tile, and the
+# tile's scores out of cache once two of them outgrow it. Its knee is the measured one at every length there (256).
+BLOCKS_FLOPS = 1.5
+BLOCKS_PASSES = 14
+BLOCKS_LAUNCHES = 250
+BLOCKS_WORKING_TILES = 2
 
 
 def chunked_attention_seconds(C: int, *, B: int, L: int, A_q: int, D: int, D_v: int, causal: bool = True,
-                              b_acc: int = 4, costs: DeviceCosts | None = None) -> float:
-    """Modelled seconds of one chunked-attention forward + backward at tile C_s = C."""
+                              b_acc: int = 4, costs: DeviceCosts | None = None, blocks: bool = False) -> float:
+    """Modelled seconds of one chunked-attention forward + backward at tile C_s = C (``blocks``: the sublayer in
+    query blocks with a kv program, boundpass::attention_blocks)."""
     costs = costs or DEVICE_COSTS["cpu"]
     w = max(1, min(C, L))
     t = -(-L // w)
     tiles = t * (t + 1) // 2 if causal else t * t
     tile_bytes = B * A_q * w * w * b_acc
-    bw = costs.cache_bandwidth if tile_bytes <= costs.cache_bytes else costs.bandwidth
-    flops = 2 * B * A_q * w * w * (4 * D + 3 * D_v)
-    return tiles * (flops / costs.flops + ATTENTION_PASSES * tile_bytes / bw + ATTENTION_LAUNCHES * costs.launch_s)
+    flops_x, passes, launches, working = (BLOCKS_FLOPS, BLOCKS_PASSES, BLOCKS_LAUNCHES, BLOCKS_WORKING_TILES) \
+        if blocks else (1.0, ATTENTION_PASSES, ATTENTION_LAUNCHES, 1)
+    bw = costs.cache_bandwidth if working * tile_bytes <= costs.cache_bytes else costs.bandwidth
+    flops = 2 * B * A_q * w * w * (4 * D + 3 * D_v) * flops_x
+    return tiles * (flops / costs.flops + passes * tile_bytes / bw + launches * costs.launch_s)
 
 
 def chunked_attention_knee(*, lo: int, hi: int, B: int, L: int, A_q: int, D: int, D_v: int, causal: bool = True,
                            b_acc: int = 4, costs: DeviceCosts | None = None,
-                           tolerance: float = KNEE_TOLERANCE) -> int:
+                           tolerance: float = KNEE_TOLERANCE, blocks: bool = False) -> int:
     """The knee of the modelled chunked-attention time over tiles lo..hi."""
     times = {C: chunked_attention_seconds(C, B=B, L=L, A_q=A_q, D=D, D_v=D_v, causal=causal, b_acc=b_acc,
-                                          costs=costs) for C in candidates(lo, hi)}
+                                          costs=costs, blocks=blocks) for C in candidates(lo, hi)}
     return knee(times, tolerance)
 
 

@@ -352,7 +352,8 @@ class AttentionPass:
             device = getattr(_val(region.op_node.args[2]), "device", None)
             return cost_model.chunked_attention_knee(
                 lo=lo, hi=hi, B=region.batch, L=length, A_q=region.heads, D=region.head_dim, D_v=region.v_head_dim,
-                causal=region.causal, b_acc=b_acc, costs=cost_model.costs_for(getattr(device, "type", "cpu")))
+                causal=region.causal, b_acc=b_acc, costs=cost_model.costs_for(getattr(device, "type", "cpu")),
+                blocks=region.kv_blocks)
         return [Knob("attention_chunk", ca.C_s_sym, lo=lo, hi=hi, arg="chunk",
                      ops=(torch.ops.boundpass.chunked_attention_fwd.default,
                           torch.ops.boundpass.chunked_attention_bwd.default,

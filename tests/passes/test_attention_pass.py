@@ -148,8 +148,8 @@ def test_query_blocks_hold_less_than_the_call_alone_certified_both_ways():
 
 
 def test_k_v_q_do_on_the_host_certified_both_ways_and_the_host_budget_checked():
-    """attention.offload (the default): k, v and the backward's q, dO on the host, read back a tile at a time. The
-    step is as exact as with them on the device; its device certificate is below that one's by about those bytes and
+    """attention.offload (the default): k, v and the backward's q, dO and dq on the host, read back a tile at a time.
+    The step is as exact as with them on the device; its device certificate is below that one's by about those bytes and
     holds the measured peak both ways (the pool made by the first step is host memory, not counted); the table's host
     row is exactly the pool the op holds; a host budget below it is refused before anything runs, naming the row and
     the knob."""
@@ -172,8 +172,9 @@ def test_k_v_q_do_on_the_host_certified_both_ways_and_the_host_budget_checked():
         host = [t for t in table.terms if t.kind == "host" and "attention" in t.name]
         assert [t.value for t in host] == ([host_tiles.pool_bytes()] if offload else []), (host, offload)
         certified[offload] = table.total
-    # k, v [1, 2, L, 32 + 24] and q, dO [1, 8, L, 32 + 24] in fp32, less at most the two tiles of each on the device
-    whole, tiles = 1024 * (2 + 8) * (32 + 24) * 4, 2 * 128 * (2 + 8) * (32 + 24) * 4
+    # what the on-device schedule's key-outer pass holds whole: q, dO [1, 8, L, 32 + 24] and dq [1, 8, L, 32] in fp32
+    # (k and v are freed by then), less at most the two tiles of each on the device
+    whole, tiles = 1024 * 8 * (32 + 24 + 32) * 4, 2 * 128 * 8 * (32 + 24 + 32) * 4
     assert whole - tiles <= certified[False] - certified[True] <= whole, (certified, whole)
     tight = boundpass.compile(copy.deepcopy(plain), loss_fn=_loss, budget="4GiB", host_budget="1MiB",
                               attention_enable=True, attention_chunk=128)

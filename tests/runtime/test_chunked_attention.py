@@ -105,6 +105,34 @@ def test_bound_sound_and_tight(part, dtype, heads, kv_heads, d, dv, batch, lengt
     assert bound <= 1.25 * measured, (measured, bound)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("batch,heads,rows,cols,width", [
+    (2, 1, 512, 128, 48),     # GQA: four query heads' rows stacked on one key / value head
+    (1, 16, 256, 256, 192),   # MLA's shape at the knee's tile
+    (1, 16, 512, 512, 128),
+    (1, 4, 64, 64, 16),
+])
+def test_narrow_matmul_scratch_is_within_its_contract(threads, batch, heads, rows, cols, width):
+    """torch's CPU bf16 matmul allocates scratch per thread beyond its output (the tile's products, P^T dO, dS K,
+    dS^T Q): at most ``narrow_matmul_workspace`` of the larger operand's entry, transposed or not."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        p = torch.randn(batch, heads, rows, cols, generator=g).bfloat16()
+        x = torch.randn(batch, heads, rows, width, generator=g).bfloat16()
+        k = torch.randn(batch, heads, cols, width, generator=g).bfloat16()
+        entry = rows * cols * 2
+        bound = int(ca.narrow_matmul_workspace(entry=entry))
+        for fn, operands, out in ((lambda: torch.matmul(p.transpose(-1, -2), x), [p, x], cols * width),
+                                  (lambda: torch.matmul(p, k), [p, k], rows * width)):
+            state = sum(t.untyped_storage().nbytes() for t in operands)
+            _, peak = allocator_peak_of(fn, operands)
+            assert peak - state - batch * heads * out * 2 <= bound, (peak - state, bound)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_workspace_grows_with_the_chunk_not_with_the_square_of_the_length():
     """At a fixed chunk the tile's workspace is the same at every length: the bound minus the inputs and outputs is
     constant per row of the batch, while the math path's [L, L] scores grow quadratically."""
