@@ -62,11 +62,20 @@ def main() -> None:
     p.add_argument("--lengths", default="2048,4096,8192")
     p.add_argument("--chunks", default="64,128,256,512,1024")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--reuse", action="store_true",
+                   help="re-render docs/results/attention_knee.json's measured points against the model as it is now")
     args = p.parse_args()
     started = time.perf_counter()
     torch.set_num_threads(1)
     rows = []
-    for length in (int(s) for s in args.lengths.split(",")):
+    if args.reuse:
+        from bench.common import RESULTS_DIR
+        import json
+        old = json.loads((RESULTS_DIR / "attention_knee.json").read_text())
+        rows = [dict(r, model_seconds=cost_model.chunked_attention_seconds(r["C_s"], B=1, L=r["L"], A_q=HEADS, D=D,
+                                                                          D_v=D_V, blocks=True)) for r in old["rows"]]
+        args.lengths, meta = "", old["meta"]
+    for length in (int(s) for s in args.lengths.split(",") if s):
         for chunk in (int(s) for s in args.chunks.split(",")):
             if chunk > length or (length >= 8192 and chunk < 128):   # hours of tiny tiles
                 continue
@@ -81,7 +90,8 @@ def main() -> None:
         knees.append(dict(L=length, measured=cost_model.knee(curve),
                           model=cost_model.chunked_attention_knee(lo=lo, hi=hi, B=1, L=length, A_q=HEADS, D=D,
                                                                   D_v=D_V, blocks=True)))
-    publish("attention_knee", dict(meta=run_metadata(), rows=rows, knees=knees), render, started)
+    publish("attention_knee", dict(meta=meta if args.reuse else run_metadata(), rows=rows, knees=knees), render,
+            started)
 
 
 def render(data: dict) -> str:

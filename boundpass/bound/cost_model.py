@@ -427,11 +427,12 @@ ATTENTION_LAUNCHES = 34
 # more small ops (host tiles fetched, tiles padded for the fused kernel, the tile math). Fitted by least squares on
 # relative error to the op's measured forward + backward at torchtitan's MLA shape (16 heads, D 192, D_v 128, bf16,
 # k and v on the host) over L = 2,048-8,192 and C_s = 64-1,024 (``bench/attention_knee.py``,
-# docs/results/attention_knee.md): 1.5x the op's FLOPs, 14 passes over a tile's scores, ~250 ops per tile, and the
-# tile's scores out of cache once two of them outgrow it. Its knee is the measured one at every length there (256).
-BLOCKS_FLOPS = 1.5
-BLOCKS_PASSES = 14
-BLOCKS_LAUNCHES = 250
+# docs/results/attention_knee.md; within 16% of every point): 1.25x the op's FLOPs, 7 passes over a tile's scores,
+# ~240 ops per tile, the scores out of cache once two tiles outgrow it. Its knee is the measured one at every length
+# there (256).
+BLOCKS_FLOPS = 1.25
+BLOCKS_PASSES = 7
+BLOCKS_LAUNCHES = 240
 BLOCKS_WORKING_TILES = 2
 
 

@@ -198,6 +198,29 @@ def test_one_chunk_is_not_the_dispatch_knee_where_its_transfer_outweighs_a_chunk
     assert min(alone, key=alone.get) == N
 
 
+# The attention sublayer in query blocks at torchtitan's deepseek_v3 MLA shape (16 heads, D 192, D_v 128, bf16, a kv
+# program, on the host): seconds of one forward + backward per (L, C_s), measured by bench/attention_knee.py
+# (docs/results/attention_knee.md, 2026-12-07); the blocks constants of the time model are fitted to them.
+ATTENTION_BLOCKS_CURVE = {
+    2048: {64: 2.801, 128: 1.628, 256: 1.260, 512: 1.316, 1024: 1.656},
+    4096: {64: 10.041, 128: 5.660, 256: 3.895, 512: 4.711, 1024: 5.098},
+    8192: {128: 20.676, 256: 13.647, 512: 14.772, 1024: 16.297},
+}
+
+
+@pytest.mark.parametrize("length", sorted(ATTENTION_BLOCKS_CURVE))
+def test_the_attention_blocks_knee_is_the_measured_one(length):
+    curve = ATTENTION_BLOCKS_CURVE[length]
+    shape = dict(lo=min(curve), hi=max(curve), B=1, L=length, A_q=16, D=192, D_v=128)
+    model = cm.chunked_attention_knee(blocks=True, **shape)
+    assert model == cm.knee(curve) == 256
+    for C, seconds in curve.items():   # the curve's shape, not only its knee
+        modelled = cm.chunked_attention_seconds(C, B=1, L=length, A_q=16, D=192, D_v=128, blocks=True)
+        assert 0.8 <= modelled / seconds <= 1.2, (C, modelled, seconds)
+    # the kernels' own constants (one forward + backward of the tile math) would take a narrower, slower tile there
+    assert cm.chunked_attention_knee(**shape) <= model
+
+
 @pytest.mark.parametrize("E_p", [2, 4])
 def test_the_dispatch_knee_narrows_as_transfers_get_slower_and_widens_as_collectives_get_dearer(E_p):
     base = cm.costs_for("cpu")
