@@ -3,7 +3,7 @@ constants are fitted to (boundpass/bound/cost_model.py, BLOCKS_*), and the knee 
 
 One forward + backward of boundpass::attention_blocks (runtime/attention_blocks.py) at torchtitan's deepseek_v3
 MLA shape: hidden 256, 16 heads, q / k head dim 192, v head dim 128, bf16, one sequence, a kv program (k and v made
-per key tile), k, v and the backward's q, dO on the host; one thread. Per (L, C_s): the least of ``--repeats`` runs
+per key tile), k, v and the backward's q, dO, dq on the host; one thread. Per (L, C_s): the least of ``--repeats`` runs
 (time on a noisy 2-core machine: the least is the op's, the rest is the neighbours'). Writes
 docs/results/attention_knee.json and .md.
 

@@ -10,7 +10,7 @@ left out by design), step 1 compiles. Variants:
              (torch's fused kernel on value-padded v)
   +blocks    the same with --boundpass.attention.enable --boundpass.attention.no-offload: every block's attention
              sublayer walked in query blocks, k, v made per key tile, kept whole on the device
-  +offload   --boundpass.attention.enable (offload on by default): k, v and the backward's q, dO on the host, read
+  +offload   --boundpass.attention.enable (offload on by default): k, v and the backward's q, dO, dq on the host, read
              back a tile at a time, the next prefetched (host bytes reported beside the device peak)
   +rows      + --boundpass.feed_forward.enable: every block's feed-forward (block 0's dense MLP with its norm, the
              MoE blocks' shared experts) walked C_r rows at a time (boundpass::row_blocks)

@@ -368,7 +368,7 @@ def sublayer(query, out, rows: list[Tensor], params: list[Tensor], k: Tensor | N
     fx.symbolic_trace can trace (their first argument the rows in the block); ``params`` = [query's | kv's | out's]
     weights (``query_params``, ``kv_params`` of them); ``kv(n, *rows, *kv weights) -> (k, v)`` makes k and v from
     the rows (then k and v are not given); ``row_dims`` each row input's sequence dim. Registers one region per
-    call (the pass registers one per graph). ``offload`` (with ``kv``): k, v and the backward's q, dO on the host,
+    call (the pass registers one per graph). ``offload`` (with ``kv``): k, v and the backward's q, dO, dq on the host,
     read back a tile at a time (runtime/host_tiles.py)."""
     if chunk < 1:
         raise BoundpassInputError(f"attention blocks: chunk must be >= 1, got {chunk}")

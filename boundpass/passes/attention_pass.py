@@ -53,7 +53,7 @@ class AttentionRegion:
     blocks_reason: str = ""        # why not, when query blocks were asked for
     kv_blocks: bool = False        # k and v made per key tile too (never whole, nor their gradients)
     kv_reason: str = ""            # why k and v are the op's inputs instead
-    host: bool = False             # k, v and the backward's q, dO on the host, read back tile by tile (prefetched)
+    host: bool = False             # k, v and the backward's q, dO, dq on the host, read back tile by tile (prefetched)
     norm: bool = False             # the norm both paths read joined them (per block; the row input is its input)
     op_node: fx.Node | None = field(default=None, repr=False)
 
@@ -65,7 +65,7 @@ class AttentionRegion:
         if self.blocks:
             kv = ("k / v path + " if self.kv_blocks else "")
             norm = "norm + " if self.norm else ""
-            tail = (("; k, v, q and dO on the host, a tile prefetched" if self.host else "") if self.kv_blocks
+            tail = (("; k, v, q, dO and dq on the host, a tile prefetched" if self.host else "") if self.kv_blocks
                     else f"; k and v whole: {self.kv_reason}")
             return (f"REWRITTEN attention {self.module_path}: {norm}query path + {kv}scaled_dot_product_attention + "
                     f"output projection => boundpass::attention_blocks, C_s query rows / key rows at a time "
