@@ -390,15 +390,6 @@ def flash_cpu_workspace(part: str, *, batch_heads, rows, kv_rows, d, width, b, n
     return threads * tile + batch_heads * rows * d * b
 
 
-def narrow_matmul_workspace(*, entry, threads: int | None = None) -> sympy.Expr:
-    """What torch's CPU matmul of two bf16 / fp16 batched operands (oneDNN's) allocates beyond its output, per call:
-    scratch per thread, freed when it returns; ``entry`` the bytes of one batch entry of the larger operand (a tile's
-    probabilities or dS, [G C_s, C_s]). Measured at torch's allocator over tile shapes (C_s 64-512, 1-16 heads, the
-    operand transposed or not; tests/runtime/test_chunked_attention.py): at most two entries and 16 KiB per thread."""
-    threads = torch.get_num_threads() if threads is None else threads
-    return threads * (2 * entry + 16384)
-
-
 def fused_tile_workspace(*, mixed_precision: bool, batch=None, gqa: bool = True, padded: bool = True,
                          rows: int | None = None) -> sympy.Expr:
     """``tile_workspace`` of the forward where its tiles go through torch's fused kernel (``fused_tiles``): B C_s
@@ -437,12 +428,12 @@ def tile_workspace(part: str = "forward", *, mixed_precision: bool, batch=None, 
     kv_rows = rows * A_kv                # B C_s key rows of every key/value head
     # mixed precision: the products' operands q and dO in the inputs' dtype, copies where the G query heads of a
     # key / value head are stacked (GQA); P and dS cast narrow beside the fp32 scores (within the three scores' room),
-    # and the narrow matmul's own scratch (``narrow_matmul_workspace``) beside them
+    # and the narrow matmul's own scratch (``contracts.cpu_batched_matmul_workspace``) beside them
     narrow = rows * A_q * (D + D_v) * sym.b if mixed_precision and gqa else 0
     # the key loop: the scores, probabilities and dS together, or (mixed) the scores and probabilities, P cast narrow
     # and the narrow product's scratch
     loop = sympy.Max(3 * scores, 2 * scores + scores * sym.b / b_acc
-                     + narrow_matmul_workspace(entry=A_q / A_kv * C_s * C_s * sym.b)) if mixed_precision else 3 * scores
+                     + contracts.cpu_batched_matmul_workspace(entry=A_q / A_kv * C_s * C_s * sym.b)) if mixed_precision else 3 * scores
     if part == "key":   # key_tile_backward: qi, goi, delta and the lse rows (no dq), then the tile's products
         return rows * A_q * (D + D_v + 2) * b_acc + narrow + upcast_kv + loop + kv_rows * (D + D_v) * b_acc + mask
     held = rows * A_q * (2 * D + D_v + 2) * b_acc + narrow   # qi, dqi, goi, delta, the lse rows

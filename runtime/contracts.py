@@ -87,6 +87,17 @@ def cpu_matmul_workspace(m, k, n, itemsize: int, batch=1, a_transposed: bool = F
     return batch * one
 
 
+def cpu_batched_matmul_workspace(*, entry, threads: int | None = None) -> sympy.Expr:
+    """What torch's CPU matmul of two bf16 / fp16 batched operands (oneDNN's) allocates beyond its output, per call:
+    scratch per thread, freed when it returns, not per batch entry (``cpu_matmul_workspace``'s per-call bound, for a
+    program's linear maps, would count 16 heads' tiles at ~12x this); ``entry`` the bytes of one batch entry of the
+    larger operand (an attention tile's probabilities or dS, [G C_s, C_s]). Measured at torch's allocator over tile
+    shapes (C_s 64-512, 1-16 heads, the operand transposed or not, 1 and 2 threads;
+    tests/runtime/test_chunked_attention.py): at most two entries and 16 KiB per thread."""
+    threads = torch.get_num_threads() if threads is None else threads
+    return threads * (2 * entry + 16384)
+
+
 def as_expr(n) -> sympy.Expr:
     """A size (int or SymInt) as a sympy expression."""
     return n.node.expr if isinstance(n, torch.SymInt) else sympy.Integer(int(n))

@@ -8,6 +8,7 @@ from boundpass.core import symbols as sym
 from boundpass.core.errors import BoundpassInputError
 from boundpass.testing.whole_step import allocator_peak_of
 from boundpass.runtime import chunked_attention as ca
+from boundpass.runtime import contracts
 
 
 def _inputs(dtype, *, batch=2, heads=4, kv_heads=2, length=37, d=8, dv=8, seed=0):
@@ -114,7 +115,7 @@ def test_bound_sound_and_tight(part, dtype, heads, kv_heads, d, dv, batch, lengt
 ])
 def test_narrow_matmul_scratch_is_within_its_contract(threads, batch, heads, rows, cols, width):
     """torch's CPU bf16 matmul allocates scratch per thread beyond its output (the tile's products, P^T dO, dS K,
-    dS^T Q): at most ``narrow_matmul_workspace`` of the larger operand's entry, transposed or not."""
+    dS^T Q): at most ``contracts.cpu_batched_matmul_workspace`` of the larger operand's entry, transposed or not."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -123,7 +124,7 @@ def test_narrow_matmul_scratch_is_within_its_contract(threads, batch, heads, row
         x = torch.randn(batch, heads, rows, width, generator=g).bfloat16()
         k = torch.randn(batch, heads, cols, width, generator=g).bfloat16()
         entry = rows * cols * 2
-        bound = int(ca.narrow_matmul_workspace(entry=entry))
+        bound = int(contracts.cpu_batched_matmul_workspace(entry=entry))
         for fn, operands, out in ((lambda: torch.matmul(p.transpose(-1, -2), x), [p, x], cols * width),
                                   (lambda: torch.matmul(p, k), [p, k], rows * width)):
             state = sum(t.untyped_storage().nbytes() for t in operands)
@@ -148,7 +149,6 @@ def test_the_workspace_grows_with_the_chunk_not_with_the_square_of_the_length():
 def test_contract_registered_and_compiles():
     """The op's memory contract is in the registry the step analysis reads, and the op runs under torch.compile
     (its fake kernel) with the eager values and gradients."""
-    from boundpass.runtime import contracts
     assert contracts.has_bound(torch.ops.boundpass.chunked_attention_fwd.default)
     assert contracts.has_bound(torch.ops.boundpass.chunked_attention_bwd.default)
     q, k, v, grad = _inputs(torch.float32, length=40)
