@@ -432,8 +432,8 @@ def tile_workspace(part: str = "forward", *, mixed_precision: bool, batch=None, 
     narrow = rows * A_q * (D + D_v) * sym.b if mixed_precision and gqa else 0
     # the key loop: the scores, probabilities and dS together, or (mixed) the scores and probabilities, P cast narrow
     # and the narrow product's scratch
-    loop = sympy.Max(3 * scores, 2 * scores + scores * sym.b / b_acc
-                     + contracts.cpu_batched_matmul_workspace(entry=A_q / A_kv * C_s * C_s * sym.b)) if mixed_precision else 3 * scores
+    scratch = contracts.cpu_batched_matmul_workspace(entry=A_q / A_kv * C_s * C_s * sym.b)
+    loop = sympy.Max(3 * scores, 2 * scores + scores * sym.b / b_acc + scratch) if mixed_precision else 3 * scores
     if part == "key":   # key_tile_backward: qi, goi, delta and the lse rows (no dq), then the tile's products
         return rows * A_q * (D + D_v + 2) * b_acc + narrow + upcast_kv + loop + kv_rows * (D + D_v) * b_acc + mask
     held = rows * A_q * (2 * D + D_v + 2) * b_acc + narrow   # qi, dqi, goi, delta, the lse rows
