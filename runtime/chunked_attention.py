@@ -245,8 +245,9 @@ def key_tile_backward(q, grad_out, lse: Tensor, delta: Tensor, kj: Tensor, vj: T
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     kt, vt = kj.to(acc), vj.to(acc)
     dk, dv = torch.zeros(kj.shape, dtype=acc, device=kj.device), torch.zeros(vj.shape, dtype=acc, device=vj.device)
-    seen = [(q0, q1) for q0, q1 in _tiles(length, chunk) if not (causal and q1 - 1 < k0)]  # rows before the tile
-    on_host = isinstance(dq, host_tiles.HostRows)                                          # see none of it
+    # causal: the query rows before the key tile see none of it
+    seen = [(q0, q1) for q0, q1 in _tiles(length, chunk) if not (causal and q1 - 1 < k0)]
+    on_host = isinstance(dq, host_tiles.HostRows)
     stores = (q, grad_out, dq) if on_host and not fresh else (q, grad_out)
     for (q0, q1), (qt, got, *dqt) in row_tiles(stores, seen):
         qi, goi = _tile_rows(qt, kv_heads, 0, q1 - q0, acc), _tile_rows(got, kv_heads, 0, q1 - q0, acc)
