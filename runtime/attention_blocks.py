@@ -199,8 +199,9 @@ def blocks_backward(grad_y: Tensor, rows: list, params: list, k: Tensor | None, 
     d_params = [torch.zeros_like(p) if need else None for p, need in zip(params, need_params)]
     if region.kv is None:
         dk, dv = _backward_kv_inputs(grad_y, rows, params, k, v, region, causal, scale, chunk, d_rows, d_params)
+        cast = lambda g, t: g.to(t.dtype) if g.dtype != t.dtype else g  # noqa: E731  (only the ones returned)
         need_k, need_v = region.needs[-2:]
-        out_kv = ([dk] if need_k else []) + ([dv] if need_v else [])
+        out_kv = ([cast(dk, k)] if need_k else []) + ([cast(dv, v)] if need_v else [])
     else:
         _backward_kv_program(grad_y, rows, params, region, causal, scale, chunk, d_rows, d_params)
         out_kv = []
@@ -224,8 +225,8 @@ def _out_vjp(region: Region, grad_y: Tensor, q: Tensor, k, v, op: list, need_op:
 
 def _backward_kv_inputs(grad_y, rows, params, k, v, region, causal, scale, chunk, d_rows, d_params):
     """k and v are the op's inputs: per query block, q again under autograd, o again, the output program's vjp, the
-    kernels' backward into dq and into one pair of fp32 dk / dv accumulators, the query program's vjp. Returns dk, dv
-    in k's and v's dtypes."""
+    kernels' backward into dq and into one pair of fp32 dk / dv accumulators, the query program's vjp. Returns the
+    accumulators."""
     length = rb.length_of(region.row_dims, rows)
     n_rows = len(rows)
     need_rows, need_params = list(region.needs[:n_rows]), list(region.needs[n_rows:n_rows + len(params)])
@@ -250,7 +251,7 @@ def _backward_kv_inputs(grad_y, rows, params, k, v, region, causal, scale, chunk
         rb.add_rows(d_rows, region.row_dims, grads[:n_rows], s, e)
         rb.add(d_qp, grads[n_rows:])
         del grads, cut, qw
-    return (dk.to(k.dtype) if dk.dtype != k.dtype else dk), (dv.to(v.dtype) if dv.dtype != v.dtype else dv)
+    return dk, dv
 
 
 def _backward_kv_program(grad_y, rows, params, region, causal, scale, chunk, d_rows, d_params) -> None:

@@ -83,6 +83,12 @@ def _put_rows(dst: Tensor, rows: Tensor, start: int, stop: int) -> None:
     dst[:, :, start:stop] = rows.reshape(dst.shape[0], dst.shape[1], stop - start, *dst.shape[3:])
 
 
+def _operand_rows(x: Tensor, kv_heads: int, start: int, stop: int, upcast: Tensor) -> Tensor:
+    """Rows [start, stop) of ``x`` as the tile's accumulated products take them (``_product``): in x's own dtype,
+    ``upcast`` itself (the same rows in the accumulation dtype) where that is x's dtype."""
+    return upcast if x.dtype == upcast.dtype else _tile_rows(x, kv_heads, start, stop, x.dtype)
+
+
 def _product(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` in ``b``'s dtype: a tile's product that is added into an accumulator (dV, dQ, dK). In mixed precision
     (bf16 inputs, fp32 tile math) its operands are the inputs' dtype, as a fused kernel takes them (P and dS rounded
@@ -204,11 +210,9 @@ def chunked_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     else:
         dk, dv = into
-    narrow = q.dtype   # the products' operands (mixed precision: P, dS, q, k and dO as the inputs are, ``_product``)
     for q0, q1 in _tiles(length, chunk):
         qi, goi = _tile_rows(q, kv_heads, q0, q1, acc), _tile_rows(grad_out, kv_heads, q0, q1, acc)
-        qn, gon = (_tile_rows(q, kv_heads, q0, q1, narrow), _tile_rows(grad_out, kv_heads, q0, q1, narrow)) \
-            if narrow != acc else (qi, goi)
+        qn, gon = _operand_rows(q, kv_heads, q0, q1, qi), _operand_rows(grad_out, kv_heads, q0, q1, goi)
         delta = (goi * _tile_rows(out, kv_heads, q0, q1, acc)).sum(-1)   # rowsum(dO * O)
         li = _tile_rows(lse[..., None], kv_heads, q0, q1, acc)            # [B, A_kv, G n, 1]
         dqi = torch.zeros_like(qi)
@@ -219,7 +223,7 @@ def chunked_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor
             dv[:, :, k0:k1].add_(_product(p.transpose(-1, -2), gon))   # the G query heads summed
             ds = torch.matmul(goi, vj.transpose(-1, -2)).sub_(delta[..., None]).mul_(p).mul_(scale)
             del s, p, vj
-            ds = ds.to(narrow)
+            ds = ds.to(q.dtype)   # the products' operand, as the inputs are (``_product``)
             dqi.add_(_product(ds, kt))
             dk[:, :, k0:k1].add_(_product(ds.transpose(-1, -2), qn))
             del ds, kj, kt, vt
@@ -251,8 +255,7 @@ def key_tile_backward(q, grad_out, lse: Tensor, delta: Tensor, kj: Tensor, vj: T
     stores = (q, grad_out, dq) if on_host and not fresh else (q, grad_out)
     for (q0, q1), (qt, got, *dqt) in row_tiles(stores, seen):
         qi, goi = _tile_rows(qt, kv_heads, 0, q1 - q0, acc), _tile_rows(got, kv_heads, 0, q1 - q0, acc)
-        qn, gon = (_tile_rows(qt, kv_heads, 0, q1 - q0, qt.dtype), _tile_rows(got, kv_heads, 0, q1 - q0, got.dtype)) \
-            if qt.dtype != acc else (qi, goi)
+        qn, gon = _operand_rows(qt, kv_heads, 0, q1 - q0, qi), _operand_rows(got, kv_heads, 0, q1 - q0, goi)
         del qt, got
         li = _tile_rows(lse[..., None], kv_heads, q0, q1, acc)
         di = _tile_rows(delta[..., None], kv_heads, q0, q1, acc)
