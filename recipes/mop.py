@@ -62,6 +62,8 @@ class MoPOptions:
     dispatch_borrowed_slots: int | None = None  # PipelinedLLEP borrowed-expert slots s_b (None: e = E / E_p)
     ring_dtp: bool = False
     vocab_block: int | None = None  # Ring-DTP strip width C (None: the whole local vocab shard, the runtime's default)
+    # C_s of sequence-to-head attention in tiles (runtime/seq_to_head_tiles.py); 0: the whole-tensor exchange
+    attention_tiles: int = 0
 
     def __post_init__(self):
         DispatchConfig(cap=self.dispatch_cap, borrowed_slots=self.dispatch_borrowed_slots)
@@ -142,7 +144,7 @@ def attention_heads(cfg) -> tuple[int, int]:
     return A_q, A_kv
 
 
-def apply_seq_to_head(model: torch.nn.Module, group) -> None:
+def apply_seq_to_head(model: torch.nn.Module, group, tiles: int = 0) -> None:
     """Wrap every block's inner attention with the sequence-to-head all-to-all over ``group`` (in place).
 
     Call before ``parallelize`` so the wrapper runs on local tensors inside torchtitan's wrapping, like its
@@ -152,7 +154,7 @@ def apply_seq_to_head(model: torch.nn.Module, group) -> None:
         inner = block.attention.inner_attention
         if isinstance(inner, SeqToHeadAttention):
             raise BoundpassInputError("apply_seq_to_head: attention is already sequence-to-head")
-        block.attention.inner_attention = SeqToHeadAttention(inner, group)
+        block.attention.inner_attention = SeqToHeadAttention(inner, group, tiles=tiles)
 
 
 def apply_pipelined_llep(model: torch.nn.Module, cap: int, inner: str = "aot_eager",
@@ -246,7 +248,7 @@ def prepare_mop(model: torch.nn.Module, dims, options: MoPOptions) -> MoPState:
     """The half of the layout that runs before torchtitan's parallelize function (see the module docstring)."""
     state = MoPState(options)
     if options.sequence_to_head:
-        apply_seq_to_head(model, dims.get_mesh("fsdp").get_group())
+        apply_seq_to_head(model, dims.get_mesh("fsdp").get_group(), tiles=options.attention_tiles)
     if options.pipelined_llep:
         state.dispatch_backend = apply_pipelined_llep(model, options.cap,
                                                       borrowed_slots=options.dispatch_borrowed_slots)

@@ -290,7 +290,8 @@ class BoundpassTrainer(Trainer):
         check_mop_launch(config, world)
         options = MoPOptions(pipelined_llep=bp.mop_pipelined_llep, dispatch_cap=bp.dispatch.cap,
                              dispatch_borrowed_slots=bp.dispatch.borrowed_slots,
-                             ring_dtp=bp.mop_ring_dtp, vocab_block=bp.vocab.block)
+                             ring_dtp=bp.mop_ring_dtp, vocab_block=bp.vocab.block,
+                             attention_tiles=mop_attention_tiles(config, world) if bp.attention.enable else 0)
         if options.ring_dtp and isinstance(config.loss, ChunkedLossWrapper.Config):
             # the model's head becomes the identity and mop_loss runs projection + CE as Ring-DTP: the chunked
             # wrapper (which calls lm_head itself) must not be set up by torchtitan
@@ -359,7 +360,9 @@ class BoundpassTrainer(Trainer):
                     f"{training.seq_len} tokens ({training.seq_len // world} per sequence per rank; torchtitan's "
                     f"'global batch size' above counts W replicas; {self.gradient_accumulation_steps} batch(es) per "
                     f"optimizer step), E_p={self.parallel_dims.ep}, "
-                    f"sequence-to-head attention, dispatch="
+                    + (f"sequence-to-head attention in tiles of C_s={state.options.attention_tiles} (q, k, v, output and "
+                       "gradients of the whole sequence on the host)" if state.options.attention_tiles else
+                       "sequence-to-head attention") + ", dispatch="
                     f"{dispatch}, "
                     f"head={'Ring-DTP from the vocab pass (the head step compiles at step 1)' if state.options.ring_dtp else 'FSDP2 lm_head'}"
                     f", optimizer {'OffloadStreamAdamW (host state)' if self.mop_offload else 'on the device'}"
@@ -664,8 +667,6 @@ def check_mop_launch(config: Trainer.Config, world: int) -> None:
             (par.spmd_backend != "partial_dtensor", "--parallelism.spmd_backend partial_dtensor"),
         "validation (the validator feeds whole sequences per data-parallel rank)":
             (config.validator.enable, "--validator.no-enable"),
-        "the attention pass yet (the layout's attention is the sequence-to-head exchange around torch's kernel; "
-        "its budget counts that)": (config.boundpass.attention.enable, "--boundpass.attention.no-enable"),
         "the feed-forward pass yet (the layout's composed budget counts each block's feed-forward whole)":
             (config.boundpass.feed_forward.enable, "--boundpass.feed_forward.no-enable"),
     }
@@ -701,6 +702,31 @@ def check_mop_launch(config: Trainer.Config, world: int) -> None:
             f"{type(config.activation_checkpoint).__qualname__}. Add activation-checkpoint:full or drop the budget")
 
 
+def mop_attention_tiles(config: Trainer.Config, world: int) -> int:
+    """C_s of the MoP layout's attention in tiles (``--boundpass.attention.enable``; runtime/seq_to_head_tiles.py):
+    ``--boundpass.attention.chunk`` where given, else the knee of the chunked attention's time model at this rank's
+    heads (A_q / W) over the whole sequence (docs/knobs.md), never past the rank's own tokens."""
+    from boundpass.bound import cost_model
+    from boundpass.recipes.mop import attention_heads
+    from boundpass.runtime.seq_to_head_tiles import check_tiles_heads
+
+    A_q, A_kv = attention_heads(config)
+    check_tiles_heads(A_q, A_kv, world)
+    training = config.training
+    local = training.seq_len // world
+    if config.boundpass.attention.chunk is not None:
+        return min(config.boundpass.attention.chunk, local)
+    att = config.model_spec.model.layers[0].attention
+    if getattr(att, "v_head_dim", None) is not None:      # MLA
+        d, d_v = att.qk_nope_head_dim + att.qk_rope_head_dim, att.v_head_dim
+    else:
+        d = d_v = getattr(att, "head_dim", None) or config.model_spec.model.dim // A_q
+    knee = cost_model.chunked_attention_knee(lo=64, hi=max(64, min(1024, local)), B=training.local_batch_size,
+                                             L=training.seq_len, A_q=A_q // world, D=d, D_v=d_v,
+                                             costs=cost_model.costs_for(_device_type()))
+    return min(knee, local)
+
+
 def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
     """(composed per-rank budget of this MoP launch, OffloadStreamAdamW bucket β or None, whether AdamW's state goes
     to the host, PipelinedLLEP's chunk cap c), read off the model built on meta (boundpass.bound.composed;
@@ -719,7 +745,7 @@ def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
     # W > 1 reads only the blocks' wide traces (composed.uses_wide_trace): the one-rank MoE block and the head are
     # not traced (3 of the 5 graphs, 4 s of deepseek_v3 debug's 7 s check on 2 ranks here)
     shape = plan.shape_of_module(model, name=config.model_spec.name, heads_config=layers[0].attention, top_k=top_k,
-                                 traces="wide" if world > 1 else "all")
+                                 traces="wide" if world > 1 else "all", attention_tiles=options.attention_tiles)
     base = frozenset(name for name, on in (("ring_dtp", options.ring_dtp),
                                            ("pipelined_llep", options.pipelined_llep)) if on)
 
@@ -741,7 +767,7 @@ def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):
             optimizer_bucket=bp.optimizer.bucket, optimizer_slots=bp.optimizer.slots,
             held_batch_per_token=composed.trainer_held_batch(world),
             # torchtitan built the RoPE tables at --training.seq_len (update_from_config): N·W / B positions
-            sequences_per_step=training.local_batch_size)
+            sequences_per_step=training.local_batch_size, attention_tiles=options.attention_tiles)
 
     def checked(offload: bool):
         at = planner.planned_launch(shape, launch(offload), budget=budget, host_budget=host_budget,

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from boundpass.core import symbols as sym
 from boundpass.core.errors import BoundpassInputError
+from boundpass.runtime.groups import release_storage
 
 __all__ = ["seq_to_head_attention", "SeqToHeadAttention", "seq_to_head_bound", "check_head_counts", "check_local_shapes",
            "shard_positions", "shard_sequence", "sdpa_blnh"]
@@ -91,15 +92,6 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
-def _release(t: torch.Tensor) -> None:
-    """Free a finished exchange buffer's bytes now. Why: ProcessGroupGloo's worker threads (two by default) drop
-    their reference to a finished collective asynchronously, so each could keep one earlier exchange's send and
-    receive buffers alive into a later one (measured: one or two such pairs, timing dependent). The collective
-    has completed (it waited), so nothing reads the bytes any more; the backend's late reference then holds an
-    empty storage, and the op's peak no longer depends on thread timing."""
-    torch.ops.inductor.resize_storage_bytes_(t, 0)
-
-
 def _exchange(x: torch.Tensor, to_heads: bool, world: int, group) -> torch.Tensor:
     """One relayout, eager: copy into a send buffer this function owns, exchange, copy the receive buffer into the
     result, freeing each buffer as soon as it is done with. Peak beside the input: send + receive, then
@@ -116,7 +108,7 @@ def _exchange(x: torch.Tensor, to_heads: bool, world: int, group) -> torch.Tenso
     send.copy_(view)
     recv = torch.empty_like(send)                                                  # [W_src, B, n, a, D]
     dist.all_to_all_single(recv, send, group=group)
-    _release(send)
+    release_storage(send)
     W, B, n, a, D = recv.shape
     if to_heads:
         out = torch.empty((B, W, n, a, D), dtype=x.dtype, device=x.device)
@@ -126,7 +118,7 @@ def _exchange(x: torch.Tensor, to_heads: bool, world: int, group) -> torch.Tenso
         out = torch.empty((B, n, W, a, D), dtype=x.dtype, device=x.device)
         out.copy_(recv.permute(1, 2, 0, 3, 4))
         out = out.view(B, n, W * a, D)
-    _release(recv)
+    release_storage(recv)
     return out
 
 
@@ -251,18 +243,26 @@ class SeqToHeadAttention(torch.nn.Module):
     Used as ``block.attention.inner_attention = SeqToHeadAttention(block.attention.inner_attention, group)``:
     the projections, RoPE (fed global positions) and output projection stay per-token on this rank's shard.
     Shapes are checked across ranks on the first call and whenever the local shape changes.
+
+    ``tiles`` > 0: the exchange and the kernel in tiles of that many rows with the whole-sequence tensors on the host
+    (runtime/seq_to_head_tiles.py: the device holds O(tiles) beside this rank's own tokens' tensors); the inner
+    module is then not called (its kernel is the tiles' online softmax, causal SDPA's function).
     """
 
-    def __init__(self, inner: torch.nn.Module, group) -> None:
+    def __init__(self, inner: torch.nn.Module, group, tiles: int = 0) -> None:
         super().__init__()
         self.inner = inner
         self.group = group
+        self.tiles = tiles
         self._checked: tuple | None = None
 
     def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, is_causal=True, **kwargs):
         if attention_masks is not None:
             raise BoundpassInputError("SeqToHeadAttention supports causal attention without attention_masks "
                                       "(document masks would need the global mask sharded by heads)")
+        if self.tiles:
+            from boundpass.runtime.seq_to_head_tiles import seq_to_head_tiles
+            return seq_to_head_tiles(q, k, v, self.group, causal=is_causal, scale=scale, chunk=self.tiles)
         if torch.compiler.is_compiling():
             # inside a compiled block (torchtitan's per-block compile): no cross-rank check and no cached shapes,
             # which Dynamo would guard on (the cache set after the first call failed that guard and recompiled every

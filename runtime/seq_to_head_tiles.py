@@ -43,7 +43,7 @@ from boundpass.core.errors import BoundpassInputError
 from boundpass.runtime import chunked_attention as ca
 from boundpass.runtime import contracts
 from boundpass.runtime import host_tiles
-from boundpass.runtime.seq_to_head import _release
+from boundpass.runtime.groups import release_storage
 
 __all__ = ["seq_to_head_tiles", "seq_to_head_tiles_bound", "seq_to_head_tiles_host_bound", "check_tiles_heads"]
 
@@ -77,13 +77,13 @@ def _to_heads(x: Tensor, store, world: int, group, chunk: int) -> None:
         if world > 1:
             recv = torch.empty_like(send)                                               # [W_src, B, a, c, D]
             dist.all_to_all_single(recv, send, group=group)
-            _release(send)
+            release_storage(send)
         else:
             recv = send
         del send
         for s in range(world):
             _write(store, s * n + p0, s * n + p1, recv[s])
-        _release(recv)
+        release_storage(recv)
         del recv
 
 
@@ -99,12 +99,12 @@ def _to_tokens(store, out: Tensor, world: int, group, chunk: int) -> None:
         if world > 1:
             recv = torch.empty_like(send)                                                  # [W_src, B, a, c, D]
             dist.all_to_all_single(recv, send, group=group)
-            _release(send)
+            release_storage(send)
         else:
             recv = send
         del send
         out[:, p0:p1].copy_(recv.permute(1, 3, 0, 2, 4).reshape(B, p1 - p0, A, D))
-        _release(recv)
+        release_storage(recv)
         del recv
 
 

@@ -155,6 +155,9 @@ class Launch:
     # torchtitan's chunked loss (ChunkedLossWrapper, --loss.num_chunks): the head's logits in this many sequence
     # chunks, each chunk's backward run at once (1: full logits). Only without Ring-DTP.
     loss_chunks: int = 1
+    # the MoP layout's attention in tiles of this C_s, the whole sequence's tensors on the host
+    # (runtime/seq_to_head_tiles.py; the blocks traced with it: ModelShape.traced); 0: the whole-tensor exchange
+    attention_tiles: int = 0
 
     def resolved(self, knob: str) -> int:
         """A Config knob's value at this launch: the one given, else what boundpass/core/config.py says a knob left to
@@ -191,6 +194,9 @@ def check_launch(shape: ModelShape, launch: Launch) -> None:
         raise BoundpassInputError(f"unknown operators {sorted(unknown)}; known: {', '.join(OPERATORS)}")
     if launch.routing not in ("worst", "balanced"):
         raise BoundpassInputError(f"routing must be 'worst' or 'balanced', got {launch.routing!r}")
+    if launch.attention_tiles and launch.layout != "mop":
+        raise BoundpassInputError("attention_tiles is the MoP layout's sequence-to-head attention in tiles; the "
+                                  f"{launch.layout!r} layout has no exchange (set attention_tiles=0)")
     for name in ("dispatch_cap", "vocab_block", "optimizer_bucket", "optimizer_slots", "dispatch_borrowed_slots",
                  "sco_max_layers", "grad_accumulation", "sequences_per_step", "loss_chunks"):
         value = getattr(launch, name)
@@ -379,7 +385,8 @@ def _terms(shape: ModelShape, launch: Launch) -> tuple:
     if launch.layout == "dp":
         terms = _local_attention(terms)
     if uses_wide_trace(shape, launch):
-        terms = _wide_traced(terms, shape, exchange=launch.layout == "mop")
+        terms = _wide_traced(terms, shape, exchange=launch.layout == "mop", tiles=launch.attention_tiles,
+                             batch=launch.sequences_per_step or 1)
     else:
         # the dispatch's forward and backward apart are for the wide trace's sub-phases only
         terms = tuple(t for t in terms if t[2] not in ("dispatch_forward", "dispatch_backward"))
@@ -400,6 +407,8 @@ def _terms(shape: ModelShape, launch: Launch) -> tuple:
         terms += _step_counter_term(shape.param_tensors)
     if launch.held_batch_per_token:
         terms += _held_batch_term(launch.held_batch_per_token)
+    if launch.attention_tiles:
+        terms += _tiles_host_term()
     return terms
 
 
@@ -493,7 +502,7 @@ def _local_attention(terms: tuple) -> tuple:
     return tuple(out)
 
 
-def _wide_traced(terms: tuple, shape: ModelShape, *, exchange: bool = True) -> tuple:
+def _wide_traced(terms: tuple, shape: ModelShape, *, exchange: bool = True, tiles: int = 0, batch: int = 1) -> tuple:
     blocks = tuple((t[0][:-len("_wide")], t[1], t[2]) for t in shape.traced if t[0].endswith("_wide"))
     split = any(t[2] == "dispatch_backward" for t in terms)  # PipelinedLLEP: its forward and backward apart
     kept = []
@@ -506,7 +515,8 @@ def _wide_traced(terms: tuple, shape: ModelShape, *, exchange: bool = True) -> t
         elif t[2] not in _TRACED_KINDS:
             kept.append(t)
     kinds = {t[0] for t in blocks}
-    return tuple(kept) + _traced_terms(blocks, own_grads=False) + (exchange_terms() if exchange else ()) + _tail_in_trace(
+    exchange_part = (tiles_exchange_terms(tiles, batch) if tiles else exchange_terms()) if exchange else ()
+    return tuple(kept) + _traced_terms(blocks, own_grads=False) + exchange_part + _tail_in_trace(
         "dense" in kinds, "moe" in kinds)
 
 
@@ -551,6 +561,45 @@ def exchange_terms() -> tuple:
     out.append(("attention exchange beyond one rank (sequence-to-head at W > 1, its backward): bwd(W) - bwd(1)",
                 extra, "attention_exchange_backward", "a shorter context or more ranks W", _lambdify(extra)))
     return tuple(out)
+
+
+def _tiles_bound(part: str, tiles: int, batch: int) -> sympy.Expr:
+    """The tiles op's device bound (runtime/seq_to_head_tiles.py) in the composed symbols: D_v at D_h (an upper bound:
+    D_v <= D_h), C_s at the launch's tile, one sequence of W N / batch positions."""
+    st = importlib.import_module("boundpass.runtime.seq_to_head_tiles")
+    ca = importlib.import_module("boundpass.runtime.chunked_attention")
+    bound = st.seq_to_head_tiles_bound(part, mixed_precision=False, gqa=True, fused=True, padded=True)
+    return bound.xreplace({ca.D_v_sym: sym.D_h, ca.C_s_sym: sympy.Integer(tiles),
+                           ca.L_seq_sym: sym.N * sym.W / batch})
+
+
+@functools.lru_cache(maxsize=None)
+def tiles_exchange_terms(tiles: int, batch: int) -> tuple:
+    """``exchange_terms`` for the attention in tiles: what the op holds at W ranks beyond its one-rank form (the
+    traced one), forward and backward; the pieces the all-to-alls receive into (the one-rank form writes its pieces
+    without one), less the smaller tiles of A / W heads. What it keeps from its forward to its backward (its output,
+    log-sum-exp and ticket) is the same at every W."""
+    out = []
+    fwd, bwd = (_tiles_bound(part, tiles, batch) for part in ("forward", "backward"))
+    one = {sym.W: 1}
+    extra_bwd = sym.max_kept(0, bwd - bwd.xreplace(one))
+    extra = sym.max_kept(0, fwd - fwd.xreplace(one), bwd - bwd.xreplace(one))
+    for value, kind, what in ((extra, "attention_exchange", "fwd + bwd"),
+                              (sympy.Integer(0), "attention_exchange_saved", "held while the FFN runs"),
+                              (extra_bwd, "attention_exchange_backward", "its backward")):
+        out.append((f"attention exchange beyond one rank (sequence-to-head in tiles of {tiles}, {what}): "
+                    "bound(W) - bound(1)", value, kind, "a shorter context or more ranks W", _lambdify(value)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _tiles_host_term() -> tuple:
+    st = importlib.import_module("boundpass.runtime.seq_to_head_tiles")
+    ca = importlib.import_module("boundpass.runtime.chunked_attention")
+    value = st.seq_to_head_tiles_host_bound("backward").xreplace({ca.D_v_sym: sym.D_h})
+    return (("attention q, k, v, output and the backward's dO, dq, dk, dv of the whole sequence on host "
+             "(sequence-to-head tiles; one attention at a time)", value, "host",
+             "a larger host budget, or the whole-tensor exchange (attention off)", _lambdify(value)),)
 
 
 def traced_head(shape: ModelShape, launch: Launch) -> tuple:

@@ -400,16 +400,19 @@ def _unwrapped(block: torch.nn.Module) -> torch.nn.Module:
     return getattr(block, "_checkpoint_wrapped_module", block)
 
 
-def _one_rank_attention(block: torch.nn.Module, attention_config) -> dict:
+def _one_rank_attention(block: torch.nn.Module, attention_config, tiles: int = 0) -> dict:
     """Stand-ins that make the block's attention the one-rank schedule the composed budget counts: the fused
-    O(N) kernel (SeqToHeadAttention without a group: v zero-padded where the qk and v head dims differ)."""
+    O(N) kernel (SeqToHeadAttention without a group: v zero-padded where the qk and v head dims differ), or with
+    ``tiles`` (or a wrapper that has them) the tiles op on one rank (runtime/seq_to_head_tiles.py)."""
     from boundpass.runtime.seq_to_head import SeqToHeadAttention
     inner = getattr(block.attention, "inner_attention", None)
     if inner is None:  # the attention kernel is not a module (HF's attention interface): traced as it runs
         return {}
     if isinstance(inner, SeqToHeadAttention):
         # a fresh one for each trace: the op caches the shapes it checked (symbols of another trace's ShapeEnv)
-        return {"attention.inner_attention": SeqToHeadAttention(inner.inner, None)}
+        return {"attention.inner_attention": SeqToHeadAttention(inner.inner, None, tiles=tiles or inner.tiles)}
+    if tiles:
+        return {"attention.inner_attention": SeqToHeadAttention(inner, None, tiles=tiles)}
     qk = getattr(attention_config, "qk_nope_head_dim", None)
     v = getattr(attention_config, "v_head_dim", None)
     if qk is None or v is None or qk + attention_config.qk_rope_head_dim == v:
@@ -418,7 +421,7 @@ def _one_rank_attention(block: torch.nn.Module, attention_config) -> dict:
 
 
 def trace_torchtitan_blocks(net: torch.nn.Module, heads_config, *, wide: bool = True, one_rank: bool = True,
-                            progress=None) -> tuple:
+                            progress=None, attention_tiles: int = 0) -> tuple:
     """((kind, sub-phase, sympy bytes in N), ...) for the first dense and the first MoE block of a torchtitan
     Decoder (meta or real weights: nothing is read or allocated), traced on one rank at symbolic N with the
     weights' dtype; the block's input left out (the boundary term); its weights' gradients in, as backward
@@ -431,6 +434,7 @@ def trace_torchtitan_blocks(net: torch.nn.Module, heads_config, *, wide: bool = 
     one_rank: the kinds "dense" / "moe" (W = 1); False with wide: only the wide kinds (a launch at W > 1 reads
     nothing else: composed.uses_wide_trace), one MoE graph fewer to capture.
     progress: None, or called with a line before each block is traced.
+    attention_tiles: C_s of the MoP layout's attention in tiles (runtime/seq_to_head_tiles.py; 0: the whole exchange).
 
     With ``FORK_CAPTURES`` on (the plan CLI), a model with both kinds has its MoE block captured and analysed in a
     forked second process while this one does the dense block (the two are independent; ~2 s each at full
@@ -445,13 +449,15 @@ def trace_torchtitan_blocks(net: torch.nn.Module, heads_config, *, wide: bool = 
         if progress:
             for _, message in _captures(kind, wide, one_rank):
                 progress(f"{message} (in a second process)")
-        side = forked(lambda: _block_terms(kind, block, x(block), heads_config, wide=wide, one_rank=one_rank))
-    results = [_block_terms(kind, block, x(block), heads_config, wide=wide, one_rank=one_rank, progress=progress)
+        side = forked(lambda: _block_terms(kind, block, x(block), heads_config, wide=wide, one_rank=one_rank,
+                                           tiles=attention_tiles))
+    results = [_block_terms(kind, block, x(block), heads_config, wide=wide, one_rank=one_rank, progress=progress,
+                            tiles=attention_tiles)
                for kind, block in (blocks[:-1] if side else blocks)]
     if side:
         kind, block = blocks[-1]
         results.append(side() or _block_terms(kind, block, x(block), heads_config, wide=wide, one_rank=one_rank,
-                                              progress=progress))
+                                              progress=progress, tiles=attention_tiles))
     return tuple(t for out, _ in results for t in out) + tuple(t for _, wide_out in results for t in wide_out)
 
 
@@ -468,13 +474,14 @@ def _captures(kind: str, wide: bool, one_rank: bool) -> list:
     return out
 
 
-def _block_terms(kind: str, block, x, heads_config, *, wide: bool, one_rank: bool, progress=None) -> tuple:
+def _block_terms(kind: str, block, x, heads_config, *, wide: bool, one_rank: bool, progress=None,
+                 tiles: int = 0) -> tuple:
     """(one-rank terms, wide terms) of one block kind (trace_torchtitan_blocks)."""
     out, wide_out = [], []
     for stand_in, message in _captures(kind, wide, one_rank):
         if progress:
             progress(message)
-        captured = _capture_block(block, x, heads_config, routed_stand_in=stand_in)
+        captured = _capture_block(block, x, heads_config, routed_stand_in=stand_in, tiles=tiles)
         if one_rank and not stand_in:
             out += _phases_of(kind, _analyze(captured, weight_grads=True, count_inputs=False, ctx=None, split=True),
                               PHASES)
@@ -565,11 +572,11 @@ def _first_blocks(net) -> list:
     return out
 
 
-def _capture_block(block, x, heads_config, *, routed_stand_in: bool) -> dict:
+def _capture_block(block, x, heads_config, *, routed_stand_in: bool, tiles: int = 0) -> dict:
     """A block's graphs. A block that names its parts otherwise than torchtitan's (a model source's view of
     another library's layer, e.g. recipes/hf.py) says where its routed experts are (``boundpass_routed_path``)
     and which submodules carry the sub-phase tags (``boundpass_tags``)."""
-    stand_in = _one_rank_attention(block, heads_config)
+    stand_in = _one_rank_attention(block, heads_config, tiles)
     if routed_stand_in:
         stand_in[getattr(block, "boundpass_routed_path", "moe.routed_experts")] = _StandIn()
     return _capture(block, (x, None, None), symbolic_tokens=True, token_dim=1, loss_fn=None, kwargs={},

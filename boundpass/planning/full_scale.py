@@ -189,7 +189,8 @@ _SHAPES: dict = {}   # (model, flavor, dtype_bytes, trace, source, traces) -> Mo
 
 
 def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int,
-                    trace: bool | None = None, progress=None, loss_fn=None, traces: str = "all") -> ModelShape:
+                    trace: bool | None = None, progress=None, loss_fn=None, traces: str = "all",
+                    attention_tiles: int = 0) -> ModelShape:
     """ModelShape of a built torchtitan Decoder (meta or real): parameter counts per block, experts, heads.
 
     trace (None: for the families in block_trace.TRACED_FAMILIES): also trace one block of each kind forward +
@@ -197,7 +198,8 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
     activations from their graphs on one rank (composed.uses_trace). loss_fn: a callable returning the head's
     loss (None: the default model source's, torchtitan's CrossEntropyLoss). traces: "all" (default), "one_rank"
     (the blocks and the head as a W = 1 launch reads them: composed.uses_trace) or "wide" (the blocks without their
-    routed experts, all a W > 1 launch reads: composed.uses_wide_trace; no head trace)."""
+    routed experts, all a W > 1 launch reads: composed.uses_wide_trace; no head trace). attention_tiles: the blocks'
+    attention traced as the MoP layout's sequence-to-head attention in tiles of that C_s (0: the whole exchange)."""
     if traces not in ("all", "one_rank", "wide"):
         raise ValueError(f"traces must be 'all', 'one_rank' or 'wide', got {traces!r}")
     H = net.tok_embeddings.weight.shape[1]
@@ -234,7 +236,7 @@ def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int
     traced = ()
     if trace:
         traced = block_trace.trace_torchtitan_blocks(net, heads_config, progress=progress, wide=traces != "one_rank",
-                                                     one_rank=traces != "wide")
+                                                     one_rank=traces != "wide", attention_tiles=attention_tiles)
         if traces != "wide":
             traced += block_trace.trace_torchtitan_head(net, progress=progress, loss_fn=loss_fn)
     a = heads_config
