@@ -86,6 +86,11 @@ def _pad_v_attention() -> None:
     ScaledDotProductAttention.forward = padded
 
 
+# --bp-attention-tiles: the MoP side's attention in tiles, the whole sequence's tensors on the host
+# (runtime/seq_to_head_tiles.py; the trainer's --boundpass.attention.enable under the layout)
+MOP_ATTENTION_TILES = [False]
+
+
 def _args(side: str, model: str, seq: int, *, ep: int, ac: str, chunk_tokens: int, budget: str | None = None,
           host_budget: str, steps: int, cp: int = 1, batch: int = 1) -> list[str]:
     fsdp_config, mop_config, _, _ = CONFIGS[model]
@@ -102,7 +107,7 @@ def _args(side: str, model: str, seq: int, *, ep: int, ac: str, chunk_tokens: in
             args += ["--parallelism.context_parallel_degree", str(cp)]
     else:
         args += ["--config", mop_config, "--boundpass.budget", budget, "--boundpass.host_budget", host_budget,
-                 "--boundpass.no-report"]
+                 "--boundpass.no-report"] + (["--boundpass.attention.enable"] if MOP_ATTENTION_TILES[0] else [])
     return args + [f"activation-checkpoint:{ac}"]  # tyro: a subcommand's arguments follow it, so it goes last
 
 
@@ -222,13 +227,14 @@ def certified_total(model: str, seq: int, budget: str, host_budget: str, vocab: 
 
     from boundpass.core.errors import InfeasibleBudgetError
     from boundpass.recipes.mop import MoPOptions
-    from boundpass.recipes.trainer import check_mop_budget
+    from boundpass.recipes.trainer import check_mop_budget, mop_attention_tiles
     config = _configure(_args("mop", model, seq, ep=MOP_EP, ac="full", chunk_tokens=seq, budget=budget,
                               host_budget=host_budget, steps=2), vocab)
     bp = config.boundpass
     options = MoPOptions(pipelined_llep=bp.mop_pipelined_llep, dispatch_cap=bp.dispatch.cap,
                          dispatch_borrowed_slots=bp.dispatch.borrowed_slots, ring_dtp=bp.mop_ring_dtp,
-                         vocab_block=bp.vocab.block)
+                         vocab_block=bp.vocab.block,
+                         attention_tiles=mop_attention_tiles(config, WORLD) if bp.attention.enable else 0)
     if options.ring_dtp and isinstance(config.loss, ChunkedLossWrapper.Config):
         config.loss = config.loss.loss_fn  # as the trainer does under the layout (its Ring-DTP head)
     # as torchtitan's trainer does before building: the job's settings into the model config (the RoPE tables sized to
@@ -773,6 +779,8 @@ def main(argv=None) -> int:
     p.add_argument("--granule", type=int, default=256)
     p.add_argument("--bp-max-measured", type=int, default=8192)
     p.add_argument("--try-cp", action="store_true")
+    p.add_argument("--bp-attention-tiles", action="store_true",
+                   help="the MoP side's attention in tiles with the whole sequence's tensors on the host")
     p.add_argument("--time-only-at-fsdp-best", action="store_true",
                    help="boundpass: timed steps only at FSDP2-best's longest L (what the step-time table reads)")
     p.add_argument("--selective", action="store_true")
@@ -788,6 +796,7 @@ def main(argv=None) -> int:
     p.add_argument("--replan", action="store_true",
                    help="with --rerender: plan's predictions (seconds) again with the current code")
     args = p.parse_args(argv)
+    MOP_ATTENTION_TILES[0] = args.bp_attention_tiles
     if args.rerender:
         from bench.common import write_results
         data = json.loads((Path(__file__).resolve().parents[1] / "docs" / "results" / f"{args.out}.json").read_text())

@@ -266,8 +266,8 @@ def seq_to_head_tiles(q: Tensor, k: Tensor, v: Tensor, group=None, *, causal: bo
     world = dist.get_world_size(group) if group is not None else 1
     check_tiles_heads(q.shape[2], k.shape[2], world)
     name = group.group_name if group is not None else ""
-    out, _, _ = torch.ops.boundpass.seq_to_head_tiles_fwd(q.contiguous(), k.contiguous(), v.contiguous(), name,
-                                                          causal, float(scale or 0.0), int(chunk))
+    # q, k, v as they are: the exchange copies them piece by piece (a whole contiguous copy would be one more tensor)
+    out, _, _ = torch.ops.boundpass.seq_to_head_tiles_fwd(q, k, v, name, causal, float(scale or 0.0), int(chunk))
     return out
 
 
