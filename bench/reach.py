@@ -107,7 +107,9 @@ def _args(side: str, model: str, seq: int, *, ep: int, ac: str, chunk_tokens: in
             args += ["--parallelism.context_parallel_degree", str(cp)]
     else:
         args += ["--config", mop_config, "--boundpass.budget", budget, "--boundpass.host_budget", host_budget,
-                 "--boundpass.no-report"] + (["--boundpass.attention.enable"] if MOP_ATTENTION_TILES[0] else [])
+                 "--boundpass.no-report"]
+        if MOP_ATTENTION_TILES[0]:  # past the debug flavor's 16,384 RoPE positions (the tables follow seq_len anyway)
+            args += ["--boundpass.attention.enable", "--boundpass.rope_to_seq_len"]
     return args + [f"activation-checkpoint:{ac}"]  # tyro: a subcommand's arguments follow it, so it goes last
 
 
@@ -227,7 +229,7 @@ def certified_total(model: str, seq: int, budget: str, host_budget: str, vocab: 
 
     from boundpass.core.errors import InfeasibleBudgetError
     from boundpass.recipes.mop import MoPOptions
-    from boundpass.recipes.trainer import check_mop_budget, mop_attention_tiles
+    from boundpass.recipes.trainer import _rope_to_seq_len, check_mop_budget, mop_attention_tiles
     config = _configure(_args("mop", model, seq, ep=MOP_EP, ac="full", chunk_tokens=seq, budget=budget,
                               host_budget=host_budget, steps=2), vocab)
     bp = config.boundpass
@@ -239,6 +241,8 @@ def certified_total(model: str, seq: int, budget: str, host_budget: str, vocab: 
         config.loss = config.loss.loss_fn  # as the trainer does under the layout (its Ring-DTP head)
     # as torchtitan's trainer does before building: the job's settings into the model config (the RoPE tables sized to
     # --training.seq_len, not the flavor's max_seq_len: 18 MiB of buffers fewer at 4,096 tokens here)
+    if bp.rope_to_seq_len:
+        _rope_to_seq_len(config)
     config.model_spec.model.update_from_config(config=config)
     with torch.device("meta"):
         meta = config.model_spec.model.build()

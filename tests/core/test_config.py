@@ -25,7 +25,7 @@ COMPILE_OTHERS = {"model", "config", "loss_fn", "ring_group", "optimizer", "laun
 # Launch / plan's launch facts: degrees, sizes, dtypes, operator set (not knobs of Config)
 LAUNCH_FACTS = {"ranks", "ep", "ring", "tokens_per_rank", "operators", "b", "b_acc", "routing",
                 "grad_accumulation", "fsdp_param_b", "held_batch_per_token", "sequences_per_step",
-                "layout", "loss_chunks"}
+                "layout", "loss_chunks", "attention_tiles"}
 PLAN_OTHERS = LAUNCH_FACTS | {"model", "flavor", "context", "global_batch", "dtype", "source", "do_trace", "solve",
                               "search", "progress", "trace_blocks"}
 # the names the knobs had before issue 17: none may come back on any surface
