@@ -119,45 +119,18 @@ def _rows(store, s: int, e: int) -> Tensor:
     return store.host[:, :, s:e] if isinstance(store, host_tiles.HostRows) else store[:, :, s:e]
 
 
-def _host(role: str, like: Tensor, world: int, dtype: torch.dtype | None = None) -> host_tiles.HostRows:
-    B, n, A, D = like.shape
-    return host_tiles.HostRows(f"s2h_{role}", (B, A // world, n * world, D), dtype or like.dtype, like.device)
-
-
-def _stores(q_shape, k_shape, v_shape, dtype, device, world: int):
-    """The forward's host rows of q, k, v and the output, views of the pool (the same bytes every call)."""
-    def rows(role, shape, width=None):
-        B, n, A, D = shape
-        return host_tiles.HostRows(f"s2h_{role}", (B, A // world, n * world, width or D), dtype, device)
-    return rows("q", q_shape), rows("k", k_shape), rows("v", v_shape), rows("o", q_shape, v_shape[3])
-
-
-def tiles_forward(q: Tensor, k: Tensor, v: Tensor, group: str, causal: bool, scale: float | None,
-                  chunk: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(output [B, N/W, A_q, D_v] of my tokens, log-sum-exp [B, A_q/W, L] of my heads (fp32), ticket)."""
+def _world(group: str) -> tuple:
     pg = _group(group)
-    world = dist.get_world_size(pg) if pg is not None else 1
-    B, n, A_q, D = q.shape
-    qs, ks, vs, os_ = _stores(q.shape, k.shape, v.shape, q.dtype, q.device, world)
-    for x, store in ((q, qs), (k, ks), (v, vs)):
-        _to_heads(x, store, world, pg, chunk)
-    length = n * world
-    lse = torch.empty((B, A_q // world, length), dtype=ca.acc_dtype(q.dtype), device=q.device)
-    for (s, e), (qt,) in host_tiles.fetch((qs,), ca._tiles(length, chunk)):
-        o, l = ca.chunked_attention_forward(qt, ks, vs, causal, scale, chunk, q_offset=s)
-        del qt
-        os_.write(s, e, o)
-        lse[:, :, s:e].copy_(l)
-        del o, l
-    out = q.new_empty((B, n, A_q, v.shape[3]))
-    _to_tokens(os_, out, world, pg, chunk)
-    _GENERATION[0] += 1
-    return out, lse, torch.tensor([_GENERATION[0]], dtype=torch.int64, device=q.device)
+    return pg, (dist.get_world_size(pg) if pg is not None else 1)
 
 
-def tiles_backward(grad_out: Tensor, out: Tensor, lse: Tensor, ticket: Tensor, group: str, causal: bool,
-                   scale: float | None, chunk: int, kv_heads: int, d_qk: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of my tokens, in the output's dtype."""
+def _store(role: str, shape, world: int, dtype: torch.dtype, device, width: int | None = None) -> host_tiles.HostRows:
+    """The host rows of ``role`` for a [B, N/W, A, D] tensor of this rank: [B, A/W, L, width or D], of the pool."""
+    B, n, A, D = shape
+    return host_tiles.HostRows(f"s2h_{role}", (B, A // world, n * world, width or D), dtype, device)
+
+
+def _check_ticket(ticket: Tensor) -> None:
     if int(ticket.item()) != _GENERATION[0]:
         raise BoundpassInputError(
             "sequence-to-head attention in tiles: this attention's host rows (q, k, v of the whole sequence) were "
@@ -165,15 +138,59 @@ def tiles_backward(grad_out: Tensor, out: Tensor, lse: Tensor, ticket: Tensor, g
             "a time, which needs each block's forward run again right before its backward (full activation "
             "checkpointing: torchtitan's FullAC). Use --activation_checkpoint.mode full, or the whole-tensor exchange "
             "(--boundpass.attention.no-enable)")
-    pg = _group(group)
-    world = dist.get_world_size(pg) if pg is not None else 1
+
+
+# The forward and the backward are two ops each, so that what one ends with is freed before the next allocates:
+# put (q, k, v to the host) then attend (the output from the host rows), the caller's q, k, v free once put has run;
+# in the backward attend's (dq, dk, dv onto the host) then take (them back to the rank), the output gradient and the
+# output free once attend's backward has run. put and attend pass an empty "handle" tensor (attend's backward its
+# gradient to take) that orders them in a graph; the ticket ties every op to the forward whose host rows it reads.
+
+def tiles_put(q: Tensor, k: Tensor, v: Tensor, group: str, chunk: int) -> tuple[Tensor, Tensor]:
+    """q, k, v of my tokens to the host rows of my heads; (the handle, the ticket)."""
+    pg, world = _world(group)
+    for role, x in (("q", q), ("k", k), ("v", v)):
+        _to_heads(x, _store(role, x.shape, world, x.dtype, x.device), world, pg, chunk)
+    _GENERATION[0] += 1
+    return q.new_empty((0,)), torch.tensor([_GENERATION[0]], dtype=torch.int64, device=q.device)
+
+
+def tiles_attend(handle: Tensor, ticket: Tensor, group: str, causal: bool, scale: float | None, chunk: int,
+                 q_shape: list[int], kv_heads: int, d_v: int) -> tuple[Tensor, Tensor]:
+    """(output [B, N/W, A_q, D_v] of my tokens, log-sum-exp [B, A_q/W, L] of my heads in the accumulation dtype)."""
+    _check_ticket(ticket)
+    pg, world = _world(group)
+    B, n, A_q, D = q_shape
+    dtype, device = handle.dtype, handle.device
+    qs, ks = _store("q", q_shape, world, dtype, device), _store("k", (B, n, kv_heads, D), world, dtype, device)
+    vs = _store("v", (B, n, kv_heads, d_v), world, dtype, device)
+    os_ = _store("o", q_shape, world, dtype, device, width=d_v)
+    length = n * world
+    lse = torch.empty((B, A_q // world, length), dtype=ca.acc_dtype(dtype), device=device)
+    for (s, e), (qt,) in host_tiles.fetch((qs,), ca._tiles(length, chunk)):
+        o, l = ca.chunked_attention_forward(qt, ks, vs, causal, scale, chunk, q_offset=s)
+        del qt
+        os_.write(s, e, o)
+        lse[:, :, s:e].copy_(l)
+        del o, l
+    out = torch.empty((B, n, A_q, d_v), dtype=dtype, device=device)
+    _to_tokens(os_, out, world, pg, chunk)
+    return out, lse
+
+
+def tiles_attend_backward(grad_out: Tensor, out: Tensor, lse: Tensor, ticket: Tensor, group: str, causal: bool,
+                          scale: float | None, chunk: int, kv_heads: int, d_qk: int) -> Tensor:
+    """dq, dk, dv of the whole sequence for my heads onto the host (dq in the accumulation dtype); the handle's
+    gradient (empty) for ``tiles_take``."""
+    _check_ticket(ticket)
+    pg, world = _world(group)
     B, n, A_q, D_v = out.shape
     length = n * world
     acc = ca.acc_dtype(out.dtype)
-    qs, ks, vs, _ = _stores((B, n, A_q, d_qk), (B, n, kv_heads, d_qk), (B, n, kv_heads, D_v), out.dtype, out.device,
-                            world)
-    grad_out = grad_out.contiguous()
-    dos = _host("dO", grad_out, world)
+    qs = _store("q", (B, n, A_q, d_qk), world, out.dtype, out.device)
+    ks = _store("k", (B, n, kv_heads, d_qk), world, out.dtype, out.device)
+    vs = _store("v", (B, n, kv_heads, D_v), world, out.dtype, out.device)
+    dos = _store("dO", out.shape, world, out.dtype, out.device)
     _to_heads(grad_out, dos, world, pg, chunk)
     local = torch.empty((B, n, A_q), dtype=acc, device=out.device)       # rowsum(dO O) of my tokens, every head
     for p0, p1 in _pieces(n, chunk):
@@ -181,72 +198,135 @@ def tiles_backward(grad_out: Tensor, out: Tensor, lse: Tensor, ticket: Tensor, g
     delta = torch.empty_like(lse)                                        # [B, A_q/W, L] of my heads
     _to_heads(local[..., None], delta[..., None], world, pg, chunk)
     del local
-    dq = host_tiles.HostRows("s2h_dq", (B, A_q // world, length, d_qk), acc, out.device)
-    dks = host_tiles.HostRows("s2h_dk", (B, kv_heads // world, length, d_qk), out.dtype, out.device)
-    dvs = host_tiles.HostRows("s2h_dv", (B, kv_heads // world, length, D_v), out.dtype, out.device)
+    dq = _store("dq", (B, n, A_q, d_qk), world, acc, out.device)
+    dks = _store("dk", (B, n, kv_heads, d_qk), world, out.dtype, out.device)
+    dvs = _store("dv", (B, n, kv_heads, D_v), world, out.dtype, out.device)
     for (s, e), (kj, vj) in host_tiles.fetch((ks, vs), ca._tiles(length, chunk)):
         dkj, dvj = ca.key_tile_backward(qs, dos, lse, delta, kj, vj, s, causal, scale, chunk, dq, fresh=s == 0)
         del kj, vj
         dks.write(s, e, dkj)
         dvs.write(s, e, dvj)
         del dkj, dvj
-    del delta
-    grads = (out.new_empty((B, n, A_q, d_qk)), out.new_empty((B, n, kv_heads, d_qk)),
-             out.new_empty((B, n, kv_heads, D_v)))
-    for store, g in zip((dq, dks, dvs), grads):
+    return out.new_empty((0,))
+
+
+def tiles_take(grad_handle: Tensor, ticket: Tensor, group: str, chunk: int, q_shape: list[int], kv_heads: int,
+               d_v: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of my tokens from the host rows ``tiles_attend_backward`` wrote, in the handle's dtype."""
+    _check_ticket(ticket)
+    pg, world = _world(group)
+    B, n, A_q, D = q_shape
+    dtype, device = grad_handle.dtype, grad_handle.device
+    shapes = ((B, n, A_q, D), (B, n, kv_heads, D), (B, n, kv_heads, d_v))
+    stores = (_store("dq", shapes[0], world, ca.acc_dtype(dtype), device), _store("dk", shapes[1], world, dtype, device),
+              _store("dv", shapes[2], world, dtype, device))
+    grads = tuple(torch.empty(shape, dtype=dtype, device=device) for shape in shapes)
+    for store, g in zip(stores, grads):
         _to_tokens(store, g, world, pg, chunk)
     return grads
 
 
-# ---------------------------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("boundpass::seq_to_head_tiles_fwd", mutates_args=())
-def seq_to_head_tiles_fwd(q: Tensor, k: Tensor, v: Tensor, group: str, causal: bool, scale: float,
-                          chunk: int) -> tuple[Tensor, Tensor, Tensor]:
-    return tiles_forward(q, k, v, group, causal, scale if scale > 0 else None, chunk)
+def tiles_forward(q, k, v, group: str, causal: bool, scale, chunk: int):
+    """put, then attend: (output, log-sum-exp, ticket)."""
+    handle, ticket = tiles_put(q, k, v, group, chunk)
+    out, lse = tiles_attend(handle, ticket, group, causal, scale, chunk, list(q.shape), k.shape[2], v.shape[3])
+    return out, lse, ticket
 
 
-def _world_of(group: str) -> int:
-    pg = _group(group)
-    return dist.get_world_size(pg) if pg is not None else 1
-
-
-@seq_to_head_tiles_fwd.register_fake
-def _(q, k, v, group, causal, scale, chunk):
-    world = _world_of(group)
-    B, n, A_q, _ = q.shape
-    return (q.new_empty((B, n, A_q, v.shape[3])), q.new_empty((B, A_q // world, n * world), dtype=ca.acc_dtype(q.dtype)),
-            q.new_empty((1,), dtype=torch.int64))
-
-
-@torch.library.custom_op("boundpass::seq_to_head_tiles_bwd", mutates_args=())
-def seq_to_head_tiles_bwd(grad_out: Tensor, out: Tensor, lse: Tensor, ticket: Tensor, group: str, causal: bool,
-                          scale: float, chunk: int, kv_heads: int, d_qk: int) -> tuple[Tensor, Tensor, Tensor]:
-    return tiles_backward(grad_out, out, lse, ticket, group, causal, scale if scale > 0 else None, chunk, kv_heads,
-                          d_qk)
-
-
-@seq_to_head_tiles_bwd.register_fake
-def _(grad_out, out, lse, ticket, group, causal, scale, chunk, kv_heads, d_qk):
+def tiles_backward(grad_out, out, lse, ticket, group: str, causal: bool, scale, chunk: int, kv_heads: int, d_qk: int):
+    """attend's backward, then take: (dq, dk, dv)."""
+    grad_handle = tiles_attend_backward(grad_out, out, lse, ticket, group, causal, scale, chunk, kv_heads, d_qk)
     B, n, A_q, D_v = out.shape
-    return (out.new_empty((B, n, A_q, d_qk)), out.new_empty((B, n, kv_heads, d_qk)),
-            out.new_empty((B, n, kv_heads, D_v)))
+    return tiles_take(grad_handle, ticket, group, chunk, [B, n, A_q, d_qk], kv_heads, D_v)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, group, causal, scale, chunk = inputs
-    ctx.save_for_backward(output[0], output[1], output[2])
-    ctx.args = (group, causal, scale, chunk, k.shape[2], q.shape[3])
+# ---------------------------------------------------------------------------------------------- custom ops
+def _world_of(group: str) -> int:
+    return _world(group)[1]
 
 
-def _backward(ctx, grad_out, grad_lse, grad_ticket):
+def _scale(scale: float) -> float | None:
+    return scale if scale > 0 else None
+
+
+@torch.library.custom_op("boundpass::seq_to_head_tiles_put", mutates_args=())
+def seq_to_head_tiles_put(q: Tensor, k: Tensor, v: Tensor, group: str, chunk: int) -> tuple[Tensor, Tensor]:
+    return tiles_put(q, k, v, group, chunk)
+
+
+@seq_to_head_tiles_put.register_fake
+def _(q, k, v, group, chunk):
+    return q.new_empty((0,)), q.new_empty((1,), dtype=torch.int64)
+
+
+@torch.library.custom_op("boundpass::seq_to_head_tiles_attend", mutates_args=())
+def seq_to_head_tiles_attend(handle: Tensor, ticket: Tensor, group: str, causal: bool, scale: float, chunk: int,
+                             q_shape: list[int], kv_heads: int, d_v: int) -> tuple[Tensor, Tensor]:
+    return tiles_attend(handle, ticket, group, causal, _scale(scale), chunk, q_shape, kv_heads, d_v)
+
+
+@seq_to_head_tiles_attend.register_fake
+def _(handle, ticket, group, causal, scale, chunk, q_shape, kv_heads, d_v):
+    world = _world_of(group)
+    B, n, A_q, _ = q_shape
+    return (handle.new_empty((B, n, A_q, d_v)),
+            handle.new_empty((B, A_q // world, n * world), dtype=ca.acc_dtype(handle.dtype)))
+
+
+@torch.library.custom_op("boundpass::seq_to_head_tiles_attend_bwd", mutates_args=())
+def seq_to_head_tiles_attend_bwd(grad_out: Tensor, out: Tensor, lse: Tensor, ticket: Tensor, group: str, causal: bool,
+                                 scale: float, chunk: int, kv_heads: int, d_qk: int) -> Tensor:
+    return tiles_attend_backward(grad_out, out, lse, ticket, group, causal, _scale(scale), chunk, kv_heads, d_qk)
+
+
+@seq_to_head_tiles_attend_bwd.register_fake
+def _(grad_out, out, lse, ticket, group, causal, scale, chunk, kv_heads, d_qk):
+    return out.new_empty((0,))
+
+
+@torch.library.custom_op("boundpass::seq_to_head_tiles_take", mutates_args=())
+def seq_to_head_tiles_take(grad_handle: Tensor, ticket: Tensor, group: str, chunk: int, q_shape: list[int],
+                           kv_heads: int, d_v: int) -> tuple[Tensor, Tensor, Tensor]:
+    return tiles_take(grad_handle, ticket, group, chunk, q_shape, kv_heads, d_v)
+
+
+@seq_to_head_tiles_take.register_fake
+def _(grad_handle, ticket, group, chunk, q_shape, kv_heads, d_v):
+    B, n, A_q, D = q_shape
+    return (grad_handle.new_empty((B, n, A_q, D)), grad_handle.new_empty((B, n, kv_heads, D)),
+            grad_handle.new_empty((B, n, kv_heads, d_v)))
+
+
+def _put_setup(ctx, inputs, output):
+    q, k, v, group, chunk = inputs
+    ctx.save_for_backward(output[1])
+    ctx.args = (group, chunk, list(q.shape), k.shape[2], v.shape[3])
+
+
+def _put_backward(ctx, grad_handle, grad_ticket):
+    (ticket,) = ctx.saved_tensors
+    group, chunk, q_shape, kv_heads, d_v = ctx.args
+    # grad_handle is attend's backward's output: taking it orders take after it in a graph
+    dq, dk, dv = torch.ops.boundpass.seq_to_head_tiles_take(grad_handle, ticket, group, chunk, q_shape, kv_heads, d_v)
+    return dq, dk, dv, None, None
+
+
+def _attend_setup(ctx, inputs, output):
+    handle, ticket, group, causal, scale, chunk, q_shape, kv_heads, d_v = inputs
+    ctx.save_for_backward(output[0], output[1], ticket)
+    ctx.args = (group, causal, scale, chunk, kv_heads, q_shape[3])
+
+
+def _attend_backward(ctx, grad_out, grad_lse):
     out, lse, ticket = ctx.saved_tensors
     group, causal, scale, chunk, kv_heads, d_qk = ctx.args
-    dq, dk, dv = torch.ops.boundpass.seq_to_head_tiles_bwd(grad_out, out, lse, ticket, group, causal, scale, chunk,
-                                                           kv_heads, d_qk)
-    return dq, dk, dv, None, None, None, None
+    grad_handle = torch.ops.boundpass.seq_to_head_tiles_attend_bwd(grad_out.contiguous(), out, lse, ticket, group,
+                                                                   causal, scale, chunk, kv_heads, d_qk)
+    return grad_handle, None, None, None, None, None, None, None, None
 
 
-seq_to_head_tiles_fwd.register_autograd(_backward, setup_context=_setup_context)
+seq_to_head_tiles_put.register_autograd(_put_backward, setup_context=_put_setup)
+seq_to_head_tiles_attend.register_autograd(_attend_backward, setup_context=_attend_setup)
 
 
 def seq_to_head_tiles(q: Tensor, k: Tensor, v: Tensor, group=None, *, causal: bool = True,
@@ -267,28 +347,39 @@ def seq_to_head_tiles(q: Tensor, k: Tensor, v: Tensor, group=None, *, causal: bo
     check_tiles_heads(q.shape[2], k.shape[2], world)
     name = group.group_name if group is not None else ""
     # q, k, v as they are: the exchange copies them piece by piece (a whole contiguous copy would be one more tensor)
-    out, _, _ = torch.ops.boundpass.seq_to_head_tiles_fwd(q, k, v, name, causal, float(scale or 0.0), int(chunk))
+    handle, ticket = torch.ops.boundpass.seq_to_head_tiles_put(q, k, v, name, int(chunk))
+    out, _ = torch.ops.boundpass.seq_to_head_tiles_attend(handle, ticket, name, causal, float(scale or 0.0),
+                                                          int(chunk), list(q.shape), k.shape[2], v.shape[3])
     return out
 
 
 # ------------------------------------------------------------------------------------------------ bound
-def seq_to_head_tiles_bound(part: str = "peak", *, mixed_precision: bool, gqa: bool, fused: bool,
-                            padded: bool) -> sympy.Expr:
-    """Device bytes of one call on a rank: N = B N/W tokens of this rank (summed over the batch B), W ranks, A_q / A_kv
-    heads, head dims D (``D_h``) and D_v, tile C_s (rows per piece and per tile), L_seq = W N / B; b the inputs' bytes,
-    b_acc the accumulation's. With x = min(1, W - 1) (0: one rank, no all-to-all) and r = B C_s:
+def seq_to_head_tiles_bound(part: str, *, mixed_precision: bool, gqa: bool, fused: bool, padded: bool,
+                            rows: int | None = None) -> sympy.Expr:
+    """Device bytes of one op call on a rank: N = B N/W tokens of this rank (summed over the batch B), W ranks, A_q /
+    A_kv heads, head dims D (``D_h``) and D_v, tile C_s (rows per piece and per tile), L_seq = W N / B; b the inputs'
+    bytes, b_acc the accumulation's. With x = min(1, W - 1) (0: one rank, no all-to-all) and r = B C_s, ``part``:
 
-    forward : q, k, v (the caller's) + lse (N A_q b_acc)
-              + max(one piece exchanged: (1 + x) r A_q D b             (send and receive, the largest is q's)
-                    the kernels on a query tile: two q tiles, two k / v tiles read (the one read, the next),
-                    the tile's output and lse, the forward tile workspace at A_q / W, A_kv / W heads,
-                    the output (made after the tiles) + the ticket + one piece of its exchange back)
-    backward: the output gradient, the output, lse, the ticket
-              + max(the output gradient's exchange, rowsum(dO O) per piece (its operands in b_acc) + delta whole of my
-                    tokens and of my heads (2 N A_q b_acc) beside its exchange,
-                    delta + per key tile: two k / v tiles, its dk / dv (b_acc), two tiles each of q, dO (b) and dq
-                    (b_acc), the key tile's workspace at A_q / W, A_kv / W heads,
-                    dq, dk, dv (returned, b; made after the key tiles) + one piece of their exchange back)"""
+    put            : q, k, v (the caller's) + the ticket + one piece exchanged, (1 + x) r A_q D b (send and receive;
+                     the largest is q's)
+    attend         : the ticket + lse (N A_q b_acc)
+                     + max(the kernels on a query tile: two q tiles, two k / v tiles read (the one read, the next),
+                           the tile's output and lse, the forward tile workspace at A_q / W, A_kv / W heads,
+                           the output (made after the tiles) + one piece of its exchange back)
+    attend_backward: the output gradient, the output, lse, the ticket
+                     + max(the output gradient's exchange, rowsum(dO O) per piece (its operands in b_acc) + delta whole
+                           of my tokens and of my heads (2 N A_q b_acc) beside its exchange,
+                           delta + per key tile: two k / v tiles, its dk / dv (b_acc), two tiles each of q, dO (b) and
+                           dq (b_acc), the key tile's workspace at A_q / W, A_kv / W heads)
+    take           : the ticket + dq, dk, dv (returned, b) + one piece of their exchange back
+    "forward" / "backward": the larger of put and attend / of attend_backward and take. ``rows``: the tile's rows where
+    the call fixes them (torch's fused kernel splits its query rows by them; else its widest split)."""
+    if part == "forward":
+        return sym.max_kept(*(seq_to_head_tiles_bound(p, mixed_precision=mixed_precision, gqa=gqa, fused=fused,
+                                                      padded=padded, rows=rows) for p in ("put", "attend")))
+    if part == "backward":
+        return sym.max_kept(*(seq_to_head_tiles_bound(p, mixed_precision=mixed_precision, gqa=gqa, fused=fused,
+                                                      padded=padded) for p in ("attend_backward", "take")))
     N, W, A_q, A_kv, D, D_v = sym.N, sym.W, sym.A_q, sym.A_kv, sym.D_h, ca.D_v_sym
     b, b_acc, C_s = sym.b, sym.b_acc, ca.C_s_sym
     batch = N * W / ca.L_seq_sym
@@ -299,47 +390,58 @@ def seq_to_head_tiles_bound(part: str = "peak", *, mixed_precision: bool, gqa: b
     q_b, kv_b, o_b, lse_b = N * A_q * D * b, N * A_kv * (D + D_v) * b, N * A_q * D_v * b, N * A_q * b_acc
     ticket = 8
     tile_kv = 2 * r * a_kv * (D + D_v) * b
-    if part == "forward":
+    if part == "put":
+        return q_b + kv_b + ticket + (1 + x) * r * A_q * D * b
+    if part == "take":
+        return ticket + q_b + kv_b + (1 + x) * r * A_q * D * b
+    if part == "attend":
         tile = ca.tile_workspace("forward", mixed_precision=mixed_precision, batch=batch, fused=fused, gqa=gqa,
-                                 padded=padded).xreplace(heads)
+                                 padded=padded, rows=rows).xreplace(heads)
         kernels = 2 * r * a_q * D * b + tile_kv + r * a_q * (D_v * b + b_acc) + tile
-        # the output is made once the tiles are done, and filled piece by piece
-        return q_b + kv_b + lse_b + sympy.Max((1 + x) * r * A_q * D * b, kernels,
-                                              o_b + ticket + (1 + x) * r * A_q * D_v * b)
-    if part != "backward":
-        raise BoundpassInputError(f"seq_to_head_tiles_bound: part must be 'forward' or 'backward', got {part!r}")
+        return ticket + lse_b + sympy.Max(kernels, o_b + (1 + x) * r * A_q * D_v * b)
+    if part != "attend_backward":
+        raise BoundpassInputError("seq_to_head_tiles_bound: part must be put, attend, attend_backward, take, forward or "
+                                  f"backward; got {part!r}")
     key = ca.tile_workspace("key", mixed_precision=mixed_precision, batch=batch, gqa=gqa).xreplace(heads)
-    held = 2 * o_b + lse_b + ticket
     delta = 2 * lse_b
-    phases = [
+    return 2 * o_b + lse_b + ticket + sympy.Max(
         (1 + x) * r * A_q * D_v * b,                                               # dO to the host
         delta + 3 * r * A_q * D_v * b_acc + (1 + x) * r * A_q * b_acc,              # rowsum(dO O), its exchange
-        delta + tile_kv + r * a_kv * (D + D_v) * b_acc + 2 * r * a_q * ((D + D_v) * b + D * b_acc) + key,
-        q_b + kv_b + (1 + x) * r * A_q * D * b,                                    # dq, dk, dv made and sent back
-    ]
-    return held + sympy.Max(*phases)
+        delta + tile_kv + r * a_kv * (D + D_v) * b_acc + 2 * r * a_q * ((D + D_v) * b + D * b_acc) + key)
 
 
 def seq_to_head_tiles_host_bound(part: str = "forward") -> sympy.Expr:
-    """Host bytes (the pool): q, k, v and the output of the whole sequence for my heads, and in the backward dO, dk,
-    dv (b) and dq (b_acc) beside them; B L A / W = N A per tensor."""
+    """Host bytes (the pool): q, k, v and the output of the whole sequence for my heads (B L A / W = N A rows per
+    tensor), and from the backward on dO, dk, dv (b) and dq (b_acc) beside them; ``part``: an op's (put: q, k, v) or
+    "forward" / "backward"."""
     N, A_q, A_kv, D, D_v, b, b_acc = sym.N, sym.A_q, sym.A_kv, sym.D_h, ca.D_v_sym, sym.b, sym.b_acc
-    forward = N * (A_q * (D + D_v) + A_kv * (D + D_v)) * b
-    if part == "forward":
+    qkv = N * (A_q * D + A_kv * (D + D_v)) * b
+    if part == "put":
+        return qkv
+    forward = qkv + N * A_q * D_v * b
+    if part in ("forward", "attend"):
         return forward
     return forward + N * (A_q * D_v + A_kv * (D + D_v)) * b + N * A_q * D * b_acc
 
 
-def _values(a: dict) -> dict:
+_PART = {"seq_to_head_tiles_put": "put", "seq_to_head_tiles_attend": "attend",
+         "seq_to_head_tiles_attend_bwd": "attend_backward", "seq_to_head_tiles_take": "take"}
+
+
+def _values(part: str, a: dict) -> dict:
     world = _world_of(a["group"])
-    if "grad_out" in a:
+    if part == "put":
+        q, v = a["q"], a["v"]
+        B, n, A_q, D = q.shape
+        A_kv, D_v, dtype = a["k"].shape[2], v.shape[3], q.dtype
+    elif part == "attend_backward":
         out = a["out"]
         B, n, A_q, D_v = out.shape
         A_kv, D, dtype = a["kv_heads"], a["d_qk"], out.dtype
     else:
-        q, v = a["q"], a["v"]
-        B, n, A_q, D = q.shape
-        A_kv, D_v, dtype = a["k"].shape[2], v.shape[3], q.dtype
+        B, n, A_q, D = a["q_shape"]
+        A_kv, D_v = a["kv_heads"], a["d_v"]
+        dtype = (a["handle"] if part == "attend" else a["grad_handle"]).dtype
     chunk = a["chunk"]
     n_expr = contracts.as_expr(n)
     return {sym.N: contracts.as_expr(B) * n_expr, sym.W: world, sym.A_q: int(A_q), sym.A_kv: int(A_kv),
@@ -347,26 +449,27 @@ def _values(a: dict) -> dict:
             ca.C_s_sym: sympy.Min(int(chunk), n_expr) if chunk > 0 else ca.C_s_sym, ca.L_seq_sym: n_expr * world}
 
 
-def _flags(a: dict) -> dict:
-    values = _values(a)
-    dtype_b, acc = values[sym.b], values[sym.b_acc]
-    D, D_v = values[sym.D_h], values[ca.D_v_sym]
-    return dict(mixed_precision=acc != dtype_b, gqa=values[sym.A_q] != values[sym.A_kv], fused=D_v <= D,
-                padded=D_v < D)
+def _bounds(op_name: str):
+    part = _PART[op_name]
+
+    def device(a: dict, ctx: dict) -> sympy.Expr:
+        values = _values(part, a)
+        D, D_v = values[sym.D_h], values[ca.D_v_sym]
+        rows = values[ca.C_s_sym]   # the tile's rows where the call fixes them (a number)
+        bound = contracts.cached_bound(seq_to_head_tiles_bound, part=part,
+                                       mixed_precision=values[sym.b_acc] != values[sym.b],
+                                       gqa=values[sym.A_q] != values[sym.A_kv], fused=D_v <= D, padded=D_v < D,
+                                       rows=int(rows) if rows.is_number else None)
+        return contracts.substitute(bound, values)
+
+    def host(a: dict, ctx: dict) -> sympy.Expr:
+        return contracts.substitute(contracts.cached_bound(seq_to_head_tiles_host_bound, part=part),
+                                    _values(part, a))
+    return device, host
 
 
-def _device_bound(a: dict, ctx: dict) -> sympy.Expr:
-    part = "backward" if "grad_out" in a else "forward"
-    bound = contracts.cached_bound(seq_to_head_tiles_bound, part=part, **_flags(a))
-    return contracts.substitute(bound, _values(a))
-
-
-def _host_bound(a: dict, ctx: dict) -> sympy.Expr:
-    part = "backward" if "grad_out" in a else "forward"
-    return contracts.substitute(contracts.cached_bound(seq_to_head_tiles_host_bound, part=part), _values(a))
-
-
-contracts.register_bound(torch.ops.boundpass.seq_to_head_tiles_fwd.default, _device_bound)
-contracts.register_bound(torch.ops.boundpass.seq_to_head_tiles_bwd.default, _device_bound)
-contracts.register_host_bound(torch.ops.boundpass.seq_to_head_tiles_fwd.default, _host_bound)
-contracts.register_host_bound(torch.ops.boundpass.seq_to_head_tiles_bwd.default, _host_bound)
+for _name in _PART:
+    _op = getattr(torch.ops.boundpass, _name).default
+    _device, _host_fn = _bounds(_name)
+    contracts.register_bound(_op, _device)
+    contracts.register_host_bound(_op, _host_fn)

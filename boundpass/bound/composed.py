@@ -568,7 +568,7 @@ def _tiles_bound(part: str, tiles: int, batch: int) -> sympy.Expr:
     D_v <= D_h), C_s at the launch's tile, one sequence of W N / batch positions."""
     st = importlib.import_module("boundpass.runtime.seq_to_head_tiles")
     ca = importlib.import_module("boundpass.runtime.chunked_attention")
-    bound = st.seq_to_head_tiles_bound(part, mixed_precision=False, gqa=True, fused=True, padded=True)
+    bound = st.seq_to_head_tiles_bound(part, mixed_precision=False, gqa=True, fused=True, padded=True, rows=tiles)
     return bound.xreplace({ca.D_v_sym: sym.D_h, ca.C_s_sym: sympy.Integer(tiles),
                            ca.L_seq_sym: sym.N * sym.W / batch})
 

@@ -79,8 +79,8 @@ def _bf16_against_sdpa(rank, world):
 
 
 def _measured(rank, world, B, L, A_q, A_kv, D, chunk, dtype):
-    """(forward peak, its bound, backward peak, its bound, host pool bytes, host bound) of one call on this rank at
-    torch's allocator; the host pool made by a first call (host memory, kept across calls)."""
+    """{op: (peak, its registered bound)} of each of the four ops' calls on this rank at torch's allocator, and (host
+    pool bytes, host bound); the pool made by a first forward + backward (host memory, kept across calls)."""
     from boundpass.runtime import host_tiles
     from boundpass.runtime import seq_to_head_tiles as st
     from boundpass.testing.whole_step import allocator_peak_of
@@ -94,17 +94,27 @@ def _measured(rank, world, B, L, A_q, A_kv, D, chunk, dtype):
     out, lse, ticket = st.tiles_forward(q, k, v, name, True, None, chunk)
     st.tiles_backward(go, out, lse, ticket, name, True, None, chunk, A_kv, D[0])
     pool = host_tiles.pool_bytes()
-    (out, lse, ticket), fwd = allocator_peak_of(lambda: st.tiles_forward(q, k, v, name, True, None, chunk),
-                                                [q, k, v])
-    _, bwd = allocator_peak_of(lambda: st.tiles_backward(go, out, lse, ticket, name, True, None, chunk, A_kv, D[0]),
-                               [go, out, lse, ticket])
-    args = dict(q=q, k=k, v=v, group=name, causal=True, scale=0.0, chunk=chunk)
-    f_bound = int(st._device_bound(args, {}))
-    bargs = dict(grad_out=go, out=out, lse=lse, ticket=ticket, group=name, causal=True, scale=0.0, chunk=chunk,
-                 kv_heads=A_kv, d_qk=D[0])
-    b_bound = int(st._device_bound(bargs, {}))
-    host = int(st._host_bound(bargs, {}))
-    return fwd, f_bound, bwd, b_bound, pool, host
+    q_shape = list(q.shape)
+    common = dict(group=name, chunk=chunk)
+    (handle, ticket), put = allocator_peak_of(lambda: st.tiles_put(q, k, v, name, chunk), [q, k, v])
+    (out, lse), attend = allocator_peak_of(
+        lambda: st.tiles_attend(handle, ticket, name, True, None, chunk, q_shape, A_kv, D[1]), [handle, ticket])
+    grad_handle, attend_bwd = allocator_peak_of(
+        lambda: st.tiles_attend_backward(go, out, lse, ticket, name, True, None, chunk, A_kv, D[0]),
+        [go, out, lse, ticket])
+    _, take = allocator_peak_of(lambda: st.tiles_take(grad_handle, ticket, name, chunk, q_shape, A_kv, D[1]),
+                                [grad_handle, ticket])
+    args = {"seq_to_head_tiles_put": (put, dict(q=q, k=k, v=v, **common)),
+            "seq_to_head_tiles_attend": (attend, dict(handle=handle, ticket=ticket, causal=True, scale=0.0,
+                                                      q_shape=q_shape, kv_heads=A_kv, d_v=D[1], **common)),
+            "seq_to_head_tiles_attend_bwd": (attend_bwd, dict(grad_out=go, out=out, lse=lse, ticket=ticket,
+                                                              causal=True, scale=0.0, kv_heads=A_kv, d_qk=D[0],
+                                                              **common)),
+            "seq_to_head_tiles_take": (take, dict(grad_handle=grad_handle, ticket=ticket, q_shape=q_shape,
+                                                  kv_heads=A_kv, d_v=D[1], **common))}
+    peaks = {op: (peak, int(st._bounds(op)[0](a, {}))) for op, (peak, a) in args.items()}
+    host = int(st._bounds("seq_to_head_tiles_attend_bwd")[1](args["seq_to_head_tiles_attend_bwd"][1], {}))
+    return peaks, (pool, host)
 
 
 def _stale_rows(rank, world):
@@ -149,13 +159,13 @@ def test_bf16_no_further_from_fp64_than_torch_sdpa(ranks):
 
 
 def test_bound_sound_and_tight(ranks):
-    """Measured at torch's allocator <= the registered bound <= 1.25x measured, forward and backward; the pool holds
-    what the host bound says."""
+    """Each op's call measured at torch's allocator <= its registered bound <= 1.25x measured; the pool holds what the
+    host bound says."""
     world, results = ranks
     for rank, res in enumerate(results):
-        for case, (fwd, f_bound, bwd, b_bound, pool, host) in zip(BOUND_CASES, res["bound"]):
-            assert fwd <= f_bound <= 1.25 * fwd, (world, rank, case, "forward", fwd, f_bound, f_bound / fwd)
-            assert bwd <= b_bound <= 1.25 * bwd, (world, rank, case, "backward", bwd, b_bound, b_bound / bwd)
+        for case, (peaks, (pool, host)) in zip(BOUND_CASES, res["bound"]):
+            for op, (peak, bound) in peaks.items():
+                assert peak <= bound <= 1.25 * peak, (world, rank, case, op, peak, bound, bound / peak)
             assert pool == host, (world, rank, case, pool, host)
 
 
@@ -176,10 +186,10 @@ def test_device_bytes_do_not_grow_with_the_whole_sequence():
         bound = st.seq_to_head_tiles_bound(part, mixed_precision=True, gqa=False, fused=True, padded=True)
         extra = []
         for n in (4096, 65536):
-            if part == "forward":    # q, k, v, the output, lse, the ticket
-                whole = n * 16 * (192 + 192 + 128 + 128) * 2 + n * 16 * 4 + 8
-            else:                    # dO, the output, lse, the ticket, dq, dk, dv
-                whole = 2 * n * 16 * 128 * 2 + n * 16 * 4 + 8 + n * 16 * (192 + 192 + 128) * 2
+            if part == "forward":    # q, k, v (put) or the output and lse (attend), the ticket
+                whole = n * 16 * (192 + 192 + 128) * 2 + 8
+            else:                    # dq, dk, dv (take), the ticket
+                whole = n * 16 * (192 + 192 + 128) * 2 + 8
             extra.append(int(bound.xreplace({**values, sym.N: n, ca.L_seq_sym: 4 * n})) - whole)
         assert extra[0] == extra[1] > 0, (part, extra)
 
