@@ -301,16 +301,26 @@ def _source_at_vocab(vocab: int):
     return _AtVocab()
 
 
-def plan_longest(model: str, budget: str, host_budget: str, vocab: int) -> dict:
+def plan_longest(model: str, budget: str, host_budget: str, vocab: int, tiles: int = 0) -> dict:
     """`boundpass.plan --solve` on the same model (the registry's flavor at this vocabulary), W = 4, E_p = 2, one
-    sequence per step, the operators the MoP run uses."""
+    sequence per step, the operators the MoP run uses (``tiles``: its attention in tiles of that C_s)."""
     from boundpass.planning.full_scale import plan
     _, _, family, flavor = CONFIGS[model]
     start = time.perf_counter()
     result = plan(family, flavor, ranks=WORLD, ep=MOP_EP, context=1024, global_batch=1, budget=budget,
                   host_budget=host_budget, dtype="fp32", operators=("ring_dtp", "pipelined_llep", "offload_adamw"),
-                  solve=True, source=_source_at_vocab(vocab))
-    return dict(seq=result.solve["value"], seconds=time.perf_counter() - start)
+                  solve=True, source=_source_at_vocab(vocab), attention_tiles=tiles)
+    return dict(seq=result.solve["value"], seconds=time.perf_counter() - start, attention_tiles=tiles)
+
+
+def mop_tiles_at(model: str, seq: int, vocab: int) -> int:
+    """The C_s the MoP trainer's attention in tiles runs at this length (0: tiles off)."""
+    if not MOP_ATTENTION_TILES[0] or not seq:
+        return 0
+    from boundpass.recipes.trainer import mop_attention_tiles
+    config = _configure(_args("mop", model, seq, ep=MOP_EP, ac="full", chunk_tokens=seq, budget="1GiB",
+                              host_budget="16GiB", steps=2), vocab)
+    return mop_attention_tiles(config, WORLD)
 
 
 def _baseline_plan(model: str, ep: int, budget: str, vocab: int, *, routing: str, context: int = 1024,
@@ -467,7 +477,7 @@ def run(model: str, budgets: list[str], *, start: int, max_seq: int, fsdp_ep: li
         log(f"boundpass at {budget}")
         cert = certified_longest(model, budget, host_budget, vocab, granule, max_seq * 64, log=log)
         try:
-            predicted = plan_longest(model, budget, host_budget, vocab)
+            predicted = plan_longest(model, budget, host_budget, vocab, tiles=mop_tiles_at(model, cert["seq"], vocab))
         except Exception as exc:  # noqa: BLE001 (reported beside the measurement)
             predicted = dict(seq=None, error=str(exc).splitlines()[0][:300])
         data["plan"][budget] = predicted

@@ -59,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
                         "whole sequences per rank (stock torchtitan), for a baseline with --operators none")
     p.add_argument("--loss-chunks", type=int, default=1,
                    help="torchtitan's chunked loss (--loss.num_chunks) without ring_dtp (default 1: full logits)")
+    p.add_argument("--attention-tiles", type=int, default=0, metavar="C_s",
+                   help="the MoP layout's attention in tiles of C_s rows, the whole sequence's tensors on the host "
+                        "(the trainer's --boundpass.attention.enable under --boundpass.layout mop; default 0: the "
+                        "whole-tensor exchange)")
     p.add_argument("--no-trace", action="store_true", help="skip tracing torchtitan's blocks (bounds only)")
     p.add_argument("--solve", action="store_true", help="also the largest context (or N) that fits")
     p.add_argument("--search", action="store_true",
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                   dispatch_borrowed_slots=args.dispatch_borrowed_slots, vocab_block=args.vocab_block,
                   optimizer_bucket=args.optimizer_bucket,
                   optimizer_slots=args.optimizer_slots, sco_max_layers=args.sco_max_layers, routing=args.routing,
-                  layout=args.layout, loss_chunks=args.loss_chunks)
+                  layout=args.layout, loss_chunks=args.loss_chunks, attention_tiles=args.attention_tiles)
     try:  # everything that needs no model, before torch is imported
         source, model, flavor = locate(args.model, args.flavor)
         make_input(model, flavor, **launch, source=source)

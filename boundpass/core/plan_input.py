@@ -50,6 +50,7 @@ class PlanInput:
     routing: str = "worst"
     layout: str = "mop"      # composed.Launch.layout: "mop" or "dp" (FSDP2's data parallelism, whole sequences)
     loss_chunks: int = 1     # torchtitan's chunked loss (--loss.num_chunks); 1: full logits
+    attention_tiles: int = 0  # composed.Launch.attention_tiles: the MoP layout's attention in tiles of this C_s
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -89,7 +90,8 @@ def make_input(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | 
                dispatch_cap: int | None = None, dispatch_borrowed_slots: int | None = None,
                vocab_block: int | None = None, optimizer_bucket: int | None = None,
                optimizer_slots: int | None = None, sco_max_layers: int | None = None, routing: str = "worst",
-               layout: str = "mop", loss_chunks: int = 1, source: ModelSource | None = None) -> PlanInput:
+               layout: str = "mop", loss_chunks: int = 1, attention_tiles: int = 0,
+               source: ModelSource | None = None) -> PlanInput:
     """Validate and normalise plan inputs (raises BoundpassInputError naming what to change; builds nothing).
     The model is given by its family name in the model source (an alias resolved: PlanInput.model is canonical).
     budget, host_budget and the knobs are boundpass.Config's, validated by it (boundpass/core/config.py)."""
@@ -127,6 +129,12 @@ def make_input(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | 
         raise BoundpassInputError(f"layout 'dp' trains whole sequences on every rank: global_batch = {global_batch} "
                                   f"sequences do not split over W = {ranks} ranks; use a multiple of {ranks}")
     loss_chunks = _positive_int("loss_chunks", loss_chunks)
+    if isinstance(attention_tiles, bool) or not isinstance(attention_tiles, int) or attention_tiles < 0:
+        raise BoundpassInputError(f"attention_tiles must be an int >= 0 (the tile C_s; 0: the whole-tensor exchange), "
+                                  f"got {attention_tiles!r}")
+    if attention_tiles and layout != "mop":
+        raise BoundpassInputError("attention_tiles is the MoP layout's sequence-to-head attention in tiles; layout "
+                                  f"{layout!r} has no exchange: set attention_tiles 0")
     ops = frozenset(operators)
     if ops - set(OPERATORS):
         raise BoundpassInputError(f"unknown operators {sorted(ops - set(OPERATORS))}; known: {', '.join(OPERATORS)}")
@@ -134,7 +142,8 @@ def make_input(model: str, flavor: str, *, ranks: int, ep: int = 1, ring: int | 
                      dtype, context, global_batch if context is not None else None, dispatch_cap=dispatch_cap,
                      dispatch_borrowed_slots=dispatch_borrowed_slots, vocab_block=vocab_block,
                      optimizer_bucket=optimizer_bucket, optimizer_slots=optimizer_slots,
-                     sco_max_layers=sco_max_layers, routing=routing, layout=layout, loss_chunks=loss_chunks)
+                     sco_max_layers=sco_max_layers, routing=routing, layout=layout, loss_chunks=loss_chunks,
+                     attention_tiles=attention_tiles)
 
 
 @dataclass(frozen=True)

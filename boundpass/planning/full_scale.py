@@ -92,7 +92,9 @@ class PlanResult:
                 + f", {i.dtype}, operators: {', '.join(sorted(i.operators)) or 'none (baseline)'}"
                 + (", layout dp (FSDP2 data parallelism: whole sequences per rank)" if i.layout == "dp" else "")
                 + (f", torchtitan's chunked loss ({i.loss_chunks} chunks)" if i.loss_chunks > 1
-                   and "ring_dtp" not in i.operators else ""))
+                   and "ring_dtp" not in i.operators else "")
+                + (f", attention in tiles of C_s={i.attention_tiles} (the whole sequence's q, k, v, output and "
+                   "gradients on the host)" if i.attention_tiles else ""))
         out = [*textwidth.wrap(head, width=width), "", *lines, "", *textwidth.wrap(composed.describe(t), width=width)]
         for n in self.trace_notes:
             out += textwidth.wrap(n, width=width, first="note: ", rest="      ")
@@ -129,7 +131,7 @@ def launch_of(inp: PlanInput, tokens_per_rank: int | None = None) -> Launch:
                   optimizer_slots=inp.optimizer_slots, sco_max_layers=inp.sco_max_layers, routing=inp.routing,
                   # under data parallelism each rank's trainer holds only its own batch: the count at W = 1
                   held_batch_per_token=composed.trainer_held_batch(inp.ranks if inp.layout == "mop" else 1),
-                  layout=inp.layout, loss_chunks=inp.loss_chunks,
+                  layout=inp.layout, loss_chunks=inp.loss_chunks, attention_tiles=inp.attention_tiles,
                   # a context given: torchtitan's trainer sizes the RoPE tables to it (N·W / G positions)
                   sequences_per_step=inp.global_batch if inp.context is not None else None)
 
@@ -155,17 +157,19 @@ def _ffn_width(ffn: torch.nn.Module) -> int:
 
 
 def model_shape(model: str, flavor: str, *, dtype_bytes: int = 4, trace: bool | None = None,
-                progress=None, source: ModelSource | None = None, traces: str = "all") -> ModelShape:
+                progress=None, source: ModelSource | None = None, traces: str = "all",
+                attention_tiles: int = 0) -> ModelShape:
     """Read the composed budget's ModelShape off torchtitan's real model, built on meta (< 3 s at 671B), its
     floating weights and buffers at ``dtype_bytes`` (4: fp32, 2: bf16): the width its blocks are traced at.
     progress: called with one line per step (model build, each traced block), e.g. the CLI's stderr printer.
 
     The result is kept for the rest of the process (ModelShape is frozen; its block traces do not depend on the
     launch): a second plan of the same model, as --solve sweeps and tests make, does not build and trace again.
-    traces: which block traces to make (shape_of_module): "all", "one_rank" (W = 1's) or "wide" (W > 1's)."""
+    traces: which block traces to make (shape_of_module): "all", "one_rank" (W = 1's) or "wide" (W > 1's).
+    attention_tiles: the blocks traced with the MoP layout's attention in tiles of that C_s (0: the whole exchange)."""
     source = source or default_source()
     model = source.resolve(model)
-    key = (model, flavor, dtype_bytes, trace, id(source), traces)
+    key = (model, flavor, dtype_bytes, trace, id(source), traces, attention_tiles)
     if key in _SHAPES:
         if progress:
             progress(f"{model} {flavor}: shape and block traces already made in this process")
@@ -180,12 +184,13 @@ def model_shape(model: str, flavor: str, *, dtype_bytes: int = 4, trace: bool | 
         net = net._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)  # complex RoPE stays complex
     shape = shape_of_module(net, name=f"{model} {flavor}", heads_config=cfg.layers[-1].attention,
                             top_k=max((l.moe.router.top_k for l in cfg.layers if getattr(l, "moe", None)), default=0),
-                            trace=trace, progress=progress, loss_fn=source.loss, traces=traces)
+                            trace=trace, progress=progress, loss_fn=source.loss, traces=traces,
+                            attention_tiles=attention_tiles)
     _SHAPES[key] = shape
     return shape
 
 
-_SHAPES: dict = {}   # (model, flavor, dtype_bytes, trace, source, traces) -> ModelShape, see model_shape
+_SHAPES: dict = {}   # (model, flavor, dtype_bytes, trace, source, traces, attention_tiles) -> ModelShape
 
 
 def shape_of_module(net: torch.nn.Module, *, name: str, heads_config, top_k: int,
@@ -366,7 +371,7 @@ def plan(model, flavor: str | None = None, *, ranks: int, ep: int = 1, ring: int
          dispatch_borrowed_slots: int | None = None, vocab_block: int | None = None,
          optimizer_bucket: int | None = None, optimizer_slots: int | None = None,
          sco_max_layers: int | None = None, routing: str = "worst", layout: str = "mop", loss_chunks: int = 1,
-         do_trace: bool = True, solve: bool = False,
+         attention_tiles: int = 0, do_trace: bool = True, solve: bool = False,
          search: CostModel | bool | None = None,
          progress=None, source: ModelSource | None = None, trace_blocks: bool | None = None) -> PlanResult:
     """Compose the per-rank budget of (model, flavor) at this launch, trace it, and say whether it fits.
@@ -395,14 +400,16 @@ def plan(model, flavor: str | None = None, *, ranks: int, ep: int = 1, ring: int
                      operators=operators, dtype=dtype, dispatch_cap=dispatch_cap,
                      dispatch_borrowed_slots=dispatch_borrowed_slots, vocab_block=vocab_block,
                      optimizer_bucket=optimizer_bucket, optimizer_slots=optimizer_slots, sco_max_layers=sco_max_layers,
-                     routing=routing, layout=layout, loss_chunks=loss_chunks, source=source)
+                     routing=routing, layout=layout, loss_chunks=loss_chunks, attention_tiles=attention_tiles,
+                     source=source)
     source = source or default_source()
     model = inp.model  # the canonical family name (an alias resolved)
     # the blocks are traced in the launch's dtype
     # only the block traces this launch's budget reads (one rank: the blocks and the head; W > 1: the blocks
     # without their routed experts); --solve and --search keep W, so they read the same ones
     shape = model_shape(model, flavor, dtype_bytes=DTYPE_BYTES[dtype], trace=trace_blocks, progress=progress,
-                        source=source, traces="one_rank" if inp.ranks == 1 else "wide")
+                        source=source, traces="one_rank" if inp.ranks == 1 else "wide",
+                        attention_tiles=inp.attention_tiles)
     # PipelinedLLEP's chunk cap and OffloadStreamAdamW's bucket, when not given, are the planner's (the widest that
     # fits, up to the knee / the default), as the recipe and boundpass.compile choose them; plan describes GPU
     # launches, so the dispatch knee is read off the CUDA constants
