@@ -127,6 +127,13 @@ def _configure(args: list[str], vocab: int):
     return config
 
 
+# above this many tokens per sequence a run's step 2 is measured by the counting allocator alone (the peak every run
+# reports), without the profiler's events beside it: their Python event tree grows ~2 KB per op and allocation, and
+# the attention in tiles issues millions of tile ops per step at these lengths (a 4-rank run at 15,460 tokens was
+# killed for memory with it)
+PROFILER_MAX_SEQ = 8192
+
+
 def _run_job(rank, world, assets, args, vocab, timed_steps):
     """One trainer on this rank: step 1, step 2 measured at torch's allocator, `timed_steps` steps timed."""
     trainer_rank_setup(assets)
@@ -146,7 +153,11 @@ def _run_job(rank, world, assets, args, vocab, timed_steps):
         trainer.step = 1
         start = time.perf_counter()
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True):  # see bench/e2e.py reach_job
+        profiler = config.training.seq_len <= PROFILER_MAX_SEQ
+        if profiler:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True):  # see bench/e2e.py reach_job
+                trainer.train_step(data)
+        else:
             trainer.train_step(data)
         out["step1_seconds"] = time.perf_counter() - start
         if config.boundpass.enable and config.boundpass.budget is not None:
@@ -158,7 +169,7 @@ def _run_job(rank, world, assets, args, vocab, timed_steps):
             out["binding"] = f"{bind.name} ({fmt_bytes(bind.value)})"
             out["optimizer_offloaded"] = bool(getattr(trainer, "mop_offload", False))
         trainer.step = 2
-        peak, at_start, host, holders, _, counted = measured_step(trainer, data)
+        peak, at_start, host, holders, _, counted = measured_step(trainer, data, profiler=profiler)
         out.update(peak=peak, state_bytes=at_start, host_bytes=host, holders=holders[:4], counted=counted)
         times = []
         for step in range(3, 3 + timed_steps):
@@ -196,7 +207,7 @@ def run_point(side: str, model: str, seq: int, *, assets: str, vocab: int, timed
                accepted=ranks[0]["accepted"], reason=ranks[0]["reason"],
                peak=max(peaks) if None not in peaks else None, peaks=peaks,
                measure="counting allocator" if peaks is counted else "profiler",
-               profiler_peak=max(profiled) if None not in profiled else None,
+               profiler_peak=max(profiled) if None not in profiled and seq <= PROFILER_MAX_SEQ else None,
                certified=max((r["certified"] or 0 for r in ranks), default=None) or None,
                binding=ranks[0].get("binding"), optimizer_offloaded=ranks[0].get("optimizer_offloaded"),
                host_bytes=max(r.get("host_bytes") or 0 for r in ranks),
@@ -229,7 +240,7 @@ def certified_total(model: str, seq: int, budget: str, host_budget: str, vocab: 
 
     from boundpass.core.errors import InfeasibleBudgetError
     from boundpass.recipes.mop import MoPOptions
-    from boundpass.recipes.trainer import _rope_to_seq_len, check_mop_budget, mop_attention_tiles
+    from boundpass.recipes.trainer import _rope_to_seq_len, choose_mop_attention, mop_attention_tiles
     config = _configure(_args("mop", model, seq, ep=MOP_EP, ac="full", chunk_tokens=seq, budget=budget,
                               host_budget=host_budget, steps=2), vocab)
     bp = config.boundpass
@@ -248,7 +259,8 @@ def certified_total(model: str, seq: int, budget: str, host_budget: str, vocab: 
         meta = config.model_spec.model.build()
     dims = types.SimpleNamespace(world_size=WORLD, ep=config.parallelism.expert_parallel_degree)
     try:
-        table, _, _, _ = check_mop_budget(meta, config, dims, options)
+        # as the trainer chooses: the whole exchange where the budget holds it, else the attention in tiles
+        _, (table, _, _, _) = choose_mop_attention(meta, config, dims, options)
     except InfeasibleBudgetError as err:
         return False, None, f"{err.term}: {fmt_bytes(err.value_bytes)}"
     bind = table.binding()

@@ -298,15 +298,17 @@ class BoundpassTrainer(Trainer):
             config.loss = config.loss.loss_fn
         original = config.model_spec.parallelize_fn
         self.mop_budget = self.mop_bucket = None
+        self.mop_tiles_unneeded = False  # the attention in tiles allowed, the budget holding the whole exchange
         self.mop_offload = bp.optimizer.offload is True  # without a budget, "auto" keeps AdamW on the device
 
         def parallelize_under_mop(model, *, parallel_dims, **kwargs):
             layout = options
             if bp.budget is not None:  # model still on meta: nothing of size has been allocated
-                self.mop_budget, self.mop_bucket, self.mop_offload, cap = check_mop_budget(model, config,
-                                                                                           parallel_dims, options)
+                layout, (self.mop_budget, self.mop_bucket, self.mop_offload, cap) = choose_mop_attention(
+                    model, config, parallel_dims, options)
+                self.mop_tiles_unneeded = bool(options.attention_tiles and not layout.attention_tiles)
                 if cap is not None:  # the chunk cap the budget was certified at is the one the op runs
-                    layout = dataclasses.replace(options, dispatch_cap=cap)
+                    layout = dataclasses.replace(layout, dispatch_cap=cap)
             state = prepare_mop(model, parallel_dims, layout)
             if "compile_config" in kwargs:  # PipelinedLLEP: torchtitan's per-block compile, boundpass's dispatch pass
                 kwargs["compile_config"] = compile_config_under_mop(kwargs["compile_config"], state)
@@ -362,7 +364,9 @@ class BoundpassTrainer(Trainer):
                     f"optimizer step), E_p={self.parallel_dims.ep}, "
                     + (f"sequence-to-head attention in tiles of C_s={state.options.attention_tiles} (q, k, v, output and "
                        "gradients of the whole sequence on the host)" if state.options.attention_tiles else
-                       "sequence-to-head attention") + ", dispatch="
+                       "sequence-to-head attention" + (" (whole: the budget holds it, so not in tiles)"
+                                                       if self.mop_tiles_unneeded else ""))
+                    + ", dispatch="
                     f"{dispatch}, "
                     f"head={'Ring-DTP from the vocab pass (the head step compiles at step 1)' if state.options.ring_dtp else 'FSDP2 lm_head'}"
                     f", optimizer {'OffloadStreamAdamW (host state)' if self.mop_offload else 'on the device'}"
@@ -725,6 +729,21 @@ def mop_attention_tiles(config: Trainer.Config, world: int) -> int:
                                              L=training.seq_len, A_q=A_q // world, D=d, D_v=d_v,
                                              costs=cost_model.costs_for(_device_type()))
     return min(knee, local)
+
+
+def choose_mop_attention(model: nn.Module, config: Trainer.Config, dims, options):
+    """(the options the layout runs, ``check_mop_budget``'s result for them). With the attention in tiles allowed
+    (``options.attention_tiles``, from --boundpass.attention.enable) and its tile left to the planner (no
+    --boundpass.attention.chunk): the whole-tensor exchange where the budget holds it (torch's fused kernel on the
+    exchanged heads: the faster schedule, measured in docs/results/reach.md), else the tiles; the refusal, where neither
+    fits, names what binds with the tiles. A tile given is run as given."""
+    if options.attention_tiles and config.boundpass.attention.chunk is None:
+        whole = dataclasses.replace(options, attention_tiles=0)
+        try:
+            return whole, check_mop_budget(model, config, dims, whole)
+        except InfeasibleBudgetError:
+            pass
+    return options, check_mop_budget(model, config, dims, options)
 
 
 def check_mop_budget(model: nn.Module, config: Trainer.Config, dims, options):

@@ -620,3 +620,31 @@ def test_the_dp_layout_is_fsdp2s_data_parallel_baseline():
         make_input("deepseek_v3", "debugmodel", ranks=4, context=1024, global_batch=4, layout="tp")
     with pytest.raises(BoundpassInputError, match="loss_chunks"):
         make_input("deepseek_v3", "debugmodel", ranks=4, context=1024, global_batch=4, loss_chunks=0)
+
+
+def test_attention_tiles_plan_the_mop_layouts_attention_on_the_host():
+    """plan --attention-tiles C_s: the blocks traced with the MoP layout's attention in tiles (runtime/
+    seq_to_head_tiles.py) and its host rows a host term: at a long context the device total drops by more than the
+    whole-sequence attention tensors the exchange held, the exchange's own term is O(C_s), and the host term is what
+    the op's host bound says at this launch. Refused off the MoP layout and for a negative tile."""
+    from boundpass.core import symbols as sym
+    from boundpass.runtime import seq_to_head_tiles as st
+    kw = dict(ranks=4, ep=2, context=16_384, global_batch=1, budget="2GiB", host_budget="4GiB", dtype="fp32",
+              operators=("ring_dtp", "pipelined_llep", "offload_adamw"), do_trace=False)
+    whole = plan("deepseek_v3", "debugmodel", **kw)
+    tiles = plan("deepseek_v3", "debugmodel", attention_tiles=256, **kw)
+    N = 4096
+    one = N * 16 * 192 * 4                        # one [N, 16 heads, 192] fp32 tensor of the rank's tokens
+    assert whole.table.total - tiles.table.total > 2 * one, (whole.table.total, tiles.table.total)
+    terms = {t.kind: t for t in tiles.table.terms}
+    assert terms["attention_exchange"].value < one / 8
+    host = next(t for t in tiles.table.terms if t.kind == "host" and "sequence-to-head tiles" in t.name)
+    expected = st.seq_to_head_tiles_host_bound("backward").xreplace(
+        {st.ca.D_v_sym: sym.D_h, sym.N: N, sym.A_q: 16, sym.A_kv: 16, sym.D_h: 192, sym.b: 4, sym.b_acc: 4})
+    assert host.value == int(expected)
+    assert "attention in tiles of C_s=256" in tiles.render()
+    with pytest.raises(BoundpassInputError, match="attention_tiles"):
+        make_input("deepseek_v3", "debugmodel", ranks=4, context=1024, global_batch=4, layout="dp",
+                   attention_tiles=256)
+    with pytest.raises(BoundpassInputError, match="attention_tiles"):
+        make_input("deepseek_v3", "debugmodel", ranks=4, context=1024, attention_tiles=-1)

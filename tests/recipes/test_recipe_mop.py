@@ -45,7 +45,8 @@ SHORT = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--trai
 # the fp32 MoP run also swaps the optimizer for OffloadStreamAdamW (bitwise the same update as the fused AdamW here)
 PRECISIONS = {"fp32": ["--training.mixed_precision_param", "float32"], "bf16": []}
 MOP_EXTRA = {"fp32": ["--boundpass.optimizer.offload", "True"],
-             "bf16": ["--boundpass.budget", "4GiB", "--boundpass.measure_peak", "--boundpass.attention.enable"]}
+             "bf16": ["--boundpass.budget", "4GiB", "--boundpass.measure_peak", "--boundpass.attention.enable",
+                      "--boundpass.attention.chunk", "32"]}
 OFFLOAD_BUDGET = "300MiB"
 REFUSED = {  # launch -> what the error must say
     "ragged": (["--training.seq_len", "63"], "pad or trim the sequence to 62 or 64 tokens"),
@@ -110,7 +111,9 @@ def _mop_two_ranks(rank, world, tmp, assets):
 
     # a budget that fits only with AdamW's state on the host (composed: 391 MiB with it on the device): the default
     # --boundpass.optimizer.offload auto offloads it; RingDTPHead was initialised by torchtitan's init walk
-    trainer = build_in_process(_argv(tmp, "fits", "deepseek_v3_debug_mop", ["--boundpass.budget", OFFLOAD_BUDGET]))
+    # --boundpass.attention.enable without a tile: the planner keeps the whole exchange where the budget holds it
+    trainer = build_in_process(_argv(tmp, "fits", "deepseek_v3_debug_mop", ["--boundpass.budget", OFFLOAD_BUDGET,
+                                                                          "--boundpass.attention.enable"]))
     try:
         model = trainer.model_parts[0]
         head = model.lm_head
@@ -121,6 +124,8 @@ def _mop_two_ranks(rank, world, tmp, assets):
             head_shape=tuple(head.weight.shape),
             local_rows=local.shape[0], head_std=float(local.float().std()), head_finite=bool(local.isfinite().all()),
             attention={type(b.attention.inner_attention).__name__ for b in model.layers.values()},
+            fits_tiles={b.attention.inner_attention.tiles for b in model.layers.values()},
+            tiles_unneeded=trainer.mop_tiles_unneeded,
             loss=trainer.loss_fn.__qualname__,
             ep=trainer.parallel_dims.ep)
     finally:
@@ -191,6 +196,7 @@ def test_layout_is_built_by_the_trainer(runs):
     _, head_std, facts = runs
     for rank, f in enumerate(facts):
         assert f["attention"] == {"SeqToHeadAttention"}, f
+        assert f["fits_tiles"] == {0} and f["tiles_unneeded"], f   # the whole exchange: the budget holds it
         # deepseek_v3 debug: 5 MoE blocks on PipelinedLLEP, from the dispatch pass in the block graphs torchtitan's
         # per-block compile handed boundpass (the dense block 0's and one graph the MoE blocks share)
         assert f["ep"] == 2 and f["dispatch"] == [f"layers.{i}.moe.routed_experts" for i in range(1, 6)], f
@@ -258,6 +264,7 @@ def test_measured_step_within_the_checked_budget(runs):
         # PipelinedLLEP runs the chunk cap the budget was certified at: the planner's (planner.planned_launch), at
         # most the N tokens a rank holds, written into every rewritten op (was config's 4,096 under the layout)
         assert f["caps"] == {f["option_cap"]} and 1 <= f["option_cap"] <= f["tokens"], f
-        # --boundpass.attention.enable under the layout: every block's attention in tiles (runtime/seq_to_head_tiles.py)
-        # of the knee's C_s, at most the rank's 32 tokens of a sequence (so both of its sequences are walked in tiles)
+        # --boundpass.attention.enable under the layout with its tile given: every block's attention in tiles
+        # (runtime/seq_to_head_tiles.py) of C_s = 32, the rank's tokens of a sequence (the planner, without a tile
+        # given, would keep the whole exchange here: the budget holds it)
         assert f["tiles"] == {32}, f
