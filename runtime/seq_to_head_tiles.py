@@ -66,6 +66,17 @@ def _pieces(n: int, chunk: int):
     return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
 
 
+def _exchange_piece(send: Tensor, world: int, group) -> Tensor:
+    """One piece's all-to-all over dim 0 (the destination ranks in, the source ranks out), its send buffer freed once
+    sent; one rank: the piece itself."""
+    if world == 1:
+        return send
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    release_storage(send)
+    return recv
+
+
 def _to_heads(x: Tensor, store, world: int, group, chunk: int) -> None:
     """x [B, N/W, A, D] (my tokens, every head) into ``store`` [B, A/W, L, D] (every token, my heads), C_s of my
     tokens at a time: rank s's tokens [p0, p1) land at rows [s N/W + p0, s N/W + p1)."""
@@ -74,12 +85,7 @@ def _to_heads(x: Tensor, store, world: int, group, chunk: int) -> None:
     for p0, p1 in _pieces(n, chunk):
         send = torch.empty((world, B, a, p1 - p0, D), dtype=x.dtype, device=x.device)   # [W_dst, B, a, c, D]
         send.copy_(x[:, p0:p1].reshape(B, p1 - p0, world, a, D).permute(2, 0, 3, 1, 4))
-        if world > 1:
-            recv = torch.empty_like(send)                                               # [W_src, B, a, c, D]
-            dist.all_to_all_single(recv, send, group=group)
-            release_storage(send)
-        else:
-            recv = send
+        recv = _exchange_piece(send, world, group)                                       # [W_src, B, a, c, D]
         del send
         for s in range(world):
             _write(store, s * n + p0, s * n + p1, recv[s])
@@ -96,12 +102,7 @@ def _to_tokens(store, out: Tensor, world: int, group, chunk: int) -> None:
         send = torch.empty((world, B, a, p1 - p0, D), dtype=out.dtype, device=out.device)  # [W_dst, B, a, c, D]
         for d in range(world):
             send[d].copy_(_rows(store, d * n + p0, d * n + p1))
-        if world > 1:
-            recv = torch.empty_like(send)                                                  # [W_src, B, a, c, D]
-            dist.all_to_all_single(recv, send, group=group)
-            release_storage(send)
-        else:
-            recv = send
+        recv = _exchange_piece(send, world, group)                                          # [W_src, B, a, c, D]
         del send
         out[:, p0:p1].copy_(recv.permute(1, 3, 0, 2, 4).reshape(B, p1 - p0, A, D))
         release_storage(recv)
