@@ -639,8 +639,8 @@ def test_attention_tiles_plan_the_mop_layouts_attention_on_the_host():
     terms = {t.kind: t for t in tiles.table.terms}
     assert terms["attention_exchange"].value < one / 8
     host = next(t for t in tiles.table.terms if t.kind == "host" and "sequence-to-head tiles" in t.name)
-    expected = st.seq_to_head_tiles_host_bound("backward").xreplace(
-        {st.ca.D_v_sym: sym.D_h, sym.N: N, sym.A_q: 16, sym.A_kv: 16, sym.D_h: 192, sym.b: 4, sym.b_acc: 4})
+    expected = st.seq_to_head_tiles_host_bound("backward").xreplace({st.ca.D_v_sym: sym.D_h}).xreplace(
+        {sym.N: N, sym.A_q: 16, sym.A_kv: 16, sym.D_h: 192, sym.b: 4, sym.b_acc: 4})
     assert host.value == int(expected)
     assert "attention in tiles of C_s=256" in tiles.render()
     with pytest.raises(BoundpassInputError, match="attention_tiles"):
