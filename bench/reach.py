@@ -240,7 +240,7 @@ def certified_total(model: str, seq: int, budget: str, host_budget: str, vocab: 
 
     from boundpass.core.errors import InfeasibleBudgetError
     from boundpass.recipes.mop import MoPOptions
-    from boundpass.recipes.trainer import _rope_to_seq_len, choose_mop_attention, mop_attention_tiles
+    from boundpass.recipes.trainer import rope_to_seq_len, choose_mop_attention, mop_attention_tiles
     config = _configure(_args("mop", model, seq, ep=MOP_EP, ac="full", chunk_tokens=seq, budget=budget,
                               host_budget=host_budget, steps=2), vocab)
     bp = config.boundpass
@@ -253,7 +253,7 @@ def certified_total(model: str, seq: int, budget: str, host_budget: str, vocab: 
     # as torchtitan's trainer does before building: the job's settings into the model config (the RoPE tables sized to
     # --training.seq_len, not the flavor's max_seq_len: 18 MiB of buffers fewer at 4,096 tokens here)
     if bp.rope_to_seq_len:
-        _rope_to_seq_len(config)
+        rope_to_seq_len(config)
     config.model_spec.model.update_from_config(config=config)
     with torch.device("meta"):
         meta = config.model_spec.model.build()

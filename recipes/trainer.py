@@ -127,7 +127,7 @@ class VocabHead(nn.Module):
         return F.linear(hidden, self.model.lm_head.weight)
 
 
-def _rope_to_seq_len(config) -> None:
+def rope_to_seq_len(config) -> None:
     for layer in getattr(config.model_spec.model, "layers", []):
         rope = getattr(getattr(layer, "attention", None), "rope", None)
         if rope is not None and hasattr(rope, "max_seq_len"):
@@ -161,7 +161,7 @@ class BoundpassTrainer(Trainer):
             raise BoundpassInputError("--boundpass.certify_only checks a budget: give --boundpass.budget (default "
                                       "layout)")
         if bp.rope_to_seq_len:
-            _rope_to_seq_len(config)
+            rope_to_seq_len(config)
         if bp.active and bp.vocab.enable and isinstance(config.loss, ChunkedLossWrapper.Config):
             config.loss = config.loss.loss_fn  # see the module docstring: a chunked eager backward cannot be captured
         self.block_backend = self._prepare_block_compile(config) if bp.active else None

@@ -12,6 +12,12 @@ def release_storage(t) -> None:
     torch.ops.inductor.resize_storage_bytes_(t, 0)
 
 
+def group_of(name: str):
+    """The process group a custom op's ``group`` string names (None for '': one rank, no exchange)."""
+    import torch.distributed as dist
+    return dist.distributed_c10d._resolve_process_group(name) if name else None
+
+
 def group_name_of(group) -> str:
     """The name a custom op resolves its process group by ('' = no group: one rank, no exchange)."""
     return "" if group is None else group.group_name

@@ -43,7 +43,7 @@ from boundpass.core.errors import BoundpassInputError
 from boundpass.runtime import chunked_attention as ca
 from boundpass.runtime import contracts
 from boundpass.runtime import host_tiles
-from boundpass.runtime.groups import release_storage
+from boundpass.runtime.groups import group_of, release_storage
 
 __all__ = ["seq_to_head_tiles", "seq_to_head_tiles_bound", "seq_to_head_tiles_host_bound", "check_tiles_heads"]
 
@@ -56,10 +56,6 @@ def check_tiles_heads(A_q: int, A_kv: int, world: int) -> None:
             f"sequence-to-head attention in tiles gives each of the {world} ranks A/W heads of q and of k / v: "
             f"A_q = {A_q} and A_kv = {A_kv} must be multiples of W = {world} (and A_q of A_kv); with fewer kv heads "
             "than ranks use the whole-tensor exchange (--boundpass.attention.no-enable)")
-
-
-def _group(name: str):
-    return None if not name else dist.distributed_c10d._resolve_process_group(name)
 
 
 def _pieces(n: int, chunk: int):
@@ -121,7 +117,7 @@ def _rows(store, s: int, e: int) -> Tensor:
 
 
 def _world(group: str) -> tuple:
-    pg = _group(group)
+    pg = group_of(group)
     return pg, (dist.get_world_size(pg) if pg is not None else 1)
 
 
@@ -168,7 +164,7 @@ def tiles_attend(handle: Tensor, ticket: Tensor, group: str, causal: bool, scale
     os_ = _store("o", q_shape, world, dtype, device, width=d_v)
     length = n * world
     lse = torch.empty((B, A_q // world, length), dtype=ca.acc_dtype(dtype), device=device)
-    for (s, e), (qt,) in host_tiles.fetch((qs,), ca._tiles(length, chunk)):
+    for (s, e), (qt,) in host_tiles.fetch((qs,), _pieces(length, chunk)):
         o, l = ca.chunked_attention_forward(qt, ks, vs, causal, scale, chunk, q_offset=s)
         del qt
         os_.write(s, e, o)
@@ -202,7 +198,7 @@ def tiles_attend_backward(grad_out: Tensor, out: Tensor, lse: Tensor, ticket: Te
     dq = _store("dq", (B, n, A_q, d_qk), world, acc, out.device)
     dks = _store("dk", (B, n, kv_heads, d_qk), world, out.dtype, out.device)
     dvs = _store("dv", (B, n, kv_heads, D_v), world, out.dtype, out.device)
-    for (s, e), (kj, vj) in host_tiles.fetch((ks, vs), ca._tiles(length, chunk)):
+    for (s, e), (kj, vj) in host_tiles.fetch((ks, vs), _pieces(length, chunk)):
         dkj, dvj = ca.key_tile_backward(qs, dos, lse, delta, kj, vj, s, causal, scale, chunk, dq, fresh=s == 0)
         del kj, vj
         dks.write(s, e, dkj)

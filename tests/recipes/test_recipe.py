@@ -148,9 +148,9 @@ def test_rope_to_seq_len_sizes_every_blocks_table_to_the_trained_length():
     """--boundpass.rope_to_seq_len: torchtitan's debug flavors stop at 16,384 RoPE positions; the flag sizes every
     block's table to the trained length, with boundpass off too (it is the model's config)."""
     from boundpass.recipes.config_registry import deepseek_v3_debug
-    from boundpass.recipes.trainer import _rope_to_seq_len
+    from boundpass.recipes.trainer import rope_to_seq_len
     config = deepseek_v3_debug()
     assert {layer.attention.rope.max_seq_len for layer in config.model_spec.model.layers} == {16384}
     config.training.seq_len = 32768
-    _rope_to_seq_len(config)
+    rope_to_seq_len(config)
     assert {layer.attention.rope.max_seq_len for layer in config.model_spec.model.layers} == {32768}
