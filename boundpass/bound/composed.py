@@ -70,6 +70,7 @@ _nonneg = dict(integer=True, nonnegative=True)
 G_lead = sympy.Symbol("G_lead", **_nonneg)            # the dense blocks before the first MoE block
 G_dense_min = sympy.Symbol("G_dense_min", **_nonneg)  # the smallest dense block
 G_moe_min = sympy.Symbol("G_moe_min", **_nonneg)      # the smallest MoE block, routed experts included
+L_moe = sympy.Symbol("L_moe", **_nonneg)              # MoE blocks
 
 
 @dataclass(frozen=True)
@@ -283,7 +284,7 @@ def _phase_alternatives(s, kinds: set) -> dict:
             # (W > 1: + the exchange's extra over one rank, and the routed experts' own bound while the FFN runs)
             t = lambda phase: f"traced_{ffn}_{phase}"  # noqa: E731
             base = ("transient", "gather_current")
-            g = (grads, t("own_grads"), "reduce_held")
+            g = (grads, t("own_grads"), "reduce_held", f"freed_{ffn}")
             ex, ex_saved, disp = "attention_exchange", "attention_exchange_saved", "dispatch" if ffn == "moe" else ""
             # the dispatch's forward alone where it is given apart (PipelinedLLEP), else its whole bound
             disp_f = "dispatch_forward" if ffn == "moe" and "dispatch_forward" in kinds else disp
@@ -299,11 +300,13 @@ def _phase_alternatives(s, kinds: set) -> dict:
                     "attention_exchange_backward" if "attention_exchange_backward" in kinds else ex),
                 alt(*base, prefetch_bwd, *g, t("tail_backward"), f"grads_tail_{ffn}"),
             ]
+            if f"grads_reduce_{ffn}" in kinds:  # the wide trace: the reduce-scatter after the block's backward
+                out[ffn].append(alt(*base, prefetch_bwd, *g, f"grads_reduce_{ffn}"))
             continue
         if ffn not in kinds:
             continue
         base = ("transient", "gather_current", "layer")
-        g = (grads, "reduce_held")
+        g = (grads, "reduce_held", f"freed_{ffn}")
         out[ffn] = [
             alt(*base, "gather_prefetch", "attention"),                                    # forward
             alt(*base, "gather_prefetch", "attention_saved", ffn),                         # forward
@@ -336,7 +339,7 @@ def symbol_values(shape: ModelShape, launch: Launch, *, host_budget: int | None 
         sym.R: (E_p if launch.routing == "worst" else 1) * N * max(shape.top_k, 1),
     }
     values.update({G_lead: shape.leading_dense_params, G_dense_min: shape.min_dense_block_params,
-                   G_moe_min: shape.min_moe_block_params})
+                   G_moe_min: shape.min_moe_block_params, L_moe: shape.moe_layers})
     values[sym.L_off] = offloaded_boundaries(shape, launch, host_budget) if "sco" in launch.operators else 0
     return values
 
@@ -516,19 +519,39 @@ def _wide_traced(terms: tuple, shape: ModelShape, *, exchange: bool = True, tile
             kept.append(t)
     kinds = {t[0] for t in blocks}
     exchange_part = (tiles_exchange_terms(tiles, batch) if tiles else exchange_terms()) if exchange else ()
-    return tuple(kept) + _traced_terms(blocks, own_grads=False) + exchange_part + _tail_in_trace(
-        "dense" in kinds, "moe" in kinds)
+    shared = shape.shared_hidden > 0
+    return tuple(kept) + _traced_terms(blocks, own_grads=False) + exchange_part + _own_grads_in_trace(
+        "dense" in kinds, "moe" in kinds, shared)
 
 
 @functools.lru_cache(maxsize=None)
-def _tail_in_trace(dense: bool, moe: bool) -> tuple:
-    """The hand-written tail term's allowance for the input projections' activations (2·q_io + 3·N·H·b) is in
-    the traced tail: taken back out (the unsharded gradients of that term stay)."""
-    N, H, b = sym.N, sym.H, sym.b
+def _own_grads_in_trace(dense: bool, moe: bool, shared: bool) -> tuple:
+    """The wide trace holds what the hand-written gradient terms of a block's backward allow for: the block's own
+    unsharded gradients (but its routed experts', stood in there) as its backward writes them, and the tail's
+    activations (the input projections' allowance 2·q_io + 3·N·H·b). Each allowance is taken back out of its
+    term; what stays is the routed experts' gathered weights and gradients (a MoE block).
+
+    After the block's backward FSDP2 reshards it and copies its unsharded gradients into the reduce-scatter input:
+    the gradients twice, beside the input's gradient the block returns (and the incoming one); its own sub-phase."""
+    N, H, b, m = sym.N, sym.H, sym.b, sympy.Min(1, sym.W - 1)
     q_io = N * sym.A_q * sym.D_h * b + 2 * N * sym.A_kv * sym.D_h * b
-    less = -sympy.Min(1, sym.W - 1) * (2 * q_io + 3 * N * H * b)
-    return tuple((f"a {ffn} block's last backward: its activations are in the trace (less the allowance)", less,
-                  f"grads_tail_{ffn}", "", _lambdify(less)) for ffn, on in (("dense", dense), ("moe", moe)) if on)
+    wo = sym.A_q * sym.D_h * H + H
+    out = []
+    for ffn, on, ffn_params in (("dense", dense, 3 * sym.I_f * H + H),
+                                ("moe", moe, 3 * sym.I_s * H * int(shared) + sym.E * H + H)):
+        if not on:
+            continue
+        own = 2 * (sym.E / sym.E_p) * 3 * sym.I * H * b if ffn == "moe" else 0
+        for kind, less in ((f"grads_ffn_{ffn}", -m * ffn_params * b),
+                           (f"grads_attention_{ffn}", -m * (ffn_params + wo + H) * b),
+                           (f"grads_tail_{ffn}", -m * (sym.Theta_blk * b + 2 * q_io + 3 * N * H * b))):
+            out.append((f"{kind}: the block's own unsharded gradients and activations are in the trace", less,
+                        kind, "", _lambdify(less)))
+        reduce = m * (sym.Theta_blk * b + own) + 2 * N * H * b
+        out.append((f"a {ffn} block's gradients reduced (unsharded gradients + reduce-scatter input, its input's "
+                    "gradient)", reduce, f"grads_reduce_{ffn}", "fewer parameters per block; not a launch knob",
+                    _lambdify(reduce)))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -624,8 +647,8 @@ def _traced_terms(traced: tuple, own_grads: bool = True) -> tuple:
     for block, phase, expr in traced:
         name = (f"traced {block} block, {phase.replace('_', ' ')}: activations + its own gradients as backward "
                 "produces them (block_trace, one rank)") if own_grads else (
-                f"traced {block} block, {phase.replace('_', ' ')}: activations without the routed experts "
-                "(block_trace, one rank; W > 1 adds the hand-written dispatch and exchange)")
+                f"traced {block} block, {phase.replace('_', ' ')}: activations + its unsharded gradients, routed "
+                "experts apart (block_trace, one rank; W > 1 adds the hand-written dispatch and exchange)")
         out.append((name, expr, f"traced_{block}_{phase}", "a shorter context", _lambdify(expr)))
     for block in sorted({t[0] for t in traced}) if own_grads else ():
         # the gradient terms count every block's gradient; the running block's own are in its trace (as backward
@@ -695,6 +718,7 @@ def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied
             out.append(("gradients live while a MoE block runs (less the leading dense blocks' and its own shard)",
                         Theta * b - emb - b * sympy.floor(G_lead / W) - own * sympy.floor(G_moe_min / W),
                         "grad_moe", "more ranks W (ZeRO-3 shards Θ/W)"))
+        out += _boundaries_freed(has_dense, has_moe, first_dense_only)
     adamw = oa.reference_adamw_bound(mixed_precision=mixed) - 2 * Theta * b  # its master + moments, not weights/grads
     if "offload_adamw" in ops:
         out.append(("optimizer staging (OffloadStreamAdamW, S·β)", oa.offload_adamw_staging_bound(), "step",
@@ -828,6 +852,30 @@ def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied
     return out
 
 
+def _boundaries_freed(has_dense: bool, has_moe: bool, first_dense_only: bool) -> list:
+    """What the boundary term and the gradient term never hold at once in backward (no boundary offloaded).
+
+    The boundary term counts every block's checkpoint boundary (L·N·H·b) and the gradient term every block's
+    gradient shard but the running one's. In backward a block's boundary is freed when its backward ends, and only
+    then is its gradient shard written: below k finished MoE blocks, k boundaries are gone and the other
+    L_moe - 1 - k MoE blocks have no gradient yet, so both terms together overstate the step by at least
+    k·N·H·b + (L_moe - 1 - k)·g >= (L_moe - 1)·Min(N·H·b, g), g the smallest MoE block's shard (measured under the
+    MoP layout on 4 ranks: one boundary fewer per finished block, its gradient shard more; docs/plan.md). A dense
+    block that is the model's only one and its first runs last in backward: every other boundary is gone then.
+    With boundaries offloaded (SCO: L_off > 0) the device holds another set: nothing is taken."""
+    N, H, b = sym.N, sym.H, sym.b
+    resident = 1 - sympy.Min(1, sym.L_off)
+    out = []
+    if has_moe:
+        shard = b * sympy.floor(G_moe_min / sym.W)
+        out.append(("boundaries of the finished MoE blocks above, against the gradients not yet written below",
+                    -resident * (L_moe - 1) * sympy.Min(N * H * b, shard), "freed_moe", ""))
+    if has_dense and first_dense_only:
+        out.append(("boundaries of every block above the first (dense) block, freed before its backward",
+                    -resident * (sym.L - 1) * N * H * b, "freed_dense", ""))
+    return out
+
+
 def chunked_loss_bound(full: sympy.Expr, chunks: int) -> sympy.Expr:
     """torchtitan's ChunkedLossWrapper at N tokens: the full-logits head's bound at one chunk's tokens
     (ceil(N / chunks): its logits, log-softmax and their gradients, the head's weight and its gradient), plus what
@@ -856,7 +904,7 @@ def compose(shape: ModelShape, launch: Launch, *, budget: int, host_budget: int 
     return table
 
 
-_ORDER = tuple(sym.ALL.values()) + (G_lead, G_dense_min, G_moe_min)
+_ORDER = tuple(sym.ALL.values()) + (G_lead, G_dense_min, G_moe_min, L_moe)
 
 
 def _exact_value(formula, values: dict) -> int:

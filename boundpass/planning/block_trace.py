@@ -428,8 +428,9 @@ def trace_torchtitan_blocks(net: torch.nn.Module, heads_config, *, wide: bool = 
     produces them (the composed budget's gradient term then leaves that block's own out).
 
     wide: also kinds "dense_wide" / "moe_wide", the terms for W > 1 (the MoP layout): the same blocks traced
-    without their weights' gradients (under ZeRO-3 the block's unsharded gradients are FSDP2's, hand-written
-    by phase in the composed budget) and, in a MoE block, with the routed experts stood in (``stand_in``: the rows
+    with their weights' gradients as backward writes them (under ZeRO-3 these are FSDP2's unsharded gradients),
+    the block's output not held through backward (it is the next block's boundary) and, in a MoE block, with the
+    routed experts stood in (``stand_in``: the rows
     a rank receives under EP depend on the routing; their routing-independent bound stays hand-written).
     one_rank: the kinds "dense" / "moe" (W = 1); False with wide: only the wide kinds (a launch at W > 1 reads
     nothing else: composed.uses_wide_trace), one MoE graph fewer to capture.
@@ -486,9 +487,13 @@ def _block_terms(kind: str, block, x, heads_config, *, wide: bool, one_rank: boo
             out += _phases_of(kind, _analyze(captured, weight_grads=True, count_inputs=False, ctx=None, split=True),
                               PHASES)
         if wide and (stand_in or kind == "dense"):
-            # a dense block's wide form is the same graph without its weights' gradients counted: analysed again
-            wide_out += _phases_of(kind + "_wide", _analyze(captured, weight_grads=False, count_inputs=False,
-                                                            ctx=None, split=True), PHASES + FORWARD_PARTS)
+            # the wide form (W > 1, one block of a per-block compile under ZeRO-3): the block's weights' gradients
+            # as backward writes them are FSDP2's unsharded gradients (held to the block's end, then reduced);
+            # its output is the next block's checkpoint boundary, which the boundary term counts (per_block: not
+            # held through backward here). A dense block's wide form is the same graph: analysed again.
+            wide_out += _phases_of(kind + "_wide", _analyze(captured, weight_grads=True, count_inputs=False,
+                                                            ctx={"per_block": True}, split=True),
+                                   PHASES + FORWARD_PARTS)
     return out, wide_out
 
 
