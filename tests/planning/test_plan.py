@@ -648,3 +648,35 @@ def test_attention_tiles_plan_the_mop_layouts_attention_on_the_host():
                    attention_tiles=256)
     with pytest.raises(BoundpassInputError, match="attention_tiles"):
         make_input("deepseek_v3", "debugmodel", ranks=4, context=1024, attention_tiles=-1)
+
+
+def test_boundaries_and_gradients_are_never_both_whole_in_a_blocks_backward():
+    """freed_moe / freed_dense (docs/plan.md): below k finished MoE blocks k boundaries are freed and the other
+    L_moe - 1 - k have no gradient shard yet, so the backward sub-phases take (L_moe - 1)·Min(N·H·b, the smallest MoE
+    block's shard) off; the first block, the only dense one, runs with every other boundary gone. Nothing is taken
+    when boundaries are offloaded (SCO) or gradients accumulate. Under W > 1 the wide trace holds the block's own
+    unsharded gradients as its backward writes them: the hand-written grads_* terms keep only the routed experts'
+    gathered weights and gradients."""
+    shape = model_shape("deepseek_v3", "debugmodel")
+    H, b, W = shape.hidden, 4, 4
+    shard = shape.min_moe_block_params // W * b
+    ops = frozenset({"ring_dtp", "pipelined_llep", "offload_adamw"})
+    for n in (64, 16_384):  # the boundary the smaller at 64 tokens, the gradient shard at 16,384
+        launch = composed.Launch(ranks=W, ep=2, ring=W, tokens_per_rank=n, operators=ops, b=b, b_acc=4)
+        table = composed.compose(shape, launch, budget=1 << 40)
+        assert table.sum("freed_moe") == -(shape.moe_layers - 1) * min(n * H * b, shard), n
+        assert table.sum("freed_dense") == -(shape.layers - 1) * n * H * b
+        accumulated = composed.compose(shape, dataclasses.replace(launch, grad_accumulation=2), budget=1 << 40)
+        assert not {"freed_moe", "freed_dense"} & {t.kind for t in accumulated.terms}
+    offloading = composed.Launch(ranks=W, ep=2, ring=W, tokens_per_rank=4096, operators=ops | {"sco"}, b=b, b_acc=4)
+    sco = composed.compose(shape, offloading, budget=1 << 40, host_budget=1 << 40)
+    assert composed.symbol_values(shape, offloading, host_budget=1 << 40)[composed.sym.L_off] > 0
+    assert sco.sum("freed_moe") == sco.sum("freed_dense") == 0
+    traced = plan("deepseek_v3", "debugmodel", ranks=W, ep=2, context=8192, budget="2GiB", host_budget="4GiB",
+                  dtype="fp32", operators=tuple(ops))
+    s = traced.table.sum
+    assert any(t.kind == "traced_moe_tail_backward" for t in traced.table.terms)
+    experts = 2 * (shape.experts // 2) * 3 * shape.expert_hidden * H * b  # this rank's E/E_p experts, gathered + grads
+    assert s("grads_ffn_moe") == 0 and s("grads_attention_moe") == s("grads_tail_moe") == experts
+    assert s("grads_ffn_dense") == s("grads_attention_dense") == s("grads_tail_dense") == 0
+    assert s("grads_reduce_moe") > s("grads_reduce_dense") > 0
