@@ -244,14 +244,21 @@ class ComposedBudget(BudgetTable):
         return device_peak(self.sum("persistent"), *self.phases().values())
 
     def binding(self) -> BoundTerm:
-        """The term to name when the budget is missed: the largest host term if the host is over, else the
-        largest device term in the sub-phase that sets the peak."""
+        """The term to name when the budget is missed: the largest host term if the host is over, else, in the
+        sub-phase that sets the peak, the largest term of the kind that holds the most there. By kind, not by term:
+        a hand-written term that a traced one mostly stands for (``_own_grads_in_trace`` takes its allowance back
+        out under the same kind) holds only what is left of it."""
         if not self.host_fits():
             return max((t for t in self.terms if t.kind == "host" and t.counted), key=lambda t: t.value)
         kinds = {t.kind for t in self.terms}
         alts = [alt for phase_alts in _phase_alternatives(self.sum, kinds).values() for alt in phase_alts]
         _, phase = max(alts, key=lambda alt: alt[0])
-        return max((t for t in self.terms if t.counted and t.kind in phase | {"persistent"}), key=lambda t: t.value)
+        counted = [t for t in self.terms if t.counted and t.kind in phase | {"persistent"}]
+        held: dict = {}
+        for t in counted:
+            held[t.kind] = held.get(t.kind, 0) + t.value
+        kind = max(held, key=held.get)
+        return max((t for t in counted if t.kind == kind), key=lambda t: t.value)
 
 
 def _phase_alternatives(s, kinds: set) -> dict:
