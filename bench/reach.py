@@ -230,9 +230,10 @@ def run_point(side: str, model: str, seq: int, *, assets: str, vocab: int, timed
 
 
 # ------------------------------------------------------------------------------------ the certificate
-def certified_total(model: str, seq: int, budget: str, host_budget: str, vocab: int):
+def certified_total(model: str, seq: int, budget: str, host_budget: str, vocab: int, batch: int = 1):
     """(accepted, certified total bytes or None, binding line): the MoP trainer's own pre-launch check
-    (recipes/trainer.check_mop_budget) on the meta model, here in one process for W = 4 ranks, E_p = 2."""
+    (recipes/trainer.check_mop_budget) on the meta model, here in one process for W = 4 ranks, E_p = 2, `batch`
+    sequences per step."""
     import types
 
     import torch
@@ -242,7 +243,7 @@ def certified_total(model: str, seq: int, budget: str, host_budget: str, vocab: 
     from boundpass.recipes.mop import MoPOptions
     from boundpass.recipes.trainer import rope_to_seq_len, choose_mop_attention, mop_attention_tiles
     config = _configure(_args("mop", model, seq, ep=MOP_EP, ac="full", chunk_tokens=seq, budget=budget,
-                              host_budget=host_budget, steps=2), vocab)
+                              host_budget=host_budget, steps=2, batch=batch), vocab)
     bp = config.boundpass
     options = MoPOptions(pipelined_llep=bp.mop_pipelined_llep, dispatch_cap=bp.dispatch.cap,
                          dispatch_borrowed_slots=bp.dispatch.borrowed_slots, ring_dtp=bp.mop_ring_dtp,
@@ -293,6 +294,28 @@ def certified_longest(model: str, budget: str, host_budget: str, vocab: int, gra
                refused_binding=checked[hi][2])
     log(f"  certified longest L at {budget}: {lo} ({len(checked)} checks; {hi} refused: {checked[hi][2]})")
     return out
+
+
+def rebind(data: dict, host_budget: str) -> None:
+    """Name every boundpass point's binding term again with the current code (``ComposedBudget.binding``), each
+    certificate's bytes checked to be the ones the run recorded: only the name may change."""
+    for budget, side in data["boundpass"].items():
+        cert = side["certified"]
+        for key, seq in (("binding", cert.get("seq")), ("refused_binding", cert.get("first_refused"))):
+            if seq:
+                ok, total, line = certified_total(data["model"], seq, budget, host_budget, data["vocab"])
+                if key == "binding" and total != cert["total"]:
+                    raise RuntimeError(f"rebind: the certificate at {budget}, L = {seq} moved ({total} vs "
+                                       f"{cert['total']}): run the sweep again")
+                cert[key] = line
+        for run in side["runs"]:
+            if run.get("certified"):
+                ok, total, line = certified_total(data["model"], run["seq"], budget, host_budget, data["vocab"],
+                                                  batch=run.get("batch", 1))
+                if total != run["certified"]:
+                    raise RuntimeError(f"rebind: the certificate at {budget}, L = {run['seq']} moved ({total} vs "
+                                       f"{run['certified']}): run the sweep again")
+                run["binding"] = line
 
 
 def _source_at_vocab(vocab: int):
@@ -821,6 +844,9 @@ def main(argv=None) -> int:
     p.add_argument("--rerender", action="store_true", help="render docs/results/<out>.json again, run nothing")
     p.add_argument("--replan", action="store_true",
                    help="with --rerender: plan's predictions (seconds) again with the current code")
+    p.add_argument("--rebind", action="store_true",
+                   help="with --rerender: every boundpass point's binding term named again by the current code "
+                        "(its certified bytes checked unchanged)")
     args = p.parse_args(argv)
     MOP_ATTENTION_TILES[0] = args.bp_attention_tiles
     if args.rerender:
@@ -833,6 +859,8 @@ def main(argv=None) -> int:
                 data["plan"][budget] = plan_longest(data["model"], budget, args.host_budget, data["vocab"])
         if args.replan or "plan_baseline" not in data:
             _plan_baselines(data)
+        if args.rebind:
+            rebind(data, args.host_budget)
         write_results(args.out, data, render(data))
         print(render(data))
         return 0
