@@ -57,10 +57,10 @@ def _job(rank, world, assets, args, vocab):
     trainer_rank_setup(assets)
     from boundpass.measure import counting_allocator
     from boundpass.runtime import seq_to_head_tiles
-    reach._pad_v_attention()
+    reach.pad_v_attention()
     import tempfile
     dump = tempfile.TemporaryDirectory(prefix="bp_probe_")
-    trainer = reach._configure([*args[:-1], "--dump_folder", dump.name, args[-1]], vocab).build()
+    trainer = reach.configure([*args[:-1], "--dump_folder", dump.name, args[-1]], vocab).build()
     marks, lists, host, recording = [], [], set(), [False]
 
     def read(name, where):
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     from boundpass.recipes.assets import ensure_assets
     from boundpass.testing.distributed import run_on_ranks
     reach.MOP_ATTENTION_TILES[0] = True
-    trainer_args = reach._args("mop", args.model, args.seq, ep=reach.MOP_EP, ac="full", chunk_tokens=256,
+    trainer_args = reach.trainer_args("mop", args.model, args.seq, ep=reach.MOP_EP, ac="full", chunk_tokens=256,
                                budget=args.budget, host_budget="16GiB", steps=2)
     trainer_args = [*trainer_args[:-1], "--boundpass.attention.chunk", str(args.tiles), trainer_args[-1]]
     assets = str(Path(ensure_assets()["tokenizer"]).parent)

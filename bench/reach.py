@@ -64,7 +64,7 @@ CONFIGS = {"deepseek_v3": ("deepseek_v3_debug", "deepseek_v3_debug_mop", "deepse
 
 
 # ------------------------------------------------------------------------------------------ one run
-def _pad_v_attention() -> None:
+def pad_v_attention() -> None:
     """torchtitan's SDPA module with MLA's narrower v zero-padded to the qk head dim, as the MoP layout runs it
     (runtime/seq_to_head.py _attend): zero v columns give zero output columns, sliced off; the scale stays
     1/sqrt(D_qk). Same function; torch's fused CPU kernel instead of the math path."""
@@ -91,7 +91,7 @@ def _pad_v_attention() -> None:
 MOP_ATTENTION_TILES = [False]
 
 
-def _args(side: str, model: str, seq: int, *, ep: int, ac: str, chunk_tokens: int, budget: str | None = None,
+def trainer_args(side: str, model: str, seq: int, *, ep: int, ac: str, chunk_tokens: int, budget: str | None = None,
           host_budget: str, steps: int, cp: int = 1, batch: int = 1) -> list[str]:
     fsdp_config, mop_config, _, _ = CONFIGS[model]
     # batch: sequences per rank (FSDP2) or per step, split over the ranks (the MoP layout)
@@ -113,7 +113,7 @@ def _args(side: str, model: str, seq: int, *, ep: int, ac: str, chunk_tokens: in
     return args + [f"activation-checkpoint:{ac}"]  # tyro: a subcommand's arguments follow it, so it goes last
 
 
-def _configure(args: list[str], vocab: int):
+def configure(args: list[str], vocab: int):
     """The trainer config of `args` with the bench's attention (causal SDPA everywhere, v padded) and vocabulary."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
@@ -140,10 +140,10 @@ def _run_job(rank, world, assets, args, vocab, timed_steps):
     import torch.distributed as dist
 
     from boundpass.core.errors import InfeasibleBudgetError
-    _pad_v_attention()
+    pad_v_attention()
     dump = tempfile.TemporaryDirectory(prefix="bp_reach_")
     out = dict(rank=rank, accepted=None, peak=None, reason="", certified=None)
-    config = _configure([*args[:-1], "--dump_folder", dump.name, args[-1]], vocab)
+    config = configure([*args[:-1], "--dump_folder", dump.name, args[-1]], vocab)
     try:
         trainer = config.build()
     except Exception as exc:  # noqa: BLE001 (a refusal is a result; anything else is raised again by refused)
@@ -189,7 +189,7 @@ def _run_job(rank, world, assets, args, vocab, timed_steps):
 def run_point(side: str, model: str, seq: int, *, assets: str, vocab: int, timed_steps: int, log=print,
               **kwargs) -> dict:
     """One 4-rank run; the per-rank results folded: the largest peak, the slowest step."""
-    args = _args(side, model, seq, steps=2 + timed_steps, **kwargs)
+    args = trainer_args(side, model, seq, steps=2 + timed_steps, **kwargs)
     start = time.perf_counter()
     try:
         ranks = run_on_ranks(_run_job, WORLD, assets, args, vocab, timed_steps, timeout_s=3600)
@@ -242,7 +242,7 @@ def certified_total(model: str, seq: int, budget: str, host_budget: str, vocab: 
     from boundpass.core.errors import InfeasibleBudgetError
     from boundpass.recipes.mop import MoPOptions
     from boundpass.recipes.trainer import rope_to_seq_len, choose_mop_attention, mop_attention_tiles
-    config = _configure(_args("mop", model, seq, ep=MOP_EP, ac="full", chunk_tokens=seq, budget=budget,
+    config = configure(trainer_args("mop", model, seq, ep=MOP_EP, ac="full", chunk_tokens=seq, budget=budget,
                               host_budget=host_budget, steps=2, batch=batch), vocab)
     bp = config.boundpass
     options = MoPOptions(pipelined_llep=bp.mop_pipelined_llep, dispatch_cap=bp.dispatch.cap,
@@ -353,7 +353,7 @@ def mop_tiles_at(model: str, seq: int, vocab: int) -> int:
     if not MOP_ATTENTION_TILES[0] or not seq:
         return 0
     from boundpass.recipes.trainer import mop_attention_tiles
-    config = _configure(_args("mop", model, seq, ep=MOP_EP, ac="full", chunk_tokens=seq, budget="1GiB",
+    config = configure(trainer_args("mop", model, seq, ep=MOP_EP, ac="full", chunk_tokens=seq, budget="1GiB",
                               host_budget="16GiB", steps=2), vocab)
     return mop_attention_tiles(config, WORLD)
 

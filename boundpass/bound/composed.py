@@ -244,21 +244,14 @@ class ComposedBudget(BudgetTable):
         return device_peak(self.sum("persistent"), *self.phases().values())
 
     def binding(self) -> BoundTerm:
-        """The term to name when the budget is missed: the largest host term if the host is over, else, in the
-        sub-phase that sets the peak, the largest term of the kind that holds the most there. By kind, not by term:
-        a hand-written term that a traced one mostly stands for (``_own_grads_in_trace`` takes its allowance back
-        out under the same kind) holds only what is left of it."""
+        """The term to name when the budget is missed: the largest host term if the host is over, else the
+        largest device term in the sub-phase that sets the peak."""
         if not self.host_fits():
             return max((t for t in self.terms if t.kind == "host" and t.counted), key=lambda t: t.value)
         kinds = {t.kind for t in self.terms}
         alts = [alt for phase_alts in _phase_alternatives(self.sum, kinds).values() for alt in phase_alts]
         _, phase = max(alts, key=lambda alt: alt[0])
-        counted = [t for t in self.terms if t.counted and t.kind in phase | {"persistent"}]
-        held: dict = {}
-        for t in counted:
-            held[t.kind] = held.get(t.kind, 0) + t.value
-        kind = max(held, key=held.get)
-        return max((t for t in counted if t.kind == kind), key=lambda t: t.value)
+        return max((t for t in self.terms if t.counted and t.kind in phase | {"persistent"}), key=lambda t: t.value)
 
 
 def _phase_alternatives(s, kinds: set) -> dict:
@@ -516,7 +509,10 @@ def _wide_traced(terms: tuple, shape: ModelShape, *, exchange: bool = True, tile
     blocks = tuple((t[0][:-len("_wide")], t[1], t[2]) for t in shape.traced if t[0].endswith("_wide"))
     split = any(t[2] == "dispatch_backward" for t in terms)  # PipelinedLLEP: its forward and backward apart
     kept = []
+    own_grads = {f"grads_{part}_{ffn}" for part in ("ffn", "attention", "tail") for ffn in ("dense", "moe")}
     for t in terms:
+        if t[2] in own_grads:  # the wide trace holds them as the block's backward writes them
+            continue
         if t[2] == "moe" and t[0].startswith("expert dispatch"):
             if not split:  # the routed experts: their own bound, by hand (standard EP: one, forward + backward)
                 kept.append((t[0], t[1], "dispatch", t[3], t[4]))
@@ -526,39 +522,39 @@ def _wide_traced(terms: tuple, shape: ModelShape, *, exchange: bool = True, tile
             kept.append(t)
     kinds = {t[0] for t in blocks}
     exchange_part = (tiles_exchange_terms(tiles, batch) if tiles else exchange_terms()) if exchange else ()
-    shared = shape.shared_hidden > 0
-    return tuple(kept) + _traced_terms(blocks, own_grads=False) + exchange_part + _own_grads_in_trace(
-        "dense" in kinds, "moe" in kinds, shared)
+    return tuple(kept) + _traced_terms(blocks, own_grads=False) + exchange_part + _beside_wide_trace(
+        "dense" in kinds, "moe" in kinds)
 
 
 @functools.lru_cache(maxsize=None)
-def _own_grads_in_trace(dense: bool, moe: bool, shared: bool) -> tuple:
-    """The wide trace holds what the hand-written gradient terms of a block's backward allow for: the block's own
-    unsharded gradients (but its routed experts', stood in there) as its backward writes them, and the tail's
-    activations (the input projections' allowance 2·q_io + 3·N·H·b). Each allowance is taken back out of its
-    term; what stays is the routed experts' gathered weights and gradients (a MoE block).
-
-    After the block's backward FSDP2 reshards it and copies its unsharded gradients into the reduce-scatter input:
-    the gradients twice, beside the input's gradient the block returns (and the incoming one); its own sub-phase."""
-    N, H, b, m = sym.N, sym.H, sym.b, sympy.Min(1, sym.W - 1)
-    q_io = N * sym.A_q * sym.D_h * b + 2 * N * sym.A_kv * sym.D_h * b
-    wo = sym.A_q * sym.D_h * H + H
+def _beside_wide_trace(dense: bool, moe: bool) -> tuple:
+    """What a block's backward holds beside its wide trace, which holds the block's own unsharded gradients as its
+    backward writes them and the tail's activations (so the hand-written ``grads_ffn/attention/tail`` terms are
+    left out: ``_wide_traced``): a MoE block's routed experts, stood in there, gathered with their unsharded
+    gradients from its attention's backward on; and, as a sub-phase of its own, the reduce-scatter after the block
+    (FSDP2 reshards it and copies its unsharded gradients into the reduce-scatter input: the gradients twice,
+    beside the gradient of the block's input and the incoming one)."""
+    m = sympy.Min(1, sym.W - 1)
     out = []
-    for ffn, on, ffn_params in (("dense", dense, 3 * sym.I_f * H + H),
-                                ("moe", moe, 3 * sym.I_s * H * int(shared) + sym.E * H + H)):
+    for ffn, on in (("dense", dense), ("moe", moe)):
         if not on:
             continue
-        own = 2 * (sym.E / sym.E_p) * 3 * sym.I * H * b if ffn == "moe" else 0
-        for kind, less in ((f"grads_ffn_{ffn}", -m * ffn_params * b),
-                           (f"grads_attention_{ffn}", -m * (ffn_params + wo + H) * b),
-                           (f"grads_tail_{ffn}", -m * (sym.Theta_blk * b + 2 * q_io + 3 * N * H * b))):
-            out.append((f"{kind}: the block's own unsharded gradients and activations are in the trace", less,
-                        kind, "", _lambdify(less)))
-        reduce = m * (sym.Theta_blk * b + own) + 2 * N * H * b
+        own = 2 * _routed_experts(ffn == "moe")
+        if ffn == "moe":
+            for part in ("attention", "tail"):
+                out.append((f"a moe block's routed experts gathered with their unsharded gradients (its {part}'s "
+                            "backward)", m * own, f"grads_{part}_moe", "fewer parameters per block; not a launch "
+                            "knob", _lambdify(m * own)))
+        reduce = m * (sym.Theta_blk * sym.b + own) + 2 * sym.N * sym.H * sym.b
         out.append((f"a {ffn} block's gradients reduced (unsharded gradients + reduce-scatter input, its input's "
                     "gradient)", reduce, f"grads_reduce_{ffn}", "fewer parameters per block; not a launch knob",
                     _lambdify(reduce)))
     return tuple(out)
+
+
+def _routed_experts(has_moe: bool) -> sympy.Expr:
+    """Bytes of this rank's E/E_p routed experts (one copy: weights, or their gradients)."""
+    return (sym.E / sym.E_p) * 3 * sym.I * sym.H * sym.b * int(has_moe)
 
 
 @functools.lru_cache(maxsize=None)
@@ -744,7 +740,7 @@ def _term_list(has_dense, has_moe, has_shared, ops, routing, mixed, branch, tied
     # (gathered weights and unsharded gradients) are in the dispatch term while the FFN runs and added to the
     # attention's sub-phases of a MoE block, which run while FSDP2 still holds them.
     m = sympy.Min(1, W - 1)
-    experts = (E / E_p) * 3 * I * H * b * int(has_moe)
+    experts = _routed_experts(has_moe)
     out.append(("ZeRO-3 gathered block (this block)", m * sym.Theta_blk * b, "gather_current",
                 "fewer parameters per block; not a launch knob"))
     out.append(("ZeRO-3 prefetched unit (the next / previous block with its experts, or the embedding)",
